@@ -1,0 +1,67 @@
+// Shared by every kernel family: FFI alias, CUDA error mapping, launch with PDL.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace glm5 {
+
+// `launch_status` is what the launch call returned; cudaGetLastError is read (and cleared)
+// anyway, so an error left by an earlier asynchronous launch is reported here too.
+inline ffi::Error cuda_status(const char* op, cudaError_t launch_status = cudaSuccess) {
+  cudaError_t last = cudaGetLastError();
+  cudaError_t err = launch_status != cudaSuccess ? launch_status : last;
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorName(err) + ": " +
+                              cudaGetErrorString(err));
+}
+
+// GLM5_JAX_PDL=0 turns programmatic dependent launch off for every kernel (debug/bisect aid).
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("GLM5_JAX_PDL");
+    return !(v != nullptr && std::string_view(v) == "0");
+  }();
+  return enabled;
+}
+
+// cudaLaunchKernelEx on `stream`; with `pdl` the kernel may start before its predecessor
+// finishes, so it must call pdl_wait() before reading any input.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// No-ops when not compiled for sm_90+ (griddepcontrol does not exist there).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+}  // namespace glm5

@@ -1,0 +1,6 @@
+// Every FFI handler symbol, one line each; module.cc exposes them as capsules.
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Glm5UpcastLogits);

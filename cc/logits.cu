@@ -1,0 +1,108 @@
+// upcast_logits (SPEC §8): out[r, c] = f32(logits[r, c]) for c < clamp(row_ends[r], 0, width);
+// columns at or past the row end are not written.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "common.h"
+#include "handlers.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int kUpcastThreads = 256;
+constexpr int kUpcastChunk = 8;           // bf16 per 16-byte load
+constexpr int64_t kUpcastMaxCtas = 1024;  // rows * splits stays around this (seed `cap`)
+
+// bf16 is the high half of an f32, so widening is exact: f32 bits = bf16 bits << 16.
+// A 32-bit word holds two bf16, the lower-addressed one in the low half.
+__device__ __forceinline__ uint32_t widen_lo(uint32_t w) { return w << 16; }
+__device__ __forceinline__ uint32_t widen_hi(uint32_t w) { return w & 0xffff0000u; }
+
+// CTA (row, split). Rows are dense, so row r is the flat range [r*width, r*width + e).
+// kVector: 8-element chunks aligned in the flat index space (hence 16 B in and 32 B out,
+// given 16 B aligned bases) move with vector accesses; the unaligned head and tail
+// (< 8 elements each) go scalar. Without kVector everything goes scalar.
+template <bool kVector>
+__global__ void __launch_bounds__(kUpcastThreads)
+    upcast_logits_kernel(const uint16_t* __restrict__ src, uint32_t* __restrict__ dst,
+                         const int32_t* __restrict__ row_ends, int64_t width) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t row = blockIdx.x;
+  const int64_t end_col = min(max(static_cast<int64_t>(row_ends[row]), int64_t{0}), width);
+  const int64_t begin = row * width;
+  const int64_t end = begin + end_col;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * kUpcastThreads + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.y) * kUpcastThreads;
+
+  if constexpr (!kVector) {
+#pragma unroll 1
+    for (int64_t i = begin + first; i < end; i += step) dst[i] = widen_lo(src[i]);
+  } else {
+    // [begin, vb) head, [vb, ve) whole aligned chunks, [ve, end) tail.
+    const int64_t up = (begin + kUpcastChunk - 1) / kUpcastChunk * kUpcastChunk;
+    const int64_t vb = min(up, end);
+    const int64_t ve = max(end / kUpcastChunk * kUpcastChunk, vb);
+    // Usually one chunk per thread: unrolling only adds code.
+#pragma unroll 1
+    for (int64_t i = vb + first * kUpcastChunk; i < ve; i += step * kUpcastChunk) {
+      const uint4 in = *reinterpret_cast<const uint4*>(src + i);
+      const uint4 lo = make_uint4(widen_lo(in.x), widen_hi(in.x), widen_lo(in.y), widen_hi(in.y));
+      const uint4 hi = make_uint4(widen_lo(in.z), widen_hi(in.z), widen_lo(in.w), widen_hi(in.w));
+      // Intrinsic stores: with plain stores LLVM re-split `lo` into u32/u32/v2 pieces.
+      __stwb(reinterpret_cast<uint4*>(dst + i), lo);
+      __stwb(reinterpret_cast<uint4*>(dst + i + 4), hi);
+    }
+    if (blockIdx.y == 0 && threadIdx.x < 2 * kUpcastChunk) {
+      const bool head = threadIdx.x < kUpcastChunk;
+      const int64_t i = head ? begin + threadIdx.x : ve + (threadIdx.x - kUpcastChunk);
+      if (i < (head ? vb : end)) dst[i] = widen_lo(src[i]);
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Grid from shapes only (command-buffer contract): enough CTAs to fill the GPU, one chunk
+// per thread when rows are few and short.
+cudaError_t launch_upcast_logits(cudaStream_t stream, const uint16_t* src, uint32_t* dst,
+                                 const int32_t* row_ends, int64_t rows, int64_t width) {
+  const int64_t chunk = kUpcastThreads * kUpcastChunk;
+  const int64_t splits =
+      std::min((width + chunk - 1) / chunk, std::max(int64_t{1}, kUpcastMaxCtas / rows));
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
+  auto kernel = aligned16(src) && aligned16(dst) ? upcast_logits_kernel<true>
+                                                 : upcast_logits_kernel<false>;
+  return launch(kernel, grid, dim3(kUpcastThreads), 0, stream, /*pdl=*/true, src, dst, row_ends,
+                width);
+}
+
+ffi::Error UpcastLogitsImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> logits,
+                            ffi::BufferR1<ffi::S32> row_ends, ffi::ResultBufferR2<ffi::F32> out) {
+  const auto dims = logits.dimensions();
+  const int64_t rows = dims[0], width = dims[1];
+  if (out->dimensions()[0] != rows || out->dimensions()[1] != width)
+    return ffi::Error::InvalidArgument("glm5_upcast_logits: out shape differs from logits shape");
+  if (row_ends.dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_upcast_logits: row_ends length != logits rows");
+  if (rows > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("glm5_upcast_logits: too many rows for one grid");
+  if (rows == 0 || width == 0) return ffi::Error::Success();
+  cudaError_t err = launch_upcast_logits(
+      stream, reinterpret_cast<const uint16_t*>(logits.typed_data()),
+      reinterpret_cast<uint32_t*>(out->typed_data()), row_ends.typed_data(), rows, width);
+  return cuda_status("glm5_upcast_logits", err);
+}
+
+}  // namespace
+}  // namespace glm5
+
+// BufferR<n> aliases: a comma inside <> would split the macro argument.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5UpcastLogits, glm5::UpcastLogitsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::BF16>>()  // logits
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // row_ends
+                                  .Ret<ffi::BufferR2<ffi::F32>>(),  // out
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,26 @@
+// The only nanobind translation unit: hands the FFI handlers to Python as capsules.
+#include <nanobind/nanobind.h>
+
+#include "handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_glm5_cuda, m) {
+  m.doc() = "glm5_jax CUDA kernels as XLA FFI handlers";
+  m.def("registrations", [] {
+    nb::dict targets;
+    targets["glm5_upcast_logits"] = capsule(Glm5UpcastLogits);
+    return targets;
+  });
+  // The XLA FFI API version the handlers were compiled against (compare with the runtime jaxlib).
+  m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); });
+}

@@ -1,0 +1,80 @@
+"""The CUDA module, its FFI targets and the per-op kernel switch.
+
+`GLM5_JAX_KERNELS` routes ops to their CUDA kernel or to the pure-JAX
+reference on GPU: unset or "1" = every kernel on, "0" = all off, and
+comma-separated "op=0" / "op=1" entries override (e.g. "0,upcast_logits=1").
+It is read when a function is lowered (first jit call), not per call.
+"""
+import functools
+import os
+import warnings
+
+import jax
+
+# Ops with a CUDA kernel -> FFI target. The module's registrations() must match.
+KERNEL_TARGETS = {
+    "upcast_logits": "glm5_upcast_logits",
+}
+
+try:
+  from . import _glm5_cuda
+except ImportError:
+  _glm5_cuda = None
+
+
+@functools.cache
+def register_targets():
+  """Registers the module's CUDA handlers with XLA once; False without the module."""
+  if _glm5_cuda is None:
+    return False
+  for name, capsule in _glm5_cuda.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  return True
+
+
+def ffi_api_version():
+  """(major, minor) of the XLA FFI headers the module was built with, or None."""
+  return None if _glm5_cuda is None else tuple(_glm5_cuda.ffi_api_version())
+
+
+def kernels_enabled(op):
+  """Whether GLM5_JAX_KERNELS lets `op` use its kernel."""
+  enabled = True
+  for entry in os.environ.get("GLM5_JAX_KERNELS", "").replace(" ", "").split(","):
+    name, _, value = entry.rpartition("=")
+    if value not in ("0", "1") or name not in ("", "all", op):
+      if entry:
+        _warn_once(f"GLM5_JAX_KERNELS: ignoring entry {entry!r}")
+      continue
+    enabled = value == "1"
+  return enabled
+
+
+@functools.cache
+def _local_cuda():
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:
+    return False
+
+
+@functools.cache
+def _warn_once(message):
+  warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def kernel_target(op):
+  """The FFI target `op` lowers to on CUDA, or None for the reference.
+
+  Without the built module the target is still used when lowering for a GPU
+  this process does not have (jax.export); on a real GPU the op falls back to
+  the reference with a warning.
+  """
+  target = KERNEL_TARGETS.get(op)
+  if target is None or not kernels_enabled(op):
+    return None
+  if not register_targets() and _local_cuda():
+    _warn_once("glm5_jax: the CUDA module is not built (rebuild with "
+               "GLM5_JAX_ENABLE_CUDA=ON); every op runs its pure-JAX reference")
+    return None
+  return target

@@ -1,0 +1,18 @@
+"""Pure-JAX reference of every glm5_jax op: the executable spec (SPEC.md).
+
+Jit-able with static shapes and no XLA flags. Each op is the CPU lowering of
+its primitive, the GPU fallback (GLM5_JAX_KERNELS) and the oracle the CUDA
+kernels are tested against.
+"""
+from .expand import expand_and_remap, expand_pools
+from .indexer import (indexer_projection, indexer_projection_fused,
+                      indexer_query, key_layernorm)
+from .kpool import kpool_compress, kpool_seed_tail, kpool_update
+from .logits import mqa_logits, pool_topk, upcast_logits
+
+__all__ = [
+    "expand_and_remap", "expand_pools", "indexer_projection",
+    "indexer_projection_fused", "indexer_query", "key_layernorm",
+    "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
+    "pool_topk", "upcast_logits",
+]

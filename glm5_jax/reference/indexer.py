@@ -1,0 +1,81 @@
+"""Reference indexer projection and query epilogue (SPEC §1, §2)."""
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from .numerics import DIM, rotate_quant
+
+LN_GROUPS = 16      # the key LayerNorm's (mean, M2) groups of 8 dims (seed order)
+
+
+def indexer_projection(x, w_cat, *, heads):
+  """One GEMM against [wk; weights_proj; gate] (SPEC §1).
+
+  x bf16[M, K]; w_cat bf16[128 + heads + 128, K]. Returns (key bf16[M, 128],
+  head weights f32[M, heads], gate bf16[M, 128]); fp32 sums of exact products.
+  """
+  acc = lax.dot_general(x, w_cat, (((1,), (1,)), ((), ())),
+                        precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+  key, weights, gate = acc[:, :DIM], acc[:, DIM:DIM + heads], acc[:, DIM + heads:]
+  return key.astype(jnp.bfloat16), weights, gate.astype(jnp.bfloat16)
+
+
+def _sum_in_order(x):
+  """Sequential fp32 sum over the last axis, left to right."""
+  total = x[..., 0]
+  for i in range(1, x.shape[-1]):
+    total = total + x[..., i]
+  return total
+
+
+def key_layernorm(key_raw, weight, bias, eps):
+  """LayerNorm of bf16[M, 128] keys with the seed's grouped (mean, M2) order.
+
+  16 groups of 8: mean_g = sum8 * 1/8, M2_g = sum (x - mean_g)^2;
+  mean = sum_g mean_g * 1/16, M2 = sum_g (M2_g + 8 (mean_g - mean)^2);
+  y = bf16((x - mean) * rsqrt(M2 / 128 + eps) * weight + bias).
+  """
+  x = key_raw.astype(jnp.float32)
+  groups = x.reshape(x.shape[0], LN_GROUPS, DIM // LN_GROUPS)
+  mean_g = _sum_in_order(groups) * np.float32(LN_GROUPS / DIM)
+  m2_g = _sum_in_order(jnp.square(groups - mean_g[..., None]))
+  mean = _sum_in_order(mean_g) * np.float32(1 / LN_GROUPS)
+  m2 = _sum_in_order(m2_g + np.float32(DIM // LN_GROUPS) * jnp.square(mean_g - mean[:, None]))
+  rstd = lax.rsqrt(m2 * np.float32(1 / DIM) + np.float32(eps))
+  y = (x - mean[:, None]) * rstd[:, None] * weight + bias
+  return y.astype(jnp.bfloat16)
+
+
+def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-6,
+                  padded=None, weights_dtype=jnp.float32):
+  """Key LayerNorm, q Hadamard + FP8, head-weight scaling, head padding (SPEC §2).
+
+  q bf16[M, H, 128]; key_raw bf16[M, 128]; weights f32[M, H];
+  norm_weight, norm_bias f32[128]; scale = softmax_scale * H**-0.5;
+  padded >= H (default H). Returns (q_fp8 e4m3[M, padded, 128],
+  w_out weights_dtype[M, padded] = w * q_scale * scale, key bf16[M, 128]);
+  heads >= H are zero.
+  """
+  m, heads, _ = q.shape
+  padded = padded or heads
+  q_fp8, q_scale, _ = rotate_quant(q.astype(jnp.float32))
+  w_out = (weights * q_scale) * np.float32(scale)
+  pad = ((0, 0), (0, padded - heads))
+  q_fp8 = jnp.pad(q_fp8, pad + ((0, 0),))
+  w_out = jnp.pad(w_out, pad).astype(weights_dtype)
+  return q_fp8, w_out, key_layernorm(key_raw, norm_weight, norm_bias, eps)
+
+
+def indexer_projection_fused(x, w_cat, q, norm_weight, norm_bias, *, heads, scale,
+                             eps=1e-6, padded=None, weights_dtype=jnp.float32):
+  """indexer_projection then indexer_query, as one op (seed `fused`).
+
+  Returns (q_fp8 e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128],
+  gate bf16[M, 128]).
+  """
+  key_raw, weights, gate = indexer_projection(x, w_cat, heads=heads)
+  q_fp8, w_out, key = indexer_query(q, key_raw, weights, norm_weight, norm_bias,
+                                    scale=scale, eps=eps, padded=padded,
+                                    weights_dtype=weights_dtype)
+  return q_fp8, w_out, key, gate

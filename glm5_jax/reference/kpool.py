@@ -1,0 +1,119 @@
+"""Reference kpool cache writers: decode update (SPEC §3), prefill compress and
+tail seed (§4).
+
+Layouts (SPEC §0):
+  kv_cache  u8[pages, PAGE, 132]: per page, PAGE entries of 128 fp8 bytes, then
+            PAGE 4-byte scales (not interleaved). Flat slot `loc` = page*PAGE + entry.
+  tail      bf16[tail_blocks, 2, RING, 128]: [b, 0] raw keys, [b, 1] gate scores.
+Out-of-range slots and tail blocks never write (SPEC D4).
+"""
+import jax.numpy as jnp
+from jax import lax
+
+from .numerics import (DIM, LOG2E, POOL, exp2, fma_bf16, rotate_quant,
+                       round_bf16, scale_bytes)
+
+
+def compress_pools(keys, scores, ape, *, scale_format="fp32", round_scale=True):
+  """Softmax-pool four tokens and quantise (SPEC §3, the completion branch).
+
+  keys, scores: f32[n, 4, 128] (bf16 values) in pool order; ape: f32[4, 128].
+  Returns (fp8 bytes u8[n, 128], scale bytes u8[n, 4]).
+  """
+  z = scores + ape
+  peak = jnp.full(z.shape[:1] + z.shape[2:], -jnp.inf, jnp.float32)
+  for s in range(POOL):
+    peak = jnp.fmax(peak, z[:, s])
+  den = jnp.zeros_like(peak)
+  acc = jnp.zeros_like(peak)
+  for s in range(POOL):
+    prob = exp2((z[:, s] - peak) * LOG2E)
+    den = den + prob
+    acc = fma_bf16(prob, keys[:, s], acc)
+  q, scale, exponent = rotate_quant(round_bf16(acc / den), round_scale=round_scale)
+  return lax.bitcast_convert_type(q, jnp.uint8), scale_bytes(scale, exponent, scale_format)
+
+
+def write_entries(kv_cache, loc, data, scales, write):
+  """Store entries at flat slots `loc` where `write` (and loc is in range).
+
+  kv_cache u8[pages, PAGE, 132]; loc i32[n]; data u8[n, 128]; scales u8[n, 4].
+  """
+  pages, page = kv_cache.shape[:2]
+  flat = kv_cache.reshape(pages, page * (DIM + 4))
+  ok = write & (loc >= 0) & (loc < pages * page)
+  pg = jnp.where(ok, loc // page, pages)          # `pages` is dropped
+  entry = jnp.where(ok, loc % page, 0)
+  data_cols = entry[:, None] * DIM + jnp.arange(DIM)
+  scale_cols = page * DIM + entry[:, None] * 4 + jnp.arange(4)
+  flat = flat.at[pg[:, None], data_cols].set(data, mode="drop")
+  flat = flat.at[pg[:, None], scale_cols].set(scales, mode="drop")
+  return flat.reshape(kv_cache.shape)
+
+
+def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+                 scale_format="fp32", round_scale=True):
+  """Decode tail stash + pool compression, per request in token order (SPEC §3).
+
+  kv_cache u8[pages, PAGE, 132]; tail bf16[blocks, 2, RING, 128];
+  tslot i32[B, N] (tail block * RING + pos % RING, -1 pad); key, score bf16[B, N, 128];
+  ape f32[4, 128]; loc i32[B, N] (pool slot, -1 none); pos i32[B, N] (-1 pad).
+  Returns (kv_cache, tail). A completing token (loc >= 0, pos % 4 == 3) pools
+  ring rows stashed earlier (also earlier in this call) with its own key/score.
+  Requests must own distinct tail blocks. A tail block past the ring buffer
+  makes the token a no-op.
+  """
+  blocks, _, ring, _ = tail.shape
+  apef = ape.astype(jnp.float32)
+  for t in range(key.shape[1]):
+    p, slot, ts = pos[:, t], loc[:, t], tslot[:, t]
+    sp = jnp.maximum(p, 0)
+    blk = jnp.maximum(ts, 0) // ring
+    live = (p >= 0) & (blk < blocks)
+    blk = jnp.minimum(blk, blocks - 1)
+    rows = (sp[:, None] - 3 + jnp.arange(POOL - 1)) % ring          # [B, 3]
+    stashed = tail[blk[:, None], :, rows].astype(jnp.float32)         # [B, 3, 2, 128]
+    keys = jnp.concatenate([stashed[:, :, 0], key[:, t, None].astype(jnp.float32)], 1)
+    scores = jnp.concatenate([stashed[:, :, 1], score[:, t, None].astype(jnp.float32)], 1)
+    data, scales = compress_pools(keys, scores, apef, scale_format=scale_format,
+                                  round_scale=round_scale)
+    complete = live & (slot >= 0) & (sp % POOL == POOL - 1)
+    kv_cache = write_entries(kv_cache, slot, data, scales, complete)
+    stash = live & (ts >= 0)
+    row = jnp.stack([key[:, t], score[:, t]], 1)                      # [B, 2, 128]
+    tail = tail.at[jnp.where(stash, blk, blocks)[:, None], jnp.arange(2),
+                   (sp % ring)[:, None]].set(row, mode="drop")
+  return kv_cache, tail
+
+
+def kpool_compress(kv_cache, slot_key, slot_score, ape, loc, write_mask, *,
+                   scale_format="fp32", round_scale=True):
+  """Prefill pool compression (SPEC §4a).
+
+  kv_cache u8[pages, PAGE, 132]; slot_key, slot_score bf16[n, 4, 128]; ape f32[4, 128];
+  loc i32[n]; write_mask bool[n]. Returns kv_cache with entry loc[i] written
+  where write_mask[i] and loc[i] >= 0.
+  """
+  data, scales = compress_pools(slot_key.astype(jnp.float32),
+                                slot_score.astype(jnp.float32),
+                                ape.astype(jnp.float32),
+                                scale_format=scale_format, round_scale=round_scale)
+  return write_entries(kv_cache, loc, data, scales, write_mask)
+
+
+def kpool_seed_tail(tail, key, score, tslot):
+  """Prefill tail seeding (SPEC §4b): each request's last (up to 4) tokens.
+
+  tail bf16[blocks, 2, RING, 128]; key, score bf16[n, 128]; tslot i32[n]
+  (-1 skip). Token i is stashed at tail[tslot // RING, :, tslot % RING] unless
+  token i + 4 lies in the same tail block (then it is not among the last four).
+  """
+  blocks, _, ring, _ = tail.shape
+  n = tslot.shape[0]
+  blk = jnp.maximum(tslot, 0) // ring
+  ahead = jnp.concatenate([tslot[POOL:], jnp.full((min(POOL, n),), -1, tslot.dtype)])
+  later = (ahead >= 0) & (ahead // ring == blk)
+  write = (tslot >= 0) & ~later & (blk < blocks)
+  row = jnp.stack([key, score], 1)
+  return tail.at[jnp.where(write, blk, blocks)[:, None], jnp.arange(2),
+                 (jnp.maximum(tslot, 0) % ring)[:, None]].set(row, mode="drop")
