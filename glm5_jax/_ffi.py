@@ -39,14 +39,14 @@ def ffi_api_version():
 
 def kernels_enabled(op):
   """Whether GLM5_JAX_KERNELS lets `op` use its kernel."""
+  from . import OPS
   enabled = True
-  for entry in os.environ.get("GLM5_JAX_KERNELS", "").replace(" ", "").split(","):
+  for entry in filter(None, os.environ.get("GLM5_JAX_KERNELS", "").replace(" ", "").split(",")):
     name, _, value = entry.rpartition("=")
-    if value not in ("0", "1") or name not in ("", "all", op):
-      if entry:
-        _warn_once(f"GLM5_JAX_KERNELS: ignoring entry {entry!r}")
-      continue
-    enabled = value == "1"
+    if value not in ("0", "1") or name not in ("", "all", *OPS):
+      _warn_once(f"GLM5_JAX_KERNELS: ignoring entry {entry!r} (want 0, 1 or <op>=0|1)")
+    elif name in ("", "all", op):
+      enabled = value == "1"
   return enabled
 
 

@@ -8,10 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .expand import expand_and_remap
-from .indexer import indexer_projection, indexer_projection_fused, indexer_query
-from .kpool import kpool_update
-from .logits import mqa_logits, pool_topk
+from . import reference
 from .reference.numerics import DIM, POOL
 
 MQA_MIN_HEADS = 32
@@ -114,29 +111,33 @@ class IndexerOutput:
   counts: jax.Array
 
 
-def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig()):
+def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
+                  use_reference=False):
   """One layer's indexer for a decode step; returns (IndexerOutput, cache).
 
   x bf16[rows, hidden]; qr bf16[rows, q_lora]. Jit with the cache donated:
-  jax.jit(indexer_stage, static_argnames="config", donate_argnames="cache").
-  Rows whose request's tokens all fit in topk_tokens select every pool
-  (causal fill); otherwise MQA logits over the pooled cache and a top-k.
+  jax.jit(indexer_stage, static_argnames=("config", "use_reference"),
+  donate_argnames="cache"). Rows whose request's tokens all fit in topk_tokens
+  select every pool (causal fill); otherwise MQA logits over the pooled cache
+  and a top-k. use_reference=True composes glm5_jax.reference directly.
   """
+  import glm5_jax        # the package namespace: the ops as primitives
+  ops = reference if use_reference else glm5_jax
   rows = x.shape[0]
   b, n = batch.positions.shape
   q = jnp.dot(qr, weights.wq_b.T, preferred_element_type=jnp.float32)
   q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
-               weights_dtype=config.weights_dtype)
+               weights_dtype=np.dtype(config.weights_dtype))
   if config.fuse(rows):
-    q_fp8, w_out, key, gate = indexer_projection_fused(
+    q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
         heads=config.heads, **query)
   else:
-    key_raw, head_w, gate = indexer_projection(x, weights.w_cat, heads=config.heads)
-    q_fp8, w_out, key = indexer_query(q, key_raw, head_w, weights.norm_weight,
+    key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
+    q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                       weights.norm_bias, **query)
-  kv_cache, tail = kpool_update(
+  kv_cache, tail = ops.kpool_update(
       cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
       gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
       scale_format=config.scale_format)
@@ -149,14 +150,14 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig()):
     return jnp.where(g < pool_lens[:, None], g, -1).astype(jnp.int32)
 
   def top_k(kv):
-    logits = mqa_logits(q_fp8, w_out.astype(jnp.float32), kv,
+    logits = ops.mqa_logits(q_fp8, w_out.astype(jnp.float32), kv,
                         batch.page_table[batch.req_ids], pool_lens,
                         max_pools=config.max_pools, scale_format=config.scale_format)
-    return pool_topk(logits, pool_lens, k=groups)
+    return ops.pool_topk(logits, pool_lens, k=groups)
 
   pool_ids = lax.cond(jnp.max(positions, initial=-1) + 1 <= config.topk_tokens,
                       causal, top_k, kv_cache)
-  slots, counts = expand_and_remap(pool_ids, positions, batch.req_ids,
+  slots, counts = ops.expand_and_remap(pool_ids, positions, batch.req_ids,
                                    batch.block_table, block_size=config.block_size,
                                    width=config.width)
   return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)

@@ -1,0 +1,148 @@
+"""Small random example inputs for every op, shared by the primitive tests.
+
+CASES[op] = Case(public function with static params bound, make(rng) -> args,
+exact, valid): `exact` is False for ops whose float sums may change order with
+the row count (GEMMs, the logits einsum); `valid(args, outs)` masks outputs
+whose content the op leaves unspecified.
+"""
+import functools
+from typing import Callable, NamedTuple
+
+import numpy as np
+import jax.numpy as jnp
+
+import glm5_jax
+
+PAGES, PAGE, BLOCKS, RING = 6, 8, 5, 8
+
+
+def bf16(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def cache(rng):
+  return jnp.asarray(rng.integers(0, 256, (PAGES, PAGE, 132)), jnp.uint8)
+
+
+def tail(rng):
+  return bf16(rng, BLOCKS, 2, RING, 128)
+
+
+def ape(rng):
+  return jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+
+
+def i32(values):
+  return jnp.asarray(values, jnp.int32)
+
+
+def _update_args(rng):
+  b, n = 3, 2
+  start = rng.integers(0, 40, b)
+  pos = start[:, None] + np.arange(n)
+  pos[1, 1] = -1                                    # a padding token
+  blk = rng.permutation(BLOCKS)[:b]
+  tslot = np.where(pos >= 0, blk[:, None] * RING + pos % RING, -1)
+  loc = np.where(pos % 4 == 3, rng.integers(0, PAGES * PAGE, (b, n)), -1)
+  return (cache(rng), tail(rng), i32(tslot), bf16(rng, b, n, 128), bf16(rng, b, n, 128),
+          ape(rng), i32(loc), i32(pos))
+
+
+def _compress_args(rng):
+  n = 4
+  return (cache(rng), bf16(rng, n, 4, 128), bf16(rng, n, 4, 128), ape(rng),
+          i32(rng.permutation(PAGES * PAGE)[:n]), jnp.asarray([1, 0, 1, 1], bool))
+
+
+def _seed_args(rng):
+  n = 6
+  tslot = np.concatenate([1 * RING + np.arange(3), 3 * RING + np.arange(3)])
+  return tail(rng), bf16(rng, n, 128), bf16(rng, n, 128), i32(tslot)
+
+
+def _pool_ids(rng, rows, groups, pools=40):
+  ids = rng.integers(0, pools, (rows, groups))
+  return i32(np.where(rng.random((rows, groups)) < 0.2, -1, ids))
+
+
+def _expand_args(rng):
+  return _pool_ids(rng, 3, 8), i32(rng.integers(-1, 160, 3))
+
+
+def _remap_args(rng):
+  return (_pool_ids(rng, 3, 32), i32(rng.integers(-1, 160, 3)), i32([0, 2, 1]),
+          i32(rng.integers(0, 50, (3, 4))))
+
+
+def _upcast_args(rng):
+  return bf16(rng, 3, 20), i32(rng.integers(-2, 23, 3))
+
+
+def _q_fp8(rng, rows, heads):
+  return jnp.asarray(rng.standard_normal((rows, heads, 128)) * 8, jnp.float8_e4m3fn)
+
+
+def _mqa_args(rng):
+  rows, heads = 3, 4
+  return (_q_fp8(rng, rows, heads), jnp.asarray(rng.random((rows, heads)), jnp.float32),
+          cache(rng), i32(rng.integers(0, PAGES, (rows, 3))), i32([5, 20, 0]))
+
+
+def _topk_args(rng):
+  return jnp.asarray(rng.standard_normal((3, 12)), jnp.float32), i32([12, 3, 0])
+
+
+HEADS = 4
+
+
+def _norm(rng):
+  return (jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32),
+          jnp.asarray(0.1 * rng.standard_normal(128), jnp.float32))
+
+
+def _projection_args(rng):
+  return bf16(rng, 3, 256), bf16(rng, 256 + HEADS, 256)
+
+
+def _query_args(rng):
+  return (bf16(rng, 3, HEADS, 128), bf16(rng, 3, 128),
+          jnp.asarray(rng.standard_normal((3, HEADS)), jnp.float32)) + _norm(rng)
+
+
+def _fused_args(rng):
+  return _projection_args(rng) + (bf16(rng, 3, HEADS, 128),) + _norm(rng)
+
+
+class Case(NamedTuple):
+  fn: Callable
+  make: Callable
+  exact: bool = True
+  valid: Callable | None = None
+
+
+def _upcast_valid(args, outs):
+  """Columns at or past a row end are unspecified."""
+  (logits, row_ends), (out,) = args, outs
+  keep = np.arange(logits.shape[-1]) < np.asarray(row_ends)[..., None]
+  return (np.where(keep, np.asarray(out), 0),)
+
+
+_query = dict(scale=2.0 ** -6, padded=8)
+P = functools.partial
+CASES = {
+    "kpool_update": Case(glm5_jax.kpool_update, _update_args),
+    "kpool_compress": Case(glm5_jax.kpool_compress, _compress_args),
+    "kpool_seed_tail": Case(glm5_jax.kpool_seed_tail, _seed_args),
+    "expand_pools": Case(P(glm5_jax.expand_pools, seq_offset=1, width=40), _expand_args),
+    "expand_and_remap": Case(P(glm5_jax.expand_and_remap, block_size=16, width=132),
+                             _remap_args),
+    "upcast_logits": Case(glm5_jax.upcast_logits, _upcast_args, valid=_upcast_valid),
+    "mqa_logits": Case(P(glm5_jax.mqa_logits, max_pools=24), _mqa_args, exact=False),
+    "pool_topk": Case(P(glm5_jax.pool_topk, k=5), _topk_args),
+    "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=HEADS),
+                               _projection_args, exact=False),
+    "indexer_query": Case(P(glm5_jax.indexer_query, **_query), _query_args),
+    "indexer_projection_fused": Case(
+        P(glm5_jax.indexer_projection_fused, heads=HEADS, **_query), _fused_args,
+        exact=False),
+}

@@ -1,0 +1,478 @@
+"""Independent numpy oracle for every glm5_jax op, written from SPEC.md alone.
+
+Plain numpy + ml_dtypes, explicit Python loops over requests / tokens / rows /
+pools; only the per-dimension math over the 128 head dims is a numpy vector op.
+Nothing here imports or mirrors `glm5_jax.reference`.
+
+Arithmetic (SPEC §11.1, D1):
+  * bf16 rounding: ml_dtypes RNE (f32 -> bfloat16 -> f32);
+  * e4m3: clamp to +-448, then ml_dtypes RNE;
+  * fp32 FMA: exact product in float64, TwoSum, round-to-odd, cast to f32;
+  * exp: correctly rounded fp32 of float64 exp2(t), t = RN32(RN32(z - max) * LOG2E);
+  * division: IEEE fp32 (numpy float32 divide);
+  * ceil(log2f(v)): the M(e) rule, M(e) from the closed formula of §11.1.
+Floating sums whose order SPEC leaves open (GEMMs, LayerNorm, MQA logits) are
+computed in float64 and compared with a tolerance by the tests.
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+F64 = np.float64
+BF16 = ml_dtypes.bfloat16
+E4M3 = ml_dtypes.float8_e4m3fn
+
+D = 128
+P = 4
+FP8_MAX = F32(448.0)
+LOG2E = np.array([0x3FB8AA3B], np.uint32).view(F32)[0]
+C_HAD = np.array([0x3DB504F3], np.uint32).view(F32)[0]       # fp32(0.08838834764831845)
+INV448 = np.array([0x3B124925], np.uint32).view(F32)[0]      # fp32(1/448)
+AMAX_FLOOR = F32(1e-4)
+
+
+# --------------------------------------------------------------------------- numerics
+
+def bf16r(x):
+  """RNE to bfloat16, returned as float32."""
+  return np.asarray(x, F32).astype(BF16).astype(F32)
+
+
+def to_bf16(x):
+  return np.asarray(x, F32).astype(BF16)
+
+
+def e4m3_bytes(x):
+  """Saturating RNE fp32 -> e4m3fn, as uint8 codes."""
+  x = np.clip(np.asarray(x, F32), -FP8_MAX, FP8_MAX)
+  return x.astype(E4M3).view(np.uint8)
+
+
+def e4m3_value(codes):
+  return np.asarray(codes, np.uint8).view(E4M3).astype(F64)
+
+
+def fma32(a, b, c):
+  """Single-rounding fp32 a*b + c (elementwise) via float64.
+
+  The product of two fp32 values is exact in float64; the sum is done with
+  TwoSum, rounded to odd in float64 (53 >= 24 + 2 bits), then rounded to fp32.
+  """
+  a = np.asarray(a, F32).astype(F64)
+  b = np.asarray(b, F32).astype(F64)
+  c = np.asarray(c, F32).astype(F64)
+  p = a * b
+  s = p + c
+  bp = s - p
+  ap = s - bp
+  err = (p - ap) + (c - bp)
+  s_arr = np.atleast_1d(s).copy()
+  err = np.atleast_1d(err)
+  even = (s_arr.view(np.int64) & 1) == 0
+  fix = (err != 0) & even & np.isfinite(s_arr)
+  if np.any(fix):
+    toward = np.where(err[fix] > 0, np.inf, -np.inf)
+    s_arr[fix] = np.nextafter(s_arr[fix], toward)
+  out = s_arr.astype(F32)
+  return out.reshape(np.shape(s))
+
+
+def exp2_32(t):
+  """Correctly rounded fp32 2**t of fp32 t (via float64)."""
+  return np.exp2(np.asarray(t, F32).astype(F64)).astype(F32)
+
+
+def log2f_slack(e):
+  """M(e) of SPEC §11.1 from the formula floor(2^(b-1) * ln 2)."""
+  if e in (-1, 0):
+    return 0
+  if e > 0:
+    b = e.bit_length() - 1                 # floor(log2 e)
+  else:
+    b = (abs(e) - 1).bit_length() - 1      # floor(log2(|e| - 1))
+  return math.floor(2.0 ** (b - 1) * math.log(2.0))
+
+
+def ceil_log2f(v):
+  """ceil(log2f(v)) as libdevice computes it, for one positive normal fp32 v."""
+  bits = int(np.array([v], F32).view(np.uint32)[0])
+  e = ((bits >> 23) & 0xFF) - 127
+  m = bits & 0x7FFFFF
+  assert -126 <= e <= 127, "normal numbers only"
+  return e if m <= log2f_slack(e) else e + 1
+
+
+def pow2_32(e):
+  return F32(2.0 ** e)
+
+
+_BUTTERFLY_LO = [np.array([i for i in range(D) if not i & (1 << s)]) for s in range(7)]
+
+
+def wht128(x):
+  """Unnormalised Sylvester WHT: 7 butterfly stages, strides 1..64, fp32 adds.
+
+  Stage s pairs (i, i + 2^s) for every i with bit s clear; the lower index gets
+  RN32(a + b), the upper RN32(a - b)."""
+  x = np.array(x, F32).copy()
+  assert x.shape == (D,)
+  for s in range(7):
+    h = 1 << s
+    lo = _BUTTERFLY_LO[s]
+    hi = lo + h
+    a = x[lo].copy()
+    b = x[hi].copy()
+    x[lo] = a + b          # float32 + float32 -> RN32
+    x[hi] = a - b
+  return x
+
+
+def rotate_quant_row(x, round_scale=True):
+  """SPEC §2b on one row x f32[128] (bf16 values).
+
+  Returns (codes u8[128], scale f32, exponent int)."""
+  y = wht128(x)
+  y = bf16r(y * C_HAD)
+  amax = F32(max(F32(np.max(np.abs(y))), AMAX_FLOOR))
+  v = F32(amax * INV448)
+  E = ceil_log2f(v)
+  if round_scale:
+    scale = pow2_32(E)
+  else:
+    scale = v
+  q = e4m3_bytes(np.divide(y, scale, dtype=F32))
+  return q, scale, E
+
+
+def scale_bytes(scale, E, scale_format):
+  if scale_format == "fp32":
+    return np.array([scale], "<f4").view(np.uint8).copy()
+  if scale_format == "ue8m0":
+    return np.full(4, E + 127, np.uint8)
+  raise ValueError(scale_format)
+
+
+def compress_pool(k, g, ape, scale_format="fp32", round_scale=True):
+  """SPEC §3 completion branch for one pool: k, g f32[4, 128], ape f32[4, 128].
+
+  Returns (fp8 codes u8[128], scale bytes u8[4])."""
+  z = [F32(0)] * 4
+  for s in range(4):
+    z[s] = np.asarray(g[s], F32) + np.asarray(ape[s], F32)
+  mx = np.full(D, -np.inf, F32)
+  for s in range(4):
+    mx = np.fmax(mx, z[s])
+  den = np.zeros(D, F32)
+  acc = np.zeros(D, F32)
+  for s in range(4):
+    t = (z[s] - mx) * LOG2E
+    e = exp2_32(t)
+    den = den + e
+    acc = fma32(e, np.asarray(k[s], F32), acc)
+  y = bf16r(np.divide(acc, den, dtype=F32))
+  q, scale, E = rotate_quant_row(y, round_scale)
+  return q, scale_bytes(scale, E, scale_format)
+
+
+def _write_entry(kv, loc, q, sb, written=None):
+  pages, page, _ = kv.shape
+  if loc < 0 or loc >= pages * page:
+    return
+  if written is not None:
+    written.append(loc)
+  flat = kv.reshape(pages, page * 132)
+  pg, e = divmod(loc, page)
+  flat[pg, e * D:(e + 1) * D] = q
+  flat[pg, page * D + 4 * e:page * D + 4 * e + 4] = sb
+
+
+def read_entry(kv, loc, scale_format="fp32"):
+  """(fp8 values f64[128], scale f64) of entry loc."""
+  pages, page, _ = kv.shape
+  flat = kv.reshape(pages, page * 132)
+  pg, e = divmod(loc, page)
+  vals = e4m3_value(flat[pg, e * D:(e + 1) * D])
+  sb = flat[pg, page * D + 4 * e:page * D + 4 * e + 4]
+  if scale_format == "fp32":
+    scale = float(np.array(sb, np.uint8).view("<f4")[0])
+  else:
+    scale = 2.0 ** (int(sb[0]) - 127)
+  return vals, scale
+
+
+# --------------------------------------------------------------------------- kpool
+
+def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+                 scale_format="fp32", round_scale=True, written=None):
+  """SPEC §3, sequential per request and token. Returns (kv_cache, tail) copies.
+
+  `written` (a list) collects the slots written, in order."""
+  kv = np.array(kv_cache, np.uint8).copy()
+  tl = np.array(tail).astype(BF16).copy()
+  pages, page, _ = kv.shape
+  blocks, _, ring, _ = tl.shape
+  tslot = np.asarray(tslot)
+  loc = np.asarray(loc)
+  pos = np.asarray(pos)
+  key = np.asarray(key).astype(BF16)
+  score = np.asarray(score).astype(BF16)
+  ape = np.asarray(ape, F32)
+  B, N = pos.shape
+  for r in range(B):
+    for t in range(N):
+      L, p, ts = int(loc[r, t]), int(pos[r, t]), int(tslot[r, t])
+      if p < 0:
+        continue                       # padding touches nothing
+      j = p % 4
+      ring_row = p % ring
+      blk = max(ts, 0) // ring
+      if blk >= blocks:
+        continue                       # project decision: tail block past buffer -> no-op
+      kc = key[r, t].astype(F32)
+      gc = score[r, t].astype(F32)
+      if L >= 0 and j == 3:
+        start = p - 3
+        ks = np.zeros((4, D), F32)
+        gs = np.zeros((4, D), F32)
+        for s in range(4):
+          if s == 3:
+            ks[s], gs[s] = kc, gc
+          else:
+            row = (start + s) % ring
+            ks[s] = tl[blk, 0, row].astype(F32)
+            gs[s] = tl[blk, 1, row].astype(F32)
+        q, sb = compress_pool(ks, gs, ape, scale_format, round_scale)
+        _write_entry(kv, L, q, sb, written)
+      if ts >= 0:
+        tl[blk, 0, ring_row] = key[r, t]
+        tl[blk, 1, ring_row] = score[r, t]
+  return kv, tl
+
+
+def kpool_compress(kv_cache, slot_key, slot_score, ape, loc, write_mask, *,
+                   scale_format="fp32", round_scale=True, written=None):
+  """SPEC §4a."""
+  kv = np.array(kv_cache, np.uint8).copy()
+  slot_key = np.asarray(slot_key).astype(BF16)
+  slot_score = np.asarray(slot_score).astype(BF16)
+  ape = np.asarray(ape, F32)
+  for i in range(len(loc)):
+    L = int(loc[i])
+    if not bool(write_mask[i]) or L < 0:
+      continue
+    if L >= kv.shape[0] * kv.shape[1]:
+      continue
+    q, sb = compress_pool(slot_key[i].astype(F32), slot_score[i].astype(F32), ape,
+                          scale_format, round_scale)
+    _write_entry(kv, L, q, sb, written)
+  return kv
+
+
+def kpool_seed_tail(tail, key, score, tslot):
+  """SPEC §4b."""
+  tl = np.array(tail).astype(BF16).copy()
+  blocks, _, ring, _ = tl.shape
+  key = np.asarray(key).astype(BF16)
+  score = np.asarray(score).astype(BF16)
+  n = len(tslot)
+  for i in range(n):
+    ts = int(tslot[i])
+    if ts < 0:
+      continue
+    blk = ts // ring
+    a = int(tslot[i + 4]) if i + 4 < n else -1
+    if a >= 0 and a // ring == blk:
+      continue
+    if blk >= blocks:
+      continue
+    tl[blk, 0, ts % ring] = key[i]
+    tl[blk, 1, ts % ring] = score[i]
+  return tl
+
+
+# --------------------------------------------------------------------------- expand
+
+def _wrap32(v):
+  return int(np.array([v], np.int64).astype(np.int32)[0])
+
+
+def expand_pools(pool_ids, seq_lens, *, seq_offset=0, width=None):
+  """SPEC §6."""
+  pool_ids = np.asarray(pool_ids)
+  rows, G = pool_ids.shape
+  C = 4 * G + 3
+  width = C if width is None else width
+  assert width >= C
+  out = np.full((rows, width), -1, np.int32)
+  for r in range(rows):
+    n = int(seq_lens[r]) + seq_offset
+    for g in range(G):
+      pid = int(pool_ids[r, g])
+      if pid >= 0:
+        for o in range(4):
+          out[r, 4 * g + o] = _wrap32(pid * 4 + o)
+    if n >= 0:
+      pl = n // 4
+      ts = pl * 4
+      tc = n - ts
+      for j in range(3):
+        if j < tc:
+          out[r, 4 * G + j] = ts + j
+  return out
+
+
+def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size, width,
+                     stride_rows=None, seq_offset=1, compact=True):
+  """SPEC §6 + §7. Returns (out i32[rows, width], counts i32[rows])."""
+  pool_ids = np.asarray(pool_ids)
+  block_table = np.asarray(block_table)
+  expanded = pool_ids.shape[0]
+  rows = len(req_ids)
+  R, MB = block_table.shape
+  stride = block_size if stride_rows is None else stride_rows
+  tok = expand_pools(pool_ids, positions, seq_offset=seq_offset, width=width)
+  out = np.full((rows, width), -1, np.int32)
+  counts = np.zeros(rows, np.int32)
+  for t in range(rows):
+    if t >= expanded:
+      continue
+    req = int(req_ids[t])
+    if req < 0 or req >= R:
+      continue
+    n_valid = 0
+    for c in range(width):
+      tk = int(tok[t, c])
+      if tk < 0:
+        continue
+      blk, off = tk // block_size, tk % block_size
+      if blk >= MB:
+        continue
+      v = _wrap32(int(block_table[req, blk]) * stride + off)
+      if compact:
+        out[t, n_valid] = v
+      else:
+        out[t, c] = v
+      n_valid += 1
+    counts[t] = n_valid
+  return out, counts
+
+
+# --------------------------------------------------------------------------- logits
+
+def upcast_logits(logits, row_ends):
+  """SPEC §8: returns (out f32[rows, width], valid bool[rows, width])."""
+  logits = np.asarray(logits).astype(BF16)
+  rows, width = logits.shape
+  out = np.zeros((rows, width), F32)
+  valid = np.zeros((rows, width), bool)
+  for r in range(rows):
+    for c in range(width):
+      if c < int(row_ends[r]):
+        out[r, c] = F32(logits[r, c])
+        valid[r, c] = True
+  return out, valid
+
+
+def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
+               scale_format="fp32"):
+  """SPEC §5b in float64. Returns (logits f64[rows, max_pools] with -inf where no
+  pool, bound f64[rows, max_pools] = sum_h |w| * sum_d |q k| * kscale)."""
+  q = e4m3_value(np.asarray(q_fp8).view(np.uint8))           # [rows, H, 128]
+  w = np.asarray(weights).astype(F64)
+  kv = np.asarray(kv_cache, np.uint8)
+  pages, page, _ = kv.shape
+  page_table = np.asarray(page_table)
+  rows = q.shape[0]
+  out = np.full((rows, max_pools), -np.inf, F64)
+  bound = np.zeros((rows, max_pools), F64)
+  for r in range(rows):
+    n = int(pool_lens[r])
+    for p in range(max_pools):
+      if p >= n:
+        continue
+      pg = int(page_table[r, p // page])
+      if pg < 0 or pg >= pages:
+        continue
+      k, ks = read_entry(kv, pg * page + p % page, scale_format)
+      dots = q[r] @ k                                        # exact in f64
+      absdots = np.abs(q[r]) @ np.abs(k)
+      out[r, p] = float(np.sum(w[r] * np.maximum(dots, 0.0)) * ks)
+      bound[r, p] = float(np.sum(np.abs(w[r]) * absdots) * ks)
+  return out, bound
+
+
+def pool_topk(logits, pool_lens, *, k):
+  """SPEC §5c with the project tie rule: descending logit (NaN as -inf), ties by
+  ascending id, only p < pool_lens[r] eligible, missing = -1."""
+  logits = np.asarray(logits, F32)
+  rows, P_ = logits.shape
+  out = np.full((rows, k), -1, np.int32)
+  for r in range(rows):
+    n = max(0, min(int(pool_lens[r]), P_))
+    cand = []
+    for p in range(n):
+      x = float(logits[r, p])
+      if math.isnan(x):
+        x = -math.inf
+      cand.append((-x, p))
+    cand.sort()
+    for i, (_, p) in enumerate(cand[:k]):
+      out[r, i] = p
+  return out
+
+
+# --------------------------------------------------------------------------- indexer
+
+def layernorm_f64(key_raw, weight, bias, eps):
+  """Key LayerNorm in float64 (not rounded): f64[M, 128]."""
+  x = np.asarray(key_raw).astype(F64)
+  w = np.asarray(weight).astype(F64)
+  b = np.asarray(bias).astype(F64)
+  out = np.zeros_like(x)
+  for m in range(x.shape[0]):
+    mean = np.sum(x[m]) / D
+    var = np.sum((x[m] - mean) ** 2) / D
+    out[m] = (x[m] - mean) / math.sqrt(var + eps) * w + b
+  return out
+
+
+def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-6,
+                  padded=None, weights_dtype="float32"):
+  """SPEC §2a-2d. Returns (q codes u8[M, padded, 128], w_out f32[M, padded] (bf16
+  values when weights_dtype is bf16), key_f64[M, 128] un-rounded LayerNorm)."""
+  q = np.asarray(q).astype(BF16)
+  w = np.asarray(weights, F32)
+  M, H, _ = q.shape
+  padded = H if padded is None else padded
+  scale = F32(scale)
+  q_out = np.zeros((M, padded, D), np.uint8)
+  w_out = np.zeros((M, padded), F32)
+  for m in range(M):
+    for h in range(H):
+      codes, qs, _ = rotate_quant_row(q[m, h].astype(F32), True)
+      q_out[m, h] = codes
+      wo = F32(F32(w[m, h] * qs) * scale)
+      if weights_dtype in ("bfloat16", "bf16"):
+        wo = bf16r(wo)
+      w_out[m, h] = wo
+  key = layernorm_f64(key_raw, norm_weight, norm_bias, eps)
+  return q_out, w_out, key
+
+
+def indexer_projection(x, w_cat, *, heads):
+  """SPEC §1 in float64. Returns (key f64, weights f64, gate f64, abs-sum bound f64
+  [M, 256 + heads] = sum_k |x w|)."""
+  x = np.asarray(x).astype(F64)
+  wc = np.asarray(w_cat).astype(F64)
+  M = x.shape[0]
+  rows = wc.shape[0]
+  assert rows == 2 * D + heads
+  out = np.zeros((M, rows), F64)
+  bound = np.zeros((M, rows), F64)
+  for m in range(M):
+    for j in range(rows):
+      out[m, j] = float(np.dot(x[m], wc[j]))
+      bound[m, j] = float(np.dot(np.abs(x[m]), np.abs(wc[j])))
+  return out[:, :D], out[:, D:D + heads], out[:, D + heads:], bound

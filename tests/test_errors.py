@@ -1,0 +1,107 @@
+"""Bad input raises at trace time, naming the op and the argument."""
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from cases import CASES
+
+
+def _replace(i, fn):
+  def mutate(args):
+    args = list(args)
+    args[i] = fn(args[i])
+    return args
+  return mutate
+
+
+def _cast(dtype):
+  return lambda a: a.astype(dtype)
+
+
+def _cut(axis):
+  return lambda a: jax.lax.slice_in_dim(a, 0, a.shape[axis] - 1, axis=axis)
+
+
+def _with(op, **params):
+  """The op's case function with its static params overridden."""
+  fn = CASES[op].fn
+  if isinstance(fn, functools.partial):
+    return functools.partial(fn.func, *fn.args, **{**fn.keywords, **params})
+  return functools.partial(fn, **params)
+
+
+BAD_ARGS = [
+    ("kpool_update", _replace(0, _cast(jnp.int8)), TypeError, "kv_cache must be uint8"),
+    ("kpool_update", _replace(0, _cut(2)), ValueError, r"kv_cache must have shape \(\*, \*, 132\)"),
+    ("kpool_update", _replace(1, lambda t: t[:, :, :6]), ValueError, "tail ring size"),
+    ("kpool_update", _replace(3, _cut(2)), ValueError, "key must have shape"),
+    ("kpool_update", _replace(4, _cast(jnp.float32)), TypeError, "score must be bfloat16"),
+    ("kpool_update", _replace(5, _cut(0)), ValueError, "ape must have shape"),
+    ("kpool_update", _replace(6, _cut(1)), ValueError, "loc must have shape"),
+    ("kpool_update", _replace(7, _cast(jnp.float32)), TypeError, "pos must be int32"),
+    ("kpool_compress", _replace(4, _cut(0)), ValueError, "loc must have shape"),
+    ("kpool_compress", _replace(5, _cast(jnp.int32)), TypeError, "write_mask must be bool"),
+    ("kpool_compress", _replace(1, _cut(1)), ValueError, "slot_key must have shape"),
+    ("kpool_seed_tail", _replace(3, _cut(0)), ValueError, "tslot must have shape"),
+    ("kpool_seed_tail", _replace(2, _cast(jnp.float32)), TypeError, "score must be bfloat16"),
+    ("expand_pools", _replace(0, _cast(jnp.int16)), TypeError, "pool_ids must be int32"),
+    ("expand_pools", _replace(1, _cut(0)), ValueError, "seq_lens must have shape"),
+    ("expand_and_remap", _replace(1, _cut(0)), ValueError, "positions must have shape"),
+    ("expand_and_remap", _replace(3, lambda a: a[:, :0]), ValueError, "block_table must not be empty"),
+    ("expand_and_remap", _replace(2, _cast(jnp.uint32)), TypeError, "req_ids must be int32"),
+    ("upcast_logits", _replace(0, _cast(jnp.float16)), TypeError, "logits must be bfloat16"),
+    ("upcast_logits", _replace(1, _cut(0)), ValueError, "row_ends must have shape"),
+    ("mqa_logits", _replace(0, _cast(jnp.bfloat16)), TypeError, "q_fp8 must be float8_e4m3fn"),
+    ("mqa_logits", _replace(1, _cut(1)), ValueError, "weights must have shape"),
+    ("mqa_logits", _replace(3, _cut(0)), ValueError, "page_table must have shape"),
+    ("pool_topk", _replace(0, _cast(jnp.bfloat16)), TypeError, "logits must be float32"),
+    ("pool_topk", _replace(1, _cut(0)), ValueError, "pool_lens must have shape"),
+    ("indexer_projection", _replace(1, _cut(0)), ValueError, r"w_cat must have shape \(260, 256\)"),
+    ("indexer_projection", _replace(0, _cast(jnp.float32)), TypeError, "x must be bfloat16"),
+    ("indexer_query", _replace(1, _cut(1)), ValueError, "key_raw must have shape"),
+    ("indexer_query", _replace(2, _cut(0)), ValueError, "weights must have shape"),
+    ("indexer_query", _replace(3, _cast(jnp.bfloat16)), TypeError, "norm_weight must be float32"),
+    ("indexer_projection_fused", _replace(2, _cut(1)), ValueError, "q must have shape"),
+    ("indexer_projection_fused", _replace(4, _cut(0)), ValueError, "norm_bias must have shape"),
+]
+
+
+@pytest.mark.parametrize("op,mutate,error,message", BAD_ARGS,
+                         ids=[f"{b[0]}-{b[3][:24]}" for b in BAD_ARGS])
+def test_bad_argument(op, mutate, error, message):
+  case = CASES[op]
+  args = mutate(case.make(np.random.default_rng(0)))
+  with pytest.raises(error, match=f"glm5_jax.{op}: {message}"):
+    jax.jit(case.fn)(*args)
+
+
+BAD_PARAMS = [
+    ("kpool_update", dict(scale_format="e8m0"), "scale_format must be one of"),
+    ("kpool_update", dict(scale_format="ue8m0", round_scale=False), "round_scale"),
+    ("expand_pools", dict(width=10), r"width must be >= 4 \* G \+ 3 = 35"),
+    ("expand_and_remap", dict(block_size=6), "block_size must be a positive multiple of 4"),
+    ("expand_and_remap", dict(width=100), "width must be >="),
+    ("pool_topk", dict(k=0), "k must be > 0"),
+    ("mqa_logits", dict(scale_format="bf16"), "scale_format must be one of"),
+    ("indexer_query", dict(padded=2), "padded must be >= the head count 4"),
+    ("indexer_query", dict(weights_dtype=jnp.float16), "weights_dtype must be float32 or bfloat16"),
+    ("indexer_projection_fused", dict(heads=5), "w_cat must have shape"),
+]
+
+
+@pytest.mark.parametrize("op,params,message", BAD_PARAMS,
+                         ids=[f"{b[0]}-{next(iter(b[1]))}" for b in BAD_PARAMS])
+def test_bad_static_option(op, params, message):
+  fn = _with(op, **params)
+  args = CASES[op].make(np.random.default_rng(0))
+  with pytest.raises((ValueError, TypeError), match=f"glm5_jax.{op}: {message}"):
+    jax.jit(fn)(*args)
+
+
+def test_fp32_logits_pass_through():
+  logits = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+  assert glm5_jax.upcast_logits(logits, jnp.array([1, 2], jnp.int32)) is logits

@@ -1,0 +1,72 @@
+"""The CUDA lowering of every op, checked on any machine with
+jax.export(platforms=["cuda"]): FFI target names, operand/output aliasing of
+the in-place caches, donation, and the GLM5_JAX_KERNELS switch."""
+import re
+
+import numpy as np
+import jax
+import pytest
+from jax import export
+
+import glm5_jax
+from glm5_jax import _ffi
+from cases import CASES
+
+OPS = sorted(CASES)
+# In-place ops: operand -> result aliasing their FFI calls must declare.
+ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0}}
+
+
+def cuda_module(fn, args, donate=()):
+  checks = [export.DisabledSafetyCheck.custom_call(f"glm5_{op}") for op in OPS]
+  fresh = lambda *a: fn(*a)            # a new function: jit caches lowerings per function
+  exported = export.export(jax.jit(fresh, donate_argnums=donate), platforms=["cuda"],
+                           disabled_checks=checks)(*args)
+  return exported.mlir_module()
+
+
+def custom_calls(text):
+  return re.findall(r"stablehlo.custom_call @(\w+)", text)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_lowering_uses_kernel_where_one_exists(op, monkeypatch):
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  case = CASES[op]
+  calls = custom_calls(cuda_module(case.fn, case.make(np.random.default_rng(0))))
+  target = _ffi.KERNEL_TARGETS.get(op)
+  assert [c for c in calls if c.startswith("glm5_")] == ([target] if target else [])
+
+
+@pytest.mark.parametrize("switch", ["0", "upcast_logits=0", "1,upcast_logits=0"])
+def test_kill_switch_routes_to_reference(switch, monkeypatch):
+  monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
+  case = CASES["upcast_logits"]
+  calls = custom_calls(cuda_module(case.fn, case.make(np.random.default_rng(0))))
+  assert not [c for c in calls if c.startswith("glm5_")]
+
+
+@pytest.mark.parametrize("switch,expected", [
+    ("", True), ("1", True), ("0", False), ("0,upcast_logits=1", True),
+    ("all=0", False), ("expand_pools=0", True), ("upcast_logits=0", False)])
+def test_kill_switch_parsing(switch, expected, monkeypatch):
+  monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
+  assert _ffi.kernels_enabled("upcast_logits") is expected
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_ffi_lowering_contract(op, monkeypatch):
+  """With a kernel declared for every op, each lowers to one glm5_<op> FFI call
+  aliasing its caches, and a donated cache is reused (tf.aliasing_output)."""
+  monkeypatch.setattr(_ffi, "KERNEL_TARGETS", {o: f"glm5_{o}" for o in OPS})
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  case = CASES[op]
+  aliases = ALIASES.get(op, {})
+  text = cuda_module(case.fn, case.make(np.random.default_rng(0)), donate=tuple(aliases))
+  assert [c for c in custom_calls(text) if c.startswith("glm5_")] == [f"glm5_{op}"]
+  call = text[text.index(f"stablehlo.custom_call @glm5_{op}"):].split("\n")[0]
+  found = {int(o): int(r or 0) for r, o in re.findall(     # [] = the only result
+      r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", call)}
+  assert found == aliases
+  for operand, result in aliases.items():
+    assert re.search(rf"%arg{operand}: [^)]*?tf.aliasing_output = {result} ", text), text[:800]
