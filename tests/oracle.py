@@ -476,3 +476,90 @@ def indexer_projection(x, w_cat, *, heads):
       out[m, j] = float(np.dot(x[m], wc[j]))
       bound[m, j] = float(np.dot(np.abs(x[m]), np.abs(wc[j])))
   return out[:, :D], out[:, D:D + heads], out[:, D + heads:], bound
+
+
+# --------------------------------------------------------------------------- test helpers
+
+def e4m3_rank(codes):
+  """Signed ordinal of e4m3 codes: adjacent values differ by 1, +0 and -0 are 0."""
+  c = np.asarray(codes, np.uint8).astype(np.int32)
+  mag = c & 0x7F
+  return np.where(c & 0x80, -mag, mag)
+
+
+def bf16_rank(x):
+  """Signed ordinal of bf16 values (as int), adjacent values differ by 1."""
+  u = np.asarray(x).astype(BF16).view(np.uint16).astype(np.int64)
+  mag = u & 0x7FFF
+  return np.where(u & 0x8000, -mag, mag)
+
+
+def compare_cache(ref_kv, orc_kv, orig_kv, written, label=""):
+  """Compare a reference K cache with the oracle's (SPEC D2 rules).
+
+  Every scale byte equal; every byte of an entry not written equal to the original;
+  fp8 codes of written entries equal or one e4m3 code apart. Returns (number of
+  written entries with a differing fp8 byte, number written)."""
+  ref_kv = np.asarray(ref_kv, np.uint8)
+  orc_kv = np.asarray(orc_kv, np.uint8)
+  orig_kv = np.asarray(orig_kv, np.uint8)
+  assert ref_kv.shape == orc_kv.shape == orig_kv.shape
+  pages, page, _ = ref_kv.shape
+  rf = ref_kv.reshape(pages, page * 132)
+  of = orc_kv.reshape(pages, page * 132)
+  gf = orig_kv.reshape(pages, page * 132)
+  np.testing.assert_array_equal(rf[:, page * D:], of[:, page * D:],
+                                err_msg=f"{label}: scale bytes differ")
+  wset = set(int(w) for w in written)
+  rdata = rf[:, :page * D].reshape(pages * page, D)
+  odata = of[:, :page * D].reshape(pages * page, D)
+  gdata = gf[:, :page * D].reshape(pages * page, D)
+  unwritten = np.array([i not in wset for i in range(pages * page)], bool)
+  np.testing.assert_array_equal(rdata[unwritten], gdata[unwritten],
+                                err_msg=f"{label}: unwritten entries changed")
+  np.testing.assert_array_equal(odata[unwritten], gdata[unwritten])
+  wl = sorted(wset)
+  if not wl:
+    return 0, 0
+  dr = np.abs(e4m3_rank(rdata[wl]) - e4m3_rank(odata[wl]))
+  assert dr.max() <= 1, f"{label}: fp8 code off by {dr.max()} codes"
+  bad = int(np.sum(np.any(dr != 0, axis=1)))
+  return bad, len(wl)
+
+
+def random_bf16(rng, shape, scale=1.0):
+  return (rng.standard_normal(shape) * scale).astype(F32).astype(BF16)
+
+
+def poison_cache(rng, pages, page):
+  return rng.integers(0, 256, (pages, page, 132), dtype=np.uint8)
+
+
+def poison_tail(rng, blocks, ring):
+  """Random bytes for the bf16 tail, with Inf/NaN patterns replaced (these rows can
+  legitimately be read as stale data by a completion)."""
+  u = rng.integers(0, 1 << 16, (blocks, 2, ring, D), dtype=np.uint16)
+  # keep the exponent in a moderate range: clear the top exponent bit, set bit 13..
+  u = (u & 0x807F) | (rng.integers(0x78, 0x84, u.shape, dtype=np.uint16) << 7)
+  return u.view(BF16)
+
+
+def round_to_f32_exact(fr):
+  """Correctly rounded (RNE) fp32 of an exact Fraction (for checking fma32)."""
+  from fractions import Fraction
+  if fr == 0:
+    return F32(0.0)
+  sign = -1 if fr < 0 else 1
+  a = abs(fr)
+  e = a.numerator.bit_length() - a.denominator.bit_length()
+  if Fraction(2) ** e > a:
+    e -= 1
+  while Fraction(2) ** (e + 1) <= a:
+    e += 1
+  e = max(e, -126)
+  q = a / Fraction(2) ** (e - 23)          # in [2^23, 2^24) for normals
+  n, rem = divmod(q.numerator, q.denominator)
+  twice = 2 * rem
+  if twice > q.denominator or (twice == q.denominator and n & 1):
+    n += 1
+  return F32(sign * float(Fraction(n) * Fraction(2) ** (e - 23)))

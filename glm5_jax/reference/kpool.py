@@ -51,6 +51,21 @@ def write_entries(kv_cache, loc, data, scales, write):
   return flat.reshape(kv_cache.shape)
 
 
+def _stash(tail, blk, row, key, score):
+  """tail[blk, :, row] = (key, score) for blk < blocks (others dropped).
+
+  Scattered as uint16: a bf16 scatter is widened to f32 on some backends,
+  which costs a copy of a donated tail.
+  """
+  rows = jnp.stack([_bf16_bits(key), _bf16_bits(score)], 1)           # [n, 2, 128]
+  out = _bf16_bits(tail).at[blk[:, None], jnp.arange(2), row[:, None]].set(rows, mode="drop")
+  return lax.bitcast_convert_type(out, jnp.bfloat16)
+
+
+def _bf16_bits(x):
+  return lax.bitcast_convert_type(x, jnp.uint16)
+
+
 def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
                  scale_format="fp32", round_scale=True):
   """Decode tail stash + pool compression, per request in token order (SPEC §3).
@@ -72,7 +87,8 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
     live = (p >= 0) & (blk < blocks)
     blk = jnp.minimum(blk, blocks - 1)
     rows = (sp[:, None] - 3 + jnp.arange(POOL - 1)) % ring          # [B, 3]
-    stashed = tail[blk[:, None], :, rows].astype(jnp.float32)         # [B, 3, 2, 128]
+    stashed = _bf16_bits(tail)[blk[:, None], :, rows]                  # [B, 3, 2, 128]
+    stashed = lax.bitcast_convert_type(stashed, jnp.bfloat16).astype(jnp.float32)
     keys = jnp.concatenate([stashed[:, :, 0], key[:, t, None].astype(jnp.float32)], 1)
     scores = jnp.concatenate([stashed[:, :, 1], score[:, t, None].astype(jnp.float32)], 1)
     data, scales = compress_pools(keys, scores, apef, scale_format=scale_format,
@@ -80,9 +96,7 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
     complete = live & (slot >= 0) & (sp % POOL == POOL - 1)
     kv_cache = write_entries(kv_cache, slot, data, scales, complete)
     stash = live & (ts >= 0)
-    row = jnp.stack([key[:, t], score[:, t]], 1)                      # [B, 2, 128]
-    tail = tail.at[jnp.where(stash, blk, blocks)[:, None], jnp.arange(2),
-                   (sp % ring)[:, None]].set(row, mode="drop")
+    tail = _stash(tail, jnp.where(stash, blk, blocks), sp % ring, key[:, t], score[:, t])
   return kv_cache, tail
 
 
@@ -114,6 +128,4 @@ def kpool_seed_tail(tail, key, score, tslot):
   ahead = jnp.concatenate([tslot[POOL:], jnp.full((min(POOL, n),), -1, tslot.dtype)])
   later = (ahead >= 0) & (ahead // ring == blk)
   write = (tslot >= 0) & ~later & (blk < blocks)
-  row = jnp.stack([key, score], 1)
-  return tail.at[jnp.where(write, blk, blocks)[:, None], jnp.arange(2),
-                 (jnp.maximum(tslot, 0) % ring)[:, None]].set(row, mode="drop")
+  return _stash(tail, jnp.where(write, blk, blocks), jnp.maximum(tslot, 0) % ring, key, score)

@@ -1,0 +1,101 @@
+"""The composed decode step: jit, in-place caches under donation, the causal
+and top-k branches, fused == unfused, against the reference composition."""
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from glm5_jax import synthetic
+
+STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
+               donate_argnames="cache")
+CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
+
+
+def state(contexts, next_n=1, seed=0):
+  rng = np.random.default_rng(seed)
+  weights = synthetic.layer(rng, CONFIG, hidden=512, q_lora=256)
+  cache, pt, bt = synthetic.decode_cache(rng, len(contexts), max(contexts) + next_n,
+                                         next_n=next_n, page=16, spare_pages=2)
+  pos = np.asarray(contexts)[:, None] + np.arange(next_n)
+  batch = synthetic.decode_batch(pos, cache, pt, bt)
+  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
+  return weights, cache, x, qr, batch
+
+
+def leaves(tree):
+  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+
+
+def cache_copies(step, args, config):
+  weights, cache, x, qr, batch = args
+  text = step.lower(weights, cache, x, qr, batch, config=config).compile().as_text()
+  shapes = {tuple(cache.kv_cache.shape), tuple(cache.tail.shape)}
+  found = set()
+  for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", text):
+    found |= {tuple(int(d) for d in dims.split(","))} & shapes
+  return found
+
+
+def test_donated_step_has_no_cache_copy():
+  """No copy of the paged K cache; on GPU none of the tail ring either (the
+  CPU backend materialises the tail's bf16 <-> u16 bitcasts, B x 4 KB)."""
+  args = state([10, 1500, 3001, 77])
+  copies = cache_copies(STEP, args, CONFIG)
+  if jax.default_backend() == "cpu":
+    copies.discard(tuple(args[1].tail.shape))
+  assert copies == set()
+  text = STEP.lower(*args[:4], args[4], config=CONFIG).compile().as_text()
+  assert re.search(r"input_output_alias=\{ \{4\}: \(5, \{\}, may-alias\), "
+                   r"\{5\}: \(6, \{\}, may-alias\) \}", text)
+  undonated = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))
+  assert cache_copies(undonated, args, CONFIG), "the check must see copies without donation"
+
+
+def test_donated_cache_is_reused():
+  weights, cache, x, qr, batch = state([10, 1500, 3001, 77])
+  before = cache.kv_cache.unsafe_buffer_pointer()
+  _, new = STEP(weights, cache, x, qr, batch, config=CONFIG)
+  assert cache.kv_cache.is_deleted()
+  assert new.kv_cache.unsafe_buffer_pointer() == before
+
+
+@pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([3, 2046], 1),
+                                             ([40, 2999, 514], 4)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_stage_matches_reference_composition(contexts, next_n, fused):
+  config = glm5_jax.IndexerConfig(max_pools=1024, fused=fused)
+  weights, cache, x, qr, batch = state(contexts, next_n)
+  want = STEP(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=config,
+              use_reference=True)
+  got = STEP(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=config)
+  for g, w in zip(leaves(got), leaves(want)):
+    np.testing.assert_array_equal(g, w)
+
+
+def test_causal_branch_selects_every_token():
+  """All contexts within topk_tokens: each row lists tokens 0..pos in order."""
+  weights, cache, x, qr, batch = state([5, 2046, 700])
+  out, _ = STEP(weights, cache, x, qr, batch, config=CONFIG)
+  pos = np.asarray(batch.positions)[:, 0]
+  np.testing.assert_array_equal(np.asarray(out.counts), pos + 1)
+  bt = np.asarray(batch.block_table)
+  for r, p in enumerate(pos):
+    tok = np.arange(p + 1)
+    want = bt[r, tok // CONFIG.block_size] * CONFIG.block_size + tok % CONFIG.block_size
+    np.testing.assert_array_equal(np.asarray(out.slots)[r, :p + 1], want)
+    assert (np.asarray(out.slots)[r, p + 1:] == -1).all()
+
+
+def test_topk_branch_selects_topk_pools_plus_tail():
+  weights, cache, x, qr, batch = state([3001, 2100])
+  out, _ = STEP(weights, cache, x, qr, batch, config=CONFIG)
+  pos = np.asarray(batch.positions)[:, 0]
+  np.testing.assert_array_equal(np.asarray(out.counts), 2048 + (pos + 1) % 4)
+  slots = np.asarray(out.slots)
+  for r in range(2):
+    valid = slots[r, :out.counts[r]]
+    assert len(set(valid.tolist())) == len(valid)
