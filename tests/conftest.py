@@ -28,3 +28,9 @@ def pytest_runtest_setup(item):
     if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
       pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but this machine has no CUDA device")
     pytest.skip("needs a CUDA GPU (GLM5_JAX_REQUIRE_GPU=1 makes this a failure)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """A run that collected no test fails (never a green 'no tests ran')."""
+  if session.testscollected == 0:
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

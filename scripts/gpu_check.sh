@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The H200 workflow (no package registry there): build with CUDA against the
+# installed jax, run the whole test suite on the GPU with GPU skips turned into
+# failures, then the benchmarks. Logs and BENCHMARKS.* go to $OUT (or ./gpu_out).
+#   scripts/gpu_check.sh [--no-tests] [--no-bench] [--sanitize] [-- bench args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu_out}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+tests=1 bench=1 sanitize=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-tests) tests=0 ;; --no-bench) bench=0 ;; --sanitize) sanitize=1 ;;
+    --) shift; break ;; *) echo "unknown option $1"; exit 2 ;;
+  esac
+  shift
+done
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
+  > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+python3 -m glm5_jax.info || exit 1
+if [ "$tests" = 1 ]; then
+  GLM5_JAX_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests 2>&1 \
+    | tee "$out/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$sanitize" = 1 ]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x \
+      -p no:cacheprovider tests/test_upcast_gpu.py > "$out/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries)"
+  done
+fi
+if [ "$bench" = 1 ]; then
+  python3 bench/bench.py --out BENCHMARKS.json --md BENCHMARKS.md "$@" 2>&1 \
+    | tee "$out/bench.log" | tail -60
+  cp BENCHMARKS.json BENCHMARKS.md bench/benchmarks.png "$out"/ 2>/dev/null
+fi
+exit $status

@@ -1,0 +1,31 @@
+"""Packaging: import without the CUDA module, diagnostics, the module's
+registrations when it is built."""
+import subprocess
+import sys
+
+import pytest
+
+import glm5_jax
+from glm5_jax import _ffi
+
+
+def test_diagnostics_list_every_op():
+  out = subprocess.run([sys.executable, "-m", "glm5_jax.info"], capture_output=True,
+                       text=True, check=True).stdout
+  assert f"glm5_jax {glm5_jax.__version__}" in out
+  for op in glm5_jax.OPS:
+    assert op in out
+
+
+def test_public_api():
+  for name in glm5_jax.__all__:
+    assert getattr(glm5_jax, name) is not None
+  assert set(_ffi.KERNEL_TARGETS) <= set(glm5_jax.OPS)
+  assert all(t == f"glm5_{op}" for op, t in _ffi.KERNEL_TARGETS.items())
+
+
+@pytest.mark.gpu
+def test_cuda_module_registers_every_kernel():
+  assert _ffi.register_targets(), "the CUDA module is not built"
+  assert set(_ffi._glm5_cuda.registrations()) == set(_ffi.KERNEL_TARGETS.values())
+  assert _ffi.ffi_api_version()[0] == 0

@@ -1,0 +1,386 @@
+"""glm5_jax.reference kpool writers (SPEC §3, §4) against the independent oracle.
+
+K-cache comparison follows SPEC D2: the reference's exp2 is within ~1 ulp of the
+oracle's correctly rounded one, so every scale byte must be equal, every fp8 code
+equal or one e4m3 code apart, and fewer than 1% of written entries may differ at
+all. Tail rings, and every entry not written, must be bit-identical.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle as O
+from glm5_jax import reference as R
+
+BF16 = O.BF16
+MISMATCH = {"bad": 0, "pools": 0}
+
+
+@functools.cache
+def _update_fn(scale_format, round_scale):
+  return jax.jit(functools.partial(R.kpool_update, scale_format=scale_format,
+                                   round_scale=round_scale))
+
+
+@functools.cache
+def _compress_fn(scale_format, round_scale):
+  return jax.jit(functools.partial(R.kpool_compress, scale_format=scale_format,
+                                   round_scale=round_scale))
+
+
+_seed_fn = jax.jit(R.kpool_seed_tail)
+
+
+def _i32(x):
+  return jnp.asarray(np.asarray(x, np.int64), jnp.int32)
+
+
+def _tail_equal(ref_tail, orc_tail, label=""):
+  r = np.asarray(ref_tail)
+  assert r.dtype == BF16, r.dtype
+  np.testing.assert_array_equal(r.view(np.uint16), np.asarray(orc_tail).view(np.uint16),
+                                err_msg=f"{label}: tail differs")
+
+
+def _check_update(kv, tail, tslot, key, score, ape, loc, pos, *, scale_format="fp32",
+                  round_scale=True, label="", min_written=1):
+  written = []
+  okv, otail = O.kpool_update(kv, tail, tslot, key, score, ape, loc, pos,
+                              scale_format=scale_format, round_scale=round_scale,
+                              written=written)
+  rkv, rtail = _update_fn(scale_format, round_scale)(
+      jnp.asarray(kv), jnp.asarray(tail), _i32(tslot), jnp.asarray(key),
+      jnp.asarray(score), jnp.asarray(ape), _i32(loc), _i32(pos))
+  assert np.asarray(rkv).dtype == np.uint8 and np.asarray(rkv).shape == kv.shape
+  bad, n = O.compare_cache(rkv, okv, kv, written, label)
+  _tail_equal(rtail, otail, label)
+  assert n >= min_written, (n, min_written)
+  MISMATCH["bad"] += bad
+  MISMATCH["pools"] += n
+  return bad, n, okv, otail, written
+
+
+def _decode_batch(rng, B, N, *, ring, blocks, pages, page, max_start=200, score_scale=2.0):
+  """Consistent random decode inputs: distinct tail blocks, unique pool slots."""
+  starts = rng.integers(0, max_start, B)
+  pos = starts[:, None] + np.arange(N)[None, :]
+  blk = rng.permutation(blocks)[:B]
+  tslot = blk[:, None] * ring + pos % ring
+  done = pos % 4 == 3
+  loc = np.full((B, N), -1, np.int64)
+  loc[done] = rng.choice(pages * page, int(done.sum()), replace=False)
+  key = O.random_bf16(rng, (B, N, 128))
+  score = O.random_bf16(rng, (B, N, 128), score_scale)
+  return tslot, key, score, loc, pos
+
+
+def _state(rng, *, pages, page, blocks, ring):
+  ape = (rng.standard_normal((4, 128)) * 0.5).astype(np.float32)
+  return O.poison_cache(rng, pages, page), O.poison_tail(rng, blocks, ring), ape
+
+
+def _report(label, bad, n):
+  print(f"\n[{label}] fp8 mismatch: {bad}/{n} pools = {bad / max(n, 1):.4%}")
+  assert bad < 0.01 * max(n, 1) + 1e-9 or n < 100, (bad, n)
+
+
+@pytest.mark.parametrize("scale_format,round_scale,page", [
+    ("fp32", True, 64), ("ue8m0", True, 32), ("fp32", False, 64)])
+def test_update_random_many_pools(scale_format, round_scale, page):
+  rng = np.random.default_rng(10)
+  B, N, ring = 256, 8, 16
+  pages = 4096 // page                           # 4096 pool slots
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=B + 7, ring=ring)
+  args = _decode_batch(rng, B, N, ring=ring, blocks=B + 7, pages=pages, page=page)
+  bad, n, *_ = _check_update(kv, tail, *args[:3], ape, *args[3:], scale_format=scale_format,
+                             round_scale=round_scale, label=scale_format,
+                             min_written=2 * B)
+  _report(f"update {scale_format} round_scale={round_scale}", bad, n)
+
+
+def test_update_next_n_one_sequence_of_steps():
+  """Several decode steps (next_n 1, RING 4) chained, the oracle state fed to both."""
+  rng = np.random.default_rng(11)
+  B, ring, page, pages, blocks = 64, 4, 64, 8, 70
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=blocks, ring=ring)
+  starts = rng.integers(0, 50, B)
+  blk = rng.permutation(blocks)[:B]
+  total_bad = total = 0
+  for step in range(6):
+    pos = (starts + step)[:, None]
+    pos[rng.random((B, 1)) < 0.1] = -1                      # some padding rows
+    tslot = np.where(pos >= 0, blk[:, None] * ring + pos % ring, -1)
+    done = (pos % 4 == 3) & (pos >= 0)
+    loc = np.full((B, 1), -1)
+    loc[done] = rng.choice(pages * page, int(done.sum()), replace=False)
+    key = O.random_bf16(rng, (B, 1, 128))
+    score = O.random_bf16(rng, (B, 1, 128), 2.0)
+    bad, n, kv, tail, _ = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+                                        label=f"step {step}", min_written=0)
+    total_bad += bad
+    total += n
+  assert total > 50
+  _report("update next_n=1 chained", total_bad, total)
+
+
+def _edge_batch(rng, ring, blocks, pages, page):
+  """Hand-written decode batch (N = 4) covering the §3 edge cases."""
+  cap = pages * page
+  rows = []   # (pos[4], tslot[4], loc[4])
+
+  def req(blk, pos, loc, tslot=None):
+    pos = np.array(pos)
+    if tslot is None:
+      tslot = np.where(pos >= 0, blk * ring + np.maximum(pos, 0) % ring, -1)
+    rows.append((pos, np.array(tslot), np.array(loc)))
+
+  # 1: completion at the last token, slots 0..2 stashed earlier in this call
+  req(1, [4, 5, 6, 7], [-1, -1, -1, 3])
+  # 2: completion mid-call, a later token of the call stashed after it
+  req(2, [9, 10, 11, 12], [-1, -1, 17, -1])
+  # 3: trailing padding; pos = -1 and other negative positions
+  req(3, [13, 14, -1, -5], [-1, -1, -1, -1])
+  # 4: all padding but with tslot and loc pointing at real storage: touches nothing
+  req(4, [-1, -1, -1, -1], [5, 6, 7, 8], tslot=[4 * ring, 4 * ring + 1, 4 * ring + 2, 4 * ring + 3])
+  # 5: completing slot past the cache (never written), a loc on a non-completing token
+  req(5, [15, 16, 17, 18], [cap + 3, 9, -1, -1])
+  # 6: negative loc on a completing token: stash but no write
+  req(6, [19, 20, 21, 22], [-1, -1, -1, -1])
+  # 7: tail block past the ring buffer: the whole token is a no-op
+  req(blocks, [20, 21, 22, 23], [-1, -1, -1, 20])
+  # 8: slot far past the cache, completing at position 3 (first pool)
+  req(7, [0, 1, 2, 3], [-1, -1, -1, 10 ** 6])
+  # 9: negative tslot on real tokens: no stash (a completion would read block 0)
+  req(8, [24, 25, 26, 27], [-1, -1, -1, -1], tslot=[-1, -3, -1, -1])
+  # 10: tslot whose ring row disagrees with pos: the ring row comes from pos
+  req(9, [28, 29, 30, 31], [-1, -1, -1, 30], tslot=[9 * ring] * 4)
+  # 11: second completion of the call (N = 4 covers pool 8 tokens 32..35)
+  req(10, [32, 33, 34, 35], [-1, -1, -1, 31])
+  # 12: wrap-around far past the ring size
+  req(11, [1001, 1002, 1003, 1004], [-1, -1, 40, -1])
+  pos = np.stack([r[0] for r in rows])
+  tslot = np.stack([r[1] for r in rows])
+  loc = np.stack([r[2] for r in rows])
+  return tslot, pos, loc
+
+
+@pytest.mark.parametrize("ring", [4, 8])
+def test_update_edge_cases(ring):
+  rng = np.random.default_rng(12 + ring)
+  pages, page, blocks = 2, 32, 12
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=blocks, ring=ring)
+  tslot, pos, loc = _edge_batch(rng, ring, blocks, pages, page)
+  B, N = pos.shape
+  key = O.random_bf16(rng, (B, N, 128))
+  score = O.random_bf16(rng, (B, N, 128), 2.0)
+  bad, n, okv, otail, written = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+                                               label=f"edge ring {ring}")
+  # sanity of the oracle itself on the cases named above
+  assert sorted(written) == [3, 17, 30, 31, 40]       # not 20 (block past), cap+3, 10**6
+  for b in (0, 4, 8):                                  # unused / padding / tslot < 0
+    np.testing.assert_array_equal(otail[b].view(np.uint16), tail[b].view(np.uint16))
+  # request 10 stashed its rows at pos % ring, not at tslot % ring = 0 only
+  for t, p in enumerate([28, 29, 30, 31]):
+    np.testing.assert_array_equal(otail[9, 0, p % ring].view(np.uint16),
+                                  key[9, t].view(np.uint16))
+  # request 1 completion used this call's tokens 4, 5, 6 (recompute independently)
+  ks = np.stack([key[0, t].astype(np.float32) for t in range(4)])
+  gs = np.stack([score[0, t].astype(np.float32) for t in range(4)])
+  q, sb = O.compress_pool(ks, gs, ape)
+  flat = okv.reshape(pages, page * 132)
+  np.testing.assert_array_equal(flat[0, 3 * 128:4 * 128], q)
+  np.testing.assert_array_equal(flat[0, page * 128 + 12:page * 128 + 16], sb)
+  _report(f"update edge ring {ring}", bad, n)
+
+
+def test_update_completion_with_negative_tslot_reads_block_zero():
+  """SPEC §3: blk = max(ts, 0) // RING, so a completing token with tslot -1 pools
+  ring rows of block 0 (and stashes nothing)."""
+  rng = np.random.default_rng(13)
+  ring, pages, page, blocks = 8, 1, 64, 3
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=blocks, ring=ring)
+  pos = np.array([[9, 10, 11]])
+  tslot = np.full((1, 3), -1)
+  loc = np.array([[-1, -1, 5]])
+  key = O.random_bf16(rng, (1, 3, 128))
+  score = O.random_bf16(rng, (1, 3, 128), 2.0)
+  _, n, okv, otail, written = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+                                            label="tslot -1")
+  assert written == [5]
+  np.testing.assert_array_equal(otail.view(np.uint16), tail.view(np.uint16))
+
+
+@pytest.mark.parametrize("ring,N", [(8, 5), (8, 8), (16, 12)])
+def test_update_next_n_completions_mid_call(ring, N):
+  rng = np.random.default_rng(14 + N)
+  B, pages, page = 48, 4, 64
+  blocks = B + 2
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=blocks, ring=ring)
+  tslot, key, score, loc, pos = _decode_batch(rng, B, N, ring=ring, blocks=blocks,
+                                              pages=pages, page=page, max_start=3 * ring)
+  # pad the last token of a few requests (non-uniform batch)
+  pad = rng.random(B) < 0.2
+  pos[pad, -1] = -1
+  tslot[pad, -1] = -1
+  loc[pad, -1] = -1
+  key[pad, -1] = 0
+  score[pad, -1] = 0
+  bad, n, *_ = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+                             label=f"ring {ring} N {N}", min_written=B)
+  _report(f"update ring {ring} next_n {N}", bad, n)
+
+
+@pytest.mark.parametrize("B,N", [(0, 4), (3, 0), (0, 0)])
+def test_update_empty(B, N):
+  rng = np.random.default_rng(15)
+  kv, tail, ape = _state(rng, pages=2, page=32, blocks=3, ring=8)
+  tslot = np.zeros((B, N), np.int64)
+  key = O.random_bf16(rng, (B, N, 128))
+  rkv, rtail = _update_fn("fp32", True)(
+      jnp.asarray(kv), jnp.asarray(tail), _i32(tslot), jnp.asarray(key), jnp.asarray(key),
+      jnp.asarray(ape), _i32(tslot), _i32(tslot))
+  np.testing.assert_array_equal(np.asarray(rkv), kv)
+  np.testing.assert_array_equal(np.asarray(rtail).view(np.uint16), tail.view(np.uint16))
+
+
+def test_update_wide_inputs():
+  """k * 8, scores * 6 (SPEC §11.2 'wide inputs')."""
+  rng = np.random.default_rng(16)
+  B, N, ring, page, pages = 128, 4, 8, 64, 8
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=B, ring=ring)
+  tslot, key, score, loc, pos = _decode_batch(rng, B, N, ring=ring, blocks=B, pages=pages,
+                                              page=page, score_scale=12.0)
+  key = O.to_bf16(key.astype(np.float32) * 8)
+  bad, n, *_ = _check_update(kv, tail, tslot, key, score, ape, loc, pos, label="wide",
+                             min_written=B)
+  _report("update wide", bad, n)
+
+
+# --------------------------------------------------------------------------- §4a
+
+def _check_compress(kv, sk, ss, ape, loc, mask, scale_format="fp32", round_scale=True,
+                    label=""):
+  written = []
+  okv = O.kpool_compress(kv, sk, ss, ape, loc, mask, scale_format=scale_format,
+                         round_scale=round_scale, written=written)
+  rkv = _compress_fn(scale_format, round_scale)(
+      jnp.asarray(kv), jnp.asarray(sk), jnp.asarray(ss), jnp.asarray(ape), _i32(loc),
+      jnp.asarray(mask))
+  bad, n = O.compare_cache(rkv, okv, kv, written, label)
+  return bad, n
+
+
+@pytest.mark.parametrize("scale_format,round_scale,page", [
+    ("fp32", True, 64), ("ue8m0", True, 64), ("fp32", False, 32)])
+def test_compress_thousands_of_pools(scale_format, round_scale, page):
+  rng = np.random.default_rng(20)
+  n = 4096
+  pages = 5120 // page
+  kv = O.poison_cache(rng, pages, page)
+  sk = O.random_bf16(rng, (n, 4, 128))
+  ss = O.random_bf16(rng, (n, 4, 128), 2.0)
+  ape = (rng.standard_normal((4, 128)) * 0.5).astype(np.float32)
+  loc = rng.permutation(pages * page)[:n].astype(np.int64)
+  loc[rng.random(n) < 0.03] = -1
+  past = rng.random(n) < 0.03
+  loc[past] = pages * page + rng.integers(0, 1000, int(past.sum()))   # past the cache
+  mask = rng.random(n) < 0.9
+  bad, w = _check_compress(kv, sk, ss, ape, loc, mask, scale_format, round_scale,
+                           scale_format)
+  assert w > 3000
+  _report(f"compress {scale_format} round_scale={round_scale} page {page}", bad, w)
+
+
+def test_compress_wide_inputs_and_empty():
+  rng = np.random.default_rng(21)
+  n, pages, page = 1024, 16, 64
+  kv = O.poison_cache(rng, pages, page)
+  sk = O.random_bf16(rng, (n, 4, 128), 8.0)
+  ss = O.random_bf16(rng, (n, 4, 128), 12.0)
+  ape = rng.standard_normal((4, 128)).astype(np.float32)
+  loc = rng.permutation(pages * page)[:n].astype(np.int64)
+  mask = np.ones(n, bool)
+  mask[::7] = False
+  bad, w = _check_compress(kv, sk, ss, ape, loc, mask, label="wide")
+  assert w == n - len(range(0, n, 7))
+  _report("compress wide", bad, w)
+  # empty batch: unchanged cache
+  e = np.zeros((0,), np.int64)
+  rkv = _compress_fn("fp32", True)(jnp.asarray(kv), jnp.asarray(sk[:0]), jnp.asarray(ss[:0]),
+                                   jnp.asarray(ape), _i32(e), jnp.asarray(np.zeros(0, bool)))
+  np.testing.assert_array_equal(np.asarray(rkv), kv)
+
+
+def test_compress_equals_update_pooling():
+  """The §4a pool of (t0..t3) equals the §3 pool completed at t3 (oracle-level
+  consistency), and the reference agrees with both on the same slot."""
+  rng = np.random.default_rng(22)
+  ring, page = 4, 32
+  kv = O.poison_cache(rng, 1, page)
+  tail = O.poison_tail(rng, 1, ring)
+  ape = rng.standard_normal((4, 128)).astype(np.float32)
+  key = O.random_bf16(rng, (1, 4, 128))
+  score = O.random_bf16(rng, (1, 4, 128), 2.0)
+  pos = np.array([[8, 9, 10, 11]])
+  okv, _ = O.kpool_update(kv, tail, pos % ring, key, score, ape, np.array([[-1, -1, -1, 7]]), pos)
+  okv2 = O.kpool_compress(kv, key, score, ape, np.array([7]), np.array([True]))
+  np.testing.assert_array_equal(okv, okv2)
+  bad, w = _check_compress(kv, key, score, ape, np.array([7]), np.array([True]), label="one")
+  assert w == 1 and bad == 0
+
+
+# --------------------------------------------------------------------------- §4b
+
+@pytest.mark.parametrize("ring", [4, 8])
+def test_seed_tail(ring):
+  rng = np.random.default_rng(30 + ring)
+  blocks = 10
+  tail = O.poison_tail(rng, blocks, ring)
+  lens = [7, 1, 4, 3, 0, 9, 2, 5]
+  blks = [0, 2, 3, 5, 6, 7, blocks, 9]          # request 6 has a block past the buffer
+  tslot = []
+  for L, b in zip(lens, blks):
+    tslot += [b * ring + i % ring for i in range(L)]
+  tslot += [-1, -1, -1]                          # trailing padding
+  tslot = np.array(tslot)
+  n = len(tslot)
+  key = O.random_bf16(rng, (n, 128))
+  score = O.random_bf16(rng, (n, 128), 2.0)
+  want = O.kpool_seed_tail(tail, key, score, tslot)
+  got = _seed_fn(jnp.asarray(tail), jnp.asarray(key), jnp.asarray(score), _i32(tslot))
+  _tail_equal(got, want, "seed")
+  # oracle sanity: request 0 (7 tokens) stashed exactly its last 4 tokens 3..6
+  changed = np.any(want[0].view(np.uint16) != tail[0].view(np.uint16), axis=(0, 2))
+  assert sorted(np.nonzero(changed)[0].tolist()) == sorted({i % ring for i in range(3, 7)})
+  for b in (1, 4, 6, 8):                          # no tokens seeded there
+    np.testing.assert_array_equal(want[b].view(np.uint16), tail[b].view(np.uint16))
+  # empty
+  got0 = _seed_fn(jnp.asarray(tail), jnp.asarray(key[:0]), jnp.asarray(score[:0]),
+                  _i32(tslot[:0]))
+  _tail_equal(got0, tail, "seed empty")
+
+
+def test_seed_tail_then_decode():
+  """Prefill seeding followed by decode completions that read the seeded rows."""
+  rng = np.random.default_rng(33)
+  ring, blocks, pages, page = 8, 6, 2, 64
+  kv, tail, ape = _state(rng, pages=pages, page=page, blocks=blocks, ring=ring)
+  lens = [6, 9, 14, 3, 11]
+  tslot = np.concatenate([b * ring + np.arange(L) % ring for b, L in enumerate(lens)])
+  n = len(tslot)
+  pk = O.random_bf16(rng, (n, 128))
+  ps = O.random_bf16(rng, (n, 128), 2.0)
+  tail2 = O.kpool_seed_tail(tail, pk, ps, tslot)
+  _tail_equal(_seed_fn(jnp.asarray(tail), jnp.asarray(pk), jnp.asarray(ps), _i32(tslot)),
+              tail2, "seed")
+  B, N = len(lens), 2
+  pos = np.array(lens)[:, None] + np.arange(N)
+  ts = np.arange(B)[:, None] * ring + pos % ring
+  loc = np.where(pos % 4 == 3, np.arange(B)[:, None] * 2 + np.arange(N), -1)
+  key = O.random_bf16(rng, (B, N, 128))
+  score = O.random_bf16(rng, (B, N, 128), 2.0)
+  bad, w, *_ = _check_update(kv, tail2, ts, key, score, ape, loc, pos, label="seeded")
+  assert w == int(np.sum(pos % 4 == 3))
