@@ -404,8 +404,9 @@ def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
 
 
 def pool_topk(logits, pool_lens, *, k):
-  """SPEC §5c with the project tie rule: descending logit (NaN as -inf), ties by
-  ascending id, only p < pool_lens[r] eligible, missing = -1."""
+  """SPEC §5c with the project tie rule: descending logit (NaN as -inf,
+  subnormals as 0), ties by ascending id, only p < pool_lens[r] eligible,
+  missing = -1."""
   logits = np.asarray(logits, F32)
   rows, P_ = logits.shape
   out = np.full((rows, k), -1, np.int32)
@@ -416,6 +417,8 @@ def pool_topk(logits, pool_lens, *, k):
       x = float(logits[r, p])
       if math.isnan(x):
         x = -math.inf
+      if abs(x) < 2.0 ** -126:
+        x = 0.0
       cand.append((-x, p))
     cand.sort()
     for i, (_, p) in enumerate(cand[:k]):
@@ -425,23 +428,28 @@ def pool_topk(logits, pool_lens, *, k):
 
 # --------------------------------------------------------------------------- indexer
 
-def layernorm_f64(key_raw, weight, bias, eps):
-  """Key LayerNorm in float64 (not rounded): f64[M, 128]."""
+def layernorm_f64(key_raw, weight, bias, eps, *, terms=False):
+  """Key LayerNorm in float64 (not rounded): f64[M, 128]. With terms=True also
+  returns |xhat * w| + |b| (the magnitude an fp32 evaluation rounds against)."""
   x = np.asarray(key_raw).astype(F64)
   w = np.asarray(weight).astype(F64)
   b = np.asarray(bias).astype(F64)
   out = np.zeros_like(x)
+  mag = np.zeros_like(x)
   for m in range(x.shape[0]):
     mean = np.sum(x[m]) / D
     var = np.sum((x[m] - mean) ** 2) / D
-    out[m] = (x[m] - mean) / math.sqrt(var + eps) * w + b
-  return out
+    xw = (x[m] - mean) / math.sqrt(var + eps) * w
+    out[m] = xw + b
+    mag[m] = np.abs(xw) + np.abs(b)
+  return (out, mag) if terms else out
 
 
 def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-6,
                   padded=None, weights_dtype="float32"):
   """SPEC §2a-2d. Returns (q codes u8[M, padded, 128], w_out f32[M, padded] (bf16
-  values when weights_dtype is bf16), key_f64[M, 128] un-rounded LayerNorm)."""
+  values when weights_dtype is bf16), (key f64[M, 128] un-rounded LayerNorm, its
+  term magnitudes f64[M, 128]))."""
   q = np.asarray(q).astype(BF16)
   w = np.asarray(weights, F32)
   M, H, _ = q.shape
@@ -457,7 +465,7 @@ def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-
       if weights_dtype in ("bfloat16", "bf16"):
         wo = bf16r(wo)
       w_out[m, h] = wo
-  key = layernorm_f64(key_raw, norm_weight, norm_bias, eps)
+  key = layernorm_f64(key_raw, norm_weight, norm_bias, eps, terms=True)
   return q_out, w_out, key
 
 
@@ -494,12 +502,24 @@ def bf16_rank(x):
   return np.where(u & 0x8000, -mag, mag)
 
 
-def compare_cache(ref_kv, orc_kv, orig_kv, written, label=""):
+def _e4m3_spacing(v):
+  """Gap between adjacent e4m3 values around |v| (2^-9 in the subnormal range)."""
+  a = np.abs(np.asarray(v, F64))
+  e = np.floor(np.log2(np.maximum(a, 2.0 ** -6)))
+  return 2.0 ** (e - 3)
+
+
+def compare_cache(ref_kv, orc_kv, orig_kv, written, label="", stats=None):
   """Compare a reference K cache with the oracle's (SPEC D2 rules).
 
   Every scale byte equal; every byte of an entry not written equal to the original;
-  fp8 codes of written entries equal or one e4m3 code apart. Returns (number of
-  written entries with a differing fp8 byte, number written)."""
+  fp8 codes of written entries equal or one e4m3 code apart -- except in an entry
+  where a ~1 ulp exp difference flipped one pooled bf16 value y_i: the Hadamard then
+  moves every output by c * ulp_bf16(y_i) <= c * 2^-7 * ||out||_2 (||y||_2 =
+  ||out||_2 since c * sqrt(128) = 1), which near zero spans several e4m3 codes.
+  Such entries must stay within two such flips plus two e4m3 gaps per value; they
+  are counted in `stats['multi']`. Returns (number of written entries with a
+  differing fp8 byte, number written)."""
   ref_kv = np.asarray(ref_kv, np.uint8)
   orc_kv = np.asarray(orc_kv, np.uint8)
   orig_kv = np.asarray(orig_kv, np.uint8)
@@ -522,7 +542,18 @@ def compare_cache(ref_kv, orc_kv, orig_kv, written, label=""):
   if not wl:
     return 0, 0
   dr = np.abs(e4m3_rank(rdata[wl]) - e4m3_rank(odata[wl]))
-  assert dr.max() <= 1, f"{label}: fp8 code off by {dr.max()} codes"
+  multi = 0
+  for i in np.nonzero(dr.max(axis=1) > 1)[0]:
+    a = e4m3_value(rdata[wl[i]])
+    b = e4m3_value(odata[wl[i]])
+    assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), label
+    allowed = 2 * float(C_HAD) * 2.0 ** -7 * np.linalg.norm(b) + 2 * _e4m3_spacing(
+        np.maximum(np.abs(a), np.abs(b)))
+    assert np.all(np.abs(a - b) <= allowed), (
+        f"{label}: entry {wl[i]} fp8 values off by more than a pooled bf16 flip explains")
+    multi += 1
+  if stats is not None:
+    stats["multi"] = stats.get("multi", 0) + multi
   bad = int(np.sum(np.any(dr != 0, axis=1)))
   return bad, len(wl)
 

@@ -88,6 +88,9 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
     blk = jnp.minimum(blk, blocks - 1)
     rows = (sp[:, None] - 3 + jnp.arange(POOL - 1)) % ring          # [B, 3]
     stashed = _bf16_bits(tail)[blk[:, None], :, rows]                  # [B, 3, 2, 128]
+    # The stash below must follow this read; saying so lets XLA update a
+    # donated tail in place instead of copying it first.
+    stashed, tail = lax.optimization_barrier((stashed, tail))
     stashed = lax.bitcast_convert_type(stashed, jnp.bfloat16).astype(jnp.float32)
     keys = jnp.concatenate([stashed[:, :, 0], key[:, t, None].astype(jnp.float32)], 1)
     scores = jnp.concatenate([stashed[:, :, 1], score[:, t, None].astype(jnp.float32)], 1)

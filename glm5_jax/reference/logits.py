@@ -1,5 +1,6 @@
 """Reference MQA logits over the pooled fp8 cache, pool top-k and the bf16 ->
 fp32 logits upcast (SPEC §5b, §5c, §8)."""
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
@@ -59,13 +60,15 @@ def pool_topk(logits, pool_lens, *, k):
   """The k best pools of each row (SPEC §5c).
 
   logits f32[rows, P]; pool_lens i32[rows]. Returns i32[rows, k]: pool ids by
-  descending logit, ties by ascending id; only
+  descending logit, ties by ascending id (-0, subnormals and +0 tie); only
   p < pool_lens[r] are eligible (a NaN logit ranks as -inf); missing entries are -1.
   """
   rows, width = logits.shape
   cols = jnp.arange(width)
   eligible = cols < pool_lens[:, None]
   masked = jnp.where(eligible & ~jnp.isnan(logits), logits, -jnp.inf)
+  # -0 and subnormals tie with +0 on every platform (XLA's CPU flushes them).
+  masked = jnp.where(jnp.abs(masked) < np.float32(2.0 ** -126), 0.0, masked)
   if width < k:
     masked = jnp.pad(masked, ((0, 0), (0, k - width)), constant_values=-jnp.inf)
   _, ids = lax.top_k(masked, k)

@@ -1,0 +1,845 @@
+"""Benchmark every glm5_jax op at GLM-5.3-Flash decode shapes on one GPU.
+
+  python bench/bench.py --out BENCHMARKS.json --md BENCHMARKS.md [--quick] [--ops a,b]
+  python bench/bench.py --quick --cpu-smoke --out /tmp/b.json --md /tmp/b.md
+
+Variants per shape: "reference" = the public op with GLM5_JAX_KERNELS=0 (pure
+JAX under jit) and "kernel" = the public op with its CUDA kernel, for the ops
+in glm5_jax._ffi.KERNEL_TARGETS (GPU only). Method (PERFORMANCE.md §8): one
+jitted function runs R chained calls, each on its own rotated inputs (weights
+and logits rotated past the 60 MB L2; caches >= 1 GB donated and threaded
+through the calls; stateless calls chained by a run-time-zero scalar
+dependency behind optimization barriers). device_us = median over N runs of
+the run time / R, nothing subtracted; the calibration rows give the copy
+bandwidth and the cost of an empty op. floor_us = max(minimum bytes /
+measured copy bandwidth, FLOPs / 790 TFLOP/s) (PERFORMANCE.md §7).
+"""
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from typing import Callable, NamedTuple
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:
+  import glm5_jax
+except ImportError:          # run from a checkout without installing
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import glm5_jax
+from glm5_jax import _ffi, synthetic
+from glm5_jax.reference.numerics import DIM, POOL
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+CONFIG = glm5_jax.IndexerConfig()              # GLM-5.3-Flash: 32 heads, topk 2048, block 128
+HIDDEN = synthetic.HIDDEN                      # 4096
+HEADS, PADDED = CONFIG.heads, CONFIG.padded    # 32, 32
+W_ROWS = 2 * DIM + HEADS                       # w_cat rows: [wk; weights_proj; gate] = 288
+GROUPS = CONFIG.topk_tokens // POOL            # 512 selected pools
+WIDTH = CONFIG.width                           # 2176
+BLOCK = CONFIG.block_size                      # 128
+PAGE = 64                                      # K-cache entries per page
+ENTRY = DIM + 4                                # K-cache bytes per entry
+CONTEXT = 128 * 1024                           # tokens, expand/remap/kpool_update
+PEAK_BF16 = 790e12                             # dense bf16 FLOP/s (H200)
+BW_FALLBACK = 4.3e12                           # B/s when the copy calibration fails
+
+
+@dataclasses.dataclass
+class Sizes:
+  """What to run: shapes, buffer sizes and the timing loop."""
+  rows: tuple = (1, 8, 16, 64)
+  next_ns: tuple = (1, 4)
+  upcast_pools: tuple = (8192, 32768, 262144)
+  topk_pools: tuple = (8192, 32768)
+  mqa_pools: int = 8192                        # 32K-token contexts
+  cache_bytes: int = 1 << 30
+  copy_bytes: int = 2 << 30
+  r_max: int = 64                              # calls per chain (rotated input sets)
+  r_min: int = 4
+  chain_s: float = 0.05                        # target device time of one chain run
+  reps: int = 20
+  warmup: int = 2
+  empty_r: int = 100
+
+
+def sizes_for(quick, cpu_smoke):
+  s = Sizes()
+  if quick:
+    s = dataclasses.replace(s, rows=(1, 64), next_ns=(1,), upcast_pools=(32768,),
+                            topk_pools=(8192,))
+  if cpu_smoke:
+    s = dataclasses.replace(
+        s, upcast_pools=tuple(p // 16 for p in s.upcast_pools),
+        topk_pools=tuple(p // 16 for p in s.topk_pools), mqa_pools=512,
+        cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,
+        warmup=1, empty_r=20)
+  return s
+
+
+# ---------------------------------------------------------------- floors (§7)
+
+def floor_us(nbytes, flops, bw):
+  """max(bytes / measured copy bandwidth, FLOPs / bf16 peak), in µs."""
+  return 1e6 * max(nbytes / bw, flops / PEAK_BF16)
+
+
+def bytes_projection(m):
+  """§7a: W_cat once + per row x (2K) in; key bf16, weights f32, gate bf16 out."""
+  return W_ROWS * HIDDEN * 2 + m * (2 * HIDDEN + 2 * DIM + 4 * HEADS + 2 * DIM)
+
+
+def bytes_query(m):
+  """Per row q bf16[H,128], key_raw, weights f32 in; q_fp8, w_out f32, key out;
+  the LayerNorm weight and bias once."""
+  return 2 * DIM * 4 + m * (HEADS * DIM * 2 + 2 * DIM + 4 * HEADS
+                            + PADDED * DIM + 4 * PADDED + 2 * DIM)
+
+
+def bytes_fused(m):
+  """§7a with the query epilogue: W_cat + per row x, q in; q_fp8, w_out, key, gate out."""
+  return (W_ROWS * HIDDEN * 2 + 2 * DIM * 4
+          + m * (2 * HIDDEN + HEADS * DIM * 2 + PADDED * DIM + 4 * PADDED + 4 * DIM))
+
+
+def bytes_update(tokens, completing):
+  """§7b: 1,036 B per token (key, gate, 3 indices in; ring row out) + 1,668 B per
+  completing token (3 ring rows in, 128 fp8 + 4 scale bytes out) + ape."""
+  return tokens * 1036 + completing * (3 * 2 * DIM * 2 + ENTRY) + POOL * DIM * 4
+
+
+def bytes_compress(n, written):
+  """Per pool 4 keys + 4 scores bf16, loc, mask in; written entries 132 B out; ape."""
+  return n * (2 * POOL * DIM * 2 + 4 + 1) + written * ENTRY + POOL * DIM * 4
+
+
+def bytes_seed(n, written):
+  """Per token key + score bf16 and tslot in; written tokens a ring row (512 B) out."""
+  return n * (2 * DIM * 2 + 4) + written * 2 * DIM * 2
+
+
+def bytes_expand(m):
+  """§7c without the remap: per row 512 pool ids + seq_len in, WIDTH ids out."""
+  return m * (GROUPS * 4 + 4 + WIDTH * 4)
+
+
+def bytes_remap(m, blocks_touched):
+  """§7c: per row pool ids, position, request in; WIDTH slots + count out; plus
+  4 B per distinct block-table entry touched (best case, no sector waste)."""
+  return m * (GROUPS * 4 + 4 + 4 + WIDTH * 4 + 4) + 4 * blocks_touched
+
+
+def bytes_upcast(row_ends):
+  """§7d: 2 B read + 4 B written per column below each row end, + row_ends."""
+  return 6 * int(np.sum(row_ends)) + 4 * len(row_ends)
+
+
+def bytes_mqa(pool_lens, max_pools):
+  """Every valid pool's entry (132 B) and its page-table entry once per page,
+  q_fp8 + weights in, the full f32[rows, max_pools] out."""
+  pages = int(np.sum(-(-np.asarray(pool_lens) // PAGE)))
+  m = len(pool_lens)
+  return (ENTRY * int(np.sum(pool_lens)) + 4 * pages
+          + m * (HEADS * DIM + 4 * HEADS + 4) + 4 * m * max_pools)
+
+
+def flops_mqa(pool_lens):
+  """2·H·128 per (row, valid pool): the q·k dots."""
+  return 2 * HEADS * DIM * int(np.sum(pool_lens))
+
+
+def bytes_topk(pool_lens, k):
+  """Valid f32 logits and pool_lens in, k ids per row out."""
+  return 4 * int(np.sum(pool_lens)) + 4 * len(pool_lens) * (1 + k)
+
+
+# ----------------------------------------------------------------- inputs
+
+class Rand:
+  """Seeded random data: small index data from numpy, big arrays on device."""
+
+  def __init__(self, seed):
+    self.np = np.random.default_rng(seed)
+    self._key, self._n = jax.random.key(seed), 0
+
+  def key(self):
+    self._n += 1
+    return jax.random.fold_in(self._key, self._n)
+
+  def normal(self, shape, dtype=BF16, scale=1.0):
+    return (jax.random.normal(self.key(), shape, F32) * scale).astype(dtype)
+
+  def kv_cache(self, nbytes):
+    """u8[pages, PAGE, 132] of about nbytes: fp8 data with |v| < 2 (the exponent's
+    top bit cleared, never NaN), then PAGE fp32 scales 2**-8 per page."""
+    pages = max(1, nbytes // (PAGE * ENTRY))
+    data = jax.random.bits(self.key(), (pages, PAGE * DIM), jnp.uint8) & 0xBF
+    scale = np.tile(np.float32(2.0 ** -8).reshape(1).view(np.uint8), PAGE)
+    scales = jnp.broadcast_to(jnp.asarray(scale), (pages, PAGE * 4))
+    return jnp.concatenate([data, scales], 1).reshape(pages, PAGE, ENTRY)
+
+  def ragged(self, m, full):
+    """Row lengths: full, except every 4th row (3, 7, ..) in [full/2, full)."""
+    ends = np.full(m, full)
+    short = np.arange(m) % 4 == 3
+    ends[short] = self.np.integers(full // 2, full, short.sum())
+    return ends
+
+  def pool_ids(self, m, pools):
+    """i32[m, 512] distinct pool ids spread over [0, pools) (one per stratum),
+    in random order per row."""
+    stride = pools // GROUPS
+    ids = np.arange(GROUPS) * stride + self.np.integers(0, stride, (m, GROUPS))
+    order = np.argsort(self.np.random((m, GROUPS)), 1)
+    return np.take_along_axis(ids, order, 1)
+
+
+def i32(a):
+  return jnp.asarray(a, I32)
+
+
+# ------------------------------------------------------------------ cases
+
+class Case(NamedTuple):
+  """One op at one shape. call(state, fixed, args) -> (state, outs): the public
+  op on state (threaded caches, or None), fixed (shared) and one rotated
+  argument tuple. dep: index of the argument that takes the chain dependency
+  (stateless ops). mask(args, outs) -> outs hides unspecified outputs."""
+  op: str
+  shape: str
+  call: Callable
+  state: object
+  fixed: tuple
+  rotated: list
+  dep: int | None
+  nbytes: int
+  flops: int = 0
+  mask: Callable | None = None
+
+
+def case_projection(r, s, m):
+  rot = [(r.normal((m, HIDDEN)), r.normal((W_ROWS, HIDDEN), scale=HIDDEN ** -0.5))
+         for _ in range(s.r_max)]
+  call = lambda st, f, a: (st, glm5_jax.indexer_projection(*a, heads=HEADS))
+  return Case("indexer_projection", f"M={m}", call, None, (), rot, 0,
+              bytes_projection(m), 2 * m * W_ROWS * HIDDEN)
+
+
+def _norm(r):
+  return (jnp.asarray(1 + 0.1 * r.np.standard_normal(DIM), F32),
+          jnp.asarray(0.1 * r.np.standard_normal(DIM), F32))
+
+
+def case_query(r, s, m):
+  rot = [(r.normal((m, HEADS, DIM)), r.normal((m, DIM)), r.normal((m, HEADS), F32))
+         for _ in range(s.r_max)]
+  call = lambda st, f, a: (st, glm5_jax.indexer_query(*a, *f, scale=CONFIG.scale,
+                                                      padded=PADDED))
+  return Case("indexer_query", f"M={m}", call, None, _norm(r), rot, 2, bytes_query(m))
+
+
+def case_fused(r, s, m):
+  rot = [(r.normal((m, HIDDEN)), r.normal((W_ROWS, HIDDEN), scale=HIDDEN ** -0.5),
+          r.normal((m, HEADS, DIM))) for _ in range(s.r_max)]
+  call = lambda st, f, a: (st, glm5_jax.indexer_projection_fused(
+      *a, *f, heads=HEADS, scale=CONFIG.scale, padded=PADDED))
+  return Case("indexer_projection_fused", f"M={m}", call, None, _norm(r), rot, 0,
+              bytes_fused(m), 2 * m * W_ROWS * HIDDEN)
+
+
+def _ape(r):
+  return jnp.asarray(0.5 * r.np.standard_normal((POOL, DIM)), F32)
+
+
+def case_update(r, s, b, next_n):
+  """B requests x next_n tokens; each call advances every request by next_n
+  positions (random starts: completing and non-completing tokens mix), the
+  pools of a request on its own random pages of a >= 1 GB cache."""
+  kv = r.kv_cache(s.cache_bytes)
+  pages = kv.shape[0]
+  tail = r.normal((b, 2, synthetic.ring_size(next_n), DIM))
+  per_req = max(1, min(CONTEXT // POOL // PAGE, pages // b))
+  table = r.np.permutation(pages)[:b * per_req].reshape(b, per_req)
+  span = per_req * PAGE * POOL
+  start = r.np.integers(0, max(1, span - s.r_max * next_n), b)
+  like = glm5_jax.IndexerCache(kv, tail)
+  rot, completing = [], []
+  for i in range(s.r_max):
+    pos = (start[:, None] + i * next_n + np.arange(next_n)) % span
+    batch = synthetic.decode_batch(pos, like, table, table)
+    completing.append(int(np.sum((pos + 1) % POOL == 0)))
+    rot.append((batch.tslot, r.normal((b, next_n, DIM)), r.normal((b, next_n, DIM)),
+                batch.loc, batch.positions))
+  call = lambda st, f, a: (glm5_jax.kpool_update(st[0], st[1], a[0], a[1], a[2], f[0],
+                                                 a[3], a[4]), ())
+  return Case("kpool_update", f"B={b},next_n={next_n}", call, (kv, tail), (_ape(r),),
+              rot, None, bytes_update(b * next_n, np.mean(completing)))
+
+
+def case_compress(r, s, n):
+  """n pools to slots on distinct random pages of a >= 1 GB cache, 7/8 written."""
+  kv = r.kv_cache(s.cache_bytes)
+  rot, written = [], []
+  for _ in range(s.r_max):
+    mask = r.np.random(n) < 0.875
+    written.append(int(mask.sum()))
+    loc = r.np.choice(kv.shape[0], n, replace=False) * PAGE + r.np.integers(0, PAGE, n)
+    rot.append((r.normal((n, POOL, DIM)), r.normal((n, POOL, DIM)), i32(loc),
+                jnp.asarray(mask)))
+  call = lambda st, f, a: (glm5_jax.kpool_compress(st, a[0], a[1], f[0], a[2], a[3]), ())
+  return Case("kpool_compress", f"n={n}", call, kv, (_ape(r),), rot, None,
+              bytes_compress(n, np.mean(written)))
+
+
+def case_seed(r, s, n):
+  """n tokens, 4 consecutive positions per request, each request its own random
+  block of a >= 1 GB tail (RING 4): every token is written."""
+  ring = synthetic.ring_size(1)
+  blocks = max(1, s.cache_bytes // (2 * ring * DIM * 2))
+  tail = r.normal((blocks, 2, ring, DIM))
+  reqs = -(-n // POOL)
+  rot = []
+  for _ in range(s.r_max):
+    blk = r.np.choice(blocks, reqs, replace=False)
+    pos = r.np.integers(0, 1 << 20, reqs)[:, None] + np.arange(POOL)
+    tslot = (blk[:, None] * ring + pos % ring).reshape(-1)[:n]
+    rot.append((r.normal((n, DIM)), r.normal((n, DIM)), i32(tslot)))
+  call = lambda st, f, a: (glm5_jax.kpool_seed_tail(st, *a), ())
+  return Case("kpool_seed_tail", f"n={n}", call, tail, (), rot, None, bytes_seed(n, n))
+
+
+def _positions(r, m):
+  return CONTEXT - 1 - r.np.integers(0, POOL, m)
+
+
+def case_expand(r, s, m):
+  rot = [(i32(r.pool_ids(m, CONTEXT // POOL - 1)), i32(_positions(r, m)))
+         for _ in range(s.r_max)]
+  call = lambda st, f, a: (st, (glm5_jax.expand_pools(*a, seq_offset=1, width=WIDTH),))
+  return Case("expand_pools", f"rows={m}", call, None, (), rot, 1, bytes_expand(m))
+
+
+def case_remap(r, s, m):
+  """Rows = requests; 128K contexts, each request's 1,025 blocks at random
+  physical blocks."""
+  per_req = -(-(CONTEXT + 1) // BLOCK)
+  rot, touched = [], []
+  for _ in range(s.r_max):
+    ids = r.pool_ids(m, CONTEXT // POOL - 1)
+    touched.append(sum(len(np.unique(row // (BLOCK // POOL))) + 1 for row in ids))
+    table = r.np.permutation(m * per_req).reshape(m, per_req)
+    rot.append((i32(ids), i32(_positions(r, m)), i32(table)))
+  call = lambda st, f, a: (st, glm5_jax.expand_and_remap(
+      a[0], a[1], f[0], a[2], block_size=BLOCK, width=WIDTH))
+  return Case("expand_and_remap", f"rows={m}", call, None, (i32(np.arange(m)),), rot, 1,
+              bytes_remap(m, np.mean(touched)))
+
+
+def _upcast_mask(args, outs):
+  (logits, ends), (out,) = args, outs
+  return (jnp.where(jnp.arange(logits.shape[1]) < ends[:, None], out, 0),)
+
+
+def case_upcast(r, s, m, p):
+  ends = [r.ragged(m, p) for _ in range(s.r_max)]
+  rot = [(r.normal((m, p), scale=30.0), i32(e)) for e in ends]
+  call = lambda st, f, a: (st, (glm5_jax.upcast_logits(*a),))
+  return Case("upcast_logits", f"rows={m},P={p}", call, None, (), rot, 1,
+              np.mean([bytes_upcast(e) for e in ends]), mask=_upcast_mask)
+
+
+def case_mqa(r, s, m):
+  """Rows over 32K-token contexts (8,192 pools, max_pools 8,192), each row's
+  pages at random in a >= 1 GB cache; every 4th row shorter."""
+  p = s.mqa_pools
+  kv = r.kv_cache(s.cache_bytes)
+  per_row = -(-p // PAGE)
+  rot, lens = [], []
+  for _ in range(s.r_max):
+    n = r.ragged(m, p)
+    lens.append(n)
+    q = jnp.clip(r.normal((m, HEADS, DIM), scale=8.0, dtype=F32), -448, 448)
+    table = r.np.choice(kv.shape[0], m * per_row, replace=False).reshape(m, per_row)
+    rot.append((q.astype(jnp.float8_e4m3fn), jnp.asarray(r.np.random((m, HEADS)), F32),
+                i32(table), i32(n)))
+  call = lambda st, f, a: (st, (glm5_jax.mqa_logits(a[0], a[1], f[0], a[2], a[3],
+                                                    max_pools=p),))
+  return Case("mqa_logits", f"rows={m},P={p}", call, None, (kv,), rot, 1,
+              np.mean([bytes_mqa(n, p) for n in lens]), np.mean([flops_mqa(n) for n in lens]))
+
+
+def case_topk(r, s, m, p):
+  lens = [r.ragged(m, p) for _ in range(s.r_max)]
+  rot = [(r.normal((m, p), F32), i32(n)) for n in lens]
+  call = lambda st, f, a: (st, (glm5_jax.pool_topk(*a, k=GROUPS),))
+  return Case("pool_topk", f"rows={m},P={p}", call, None, (), rot, 1,
+              np.mean([bytes_topk(n, GROUPS) for n in lens]))
+
+
+# op -> (builder, shapes(sizes) -> list of builder keyword arguments)
+CASES = {
+    "indexer_projection": (case_projection, lambda s: [dict(m=m) for m in s.rows]),
+    "indexer_query": (case_query, lambda s: [dict(m=m) for m in s.rows]),
+    "indexer_projection_fused": (case_fused, lambda s: [dict(m=m) for m in s.rows]),
+    "kpool_update": (case_update, lambda s: [dict(b=b, next_n=n) for n in s.next_ns
+                                             for b in s.rows]),
+    "kpool_compress": (case_compress, lambda s: [dict(n=n) for n in s.rows]),
+    "kpool_seed_tail": (case_seed, lambda s: [dict(n=n) for n in s.rows]),
+    "expand_pools": (case_expand, lambda s: [dict(m=m) for m in s.rows]),
+    "expand_and_remap": (case_remap, lambda s: [dict(m=m) for m in s.rows]),
+    "upcast_logits": (case_upcast, lambda s: [dict(m=m, p=p) for p in s.upcast_pools
+                                              for m in s.rows]),
+    "mqa_logits": (case_mqa, lambda s: [dict(m=m) for m in s.rows]),
+    "pool_topk": (case_topk, lambda s: [dict(m=m, p=p) for p in s.topk_pools
+                                        for m in s.rows]),
+}
+assert set(CASES) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench case"
+
+
+# ----------------------------------------------------------------- timing
+
+@contextlib.contextmanager
+def kernels(on):
+  """GLM5_JAX_KERNELS for the lowerings done inside (it is read at lowering time)."""
+  old = os.environ.get("GLM5_JAX_KERNELS")
+  os.environ["GLM5_JAX_KERNELS"] = "1" if on else "0"
+  try:
+    yield
+  finally:
+    if old is None:
+      del os.environ["GLM5_JAX_KERNELS"]
+    else:
+      os.environ["GLM5_JAX_KERNELS"] = old
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_NAN_BITS = {2: 0x7FED, 4: 0x7FEDCBA9}      # NaN payloads / ints no op produces
+
+
+def _sentinel(outs):
+  """A bool scalar that is False at run time but cannot be folded: does the first
+  element of a >= 2-byte output hold a bit pattern no op produces?"""
+  hits = [lax.bitcast_convert_type(o.reshape(-1)[0], _UINT[o.dtype.itemsize])
+          == _NAN_BITS[o.dtype.itemsize]
+          for o in outs if o.dtype.itemsize in _NAN_BITS and o.size]
+  return functools.reduce(jnp.logical_or, hits)
+
+
+def _token(state):
+  """A scalar read from the final state, so a run's completion can be awaited."""
+  leaf = jax.tree.leaves(state)[0]
+  return leaf.reshape(-1)[0]
+
+
+def _chain(call, dep):
+  """chain(state, fixed, dep_flag, rotated): one call per rotated argument tuple.
+  Stateless calls: argument `dep` of call i+1 gets + dep_flag, which call i's
+  outputs decide (always False). Every call sits behind an optimization
+  barrier, and all outputs are returned, so XLA can neither fuse, overlap, CSE
+  nor drop calls."""
+  def chain(state, fixed, flag, rotated):
+    kept = []
+    for args in rotated:
+      if dep is not None:
+        args = args[:dep] + (args[dep] + flag.astype(args[dep].dtype),) + args[dep + 1:]
+      state, args = lax.optimization_barrier((state, args))
+      state, outs = call(state, fixed, args)
+      if dep is not None:
+        flag = _sentinel(outs)
+      kept.append(outs)
+    done = flag if state is None else _token(state)
+    return state, flag, (done, kept)
+  return chain
+
+
+def compile_fn(fn, *args):
+  """(compiled, lowered text, compiled text, seconds): jit, argument 0 (the state) donated."""
+  t0 = time.perf_counter()
+  lowered = jax.jit(fn, donate_argnums=0).lower(*args)
+  compiled = lowered.compile()
+  return compiled, lowered.as_text(), compiled.as_text() or "", time.perf_counter() - t0
+
+
+def amortised(call, state, fixed, rotated, dep, reps, warmup):
+  """Seconds per call: one jitted chain of len(rotated) calls, run warmup + reps
+  times back to back (the next run is dispatched before waiting for the previous
+  one, so host dispatch overlaps device work); the median interval between run
+  completions, divided by the chain length. Returns (s, state, info)."""
+  flag = jnp.zeros((), jnp.bool_)
+  fn, _, hlo, seconds = compile_fn(_chain(call, dep), state, fixed, flag, rotated)
+  state, flag, done = fn(state, fixed, flag, rotated)
+  jax.block_until_ready(done)
+  stamps = [time.perf_counter()]
+  for _ in range(warmup + reps):
+    state, flag, nxt = fn(state, fixed, flag, rotated)
+    jax.block_until_ready(done)
+    stamps.append(time.perf_counter())
+    done = nxt
+  jax.block_until_ready(done)
+  stamps.append(time.perf_counter())
+  del done
+  intervals = np.diff(stamps)[warmup + 1:]
+  return statistics.median(intervals) / len(rotated), state, dict(compile_s=seconds, hlo=hlo)
+
+
+def _bits(a):
+  a = jnp.asarray(a)
+  return a if a.dtype == jnp.bool_ or not jnp.issubdtype(a.dtype, jnp.inexact) \
+      else lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
+
+
+@jax.jit
+def _same_bits(a, b):
+  return jnp.array_equal(_bits(a), _bits(b))
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def single_call(case, state):
+  """(compiled one-call function, lowered text, its result leaves, wall s per call)."""
+  fn = lambda st, f, a: case.call(st, f, a)
+  compiled, text, _, _ = compile_fn(fn, state, case.fixed, case.rotated[0])
+  st, outs = compiled(_copy(state), case.fixed, case.rotated[0])
+  if case.mask is not None:
+    outs = case.mask(case.rotated[0], outs)
+  result = jax.tree.leaves(st) + list(outs)
+  jax.block_until_ready(result)
+  st, times = _copy(state), []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    st, outs = compiled(st, case.fixed, case.rotated[0])
+    jax.block_until_ready((st, outs))
+    times.append(time.perf_counter() - t0)
+  return text, result, min(times)
+
+
+def cache_copies(hlo, state):
+  """Number of copy instructions of a state-sized array in compiled HLO text."""
+  shapes = {",".join(map(str, a.shape)) for a in jax.tree.leaves(state) if a.size > 1 << 16}
+  return sum(dims in shapes for dims in re.findall(r"\[([\d,]+)\]\{[^}]*\} copy\(", hlo))
+
+
+# ----------------------------------------------------------------- driver
+
+class Bench:
+  """Collects result rows; measures the calibration and the op cases."""
+
+  def __init__(self, sizes, args):
+    self.s, self.args = sizes, args
+    self.rows, self.t0 = [], time.monotonic()
+    self.bw, self.empty_us = BW_FALLBACK, None
+    dev = jax.devices()[0]
+    self.meta = dict(gpu=dev.device_kind, jax_version=jax.__version__,
+                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                         timespec="seconds"))
+    self.gpu = jax.default_backend() == "gpu"
+    self.module = self.gpu and _ffi.register_targets()
+
+  def log(self, msg):
+    print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
+
+  def row(self, op, shape, variant, device_us, floor, exact, **extra):
+    row = dict(op=op, shape=shape, variant=variant, device_us=device_us, floor_us=floor,
+               exact=exact, **self.meta, **{k: v for k, v in extra.items() if v is not None})
+    self.rows.append(row)
+    return row
+
+  def has_kernel(self, op):
+    return self.module and op in _ffi.KERNEL_TARGETS
+
+  def over_budget(self):
+    return time.monotonic() - self.t0 > self.args.budget_s
+
+  # calibration ---------------------------------------------------------------
+  def calibrate(self):
+    s = self.s
+    try:
+      x = jnp.zeros(s.copy_bytes // 4, jnp.uint32)
+      call = lambda st, f, a: (st + f[0], ())
+      sec, x, info = amortised(call, x, (jnp.zeros((), jnp.uint32),), [()] * 8, None,
+                               s.reps, s.warmup)
+      del x
+      self.bw = 2 * s.copy_bytes / sec
+      self.row("calibration", f"copy {s.copy_bytes / 2 ** 30:.1f} GiB", "calibration",
+               sec * 1e6, None, True, gbps=self.bw / 1e9,
+               notes="x + s on u32 in place, one kernel per call; GB/s counts read + write")
+      self.log(f"calibration: copy {self.bw / 1e9:.0f} GB/s (read + write), "
+               f"{sec * 1e6:.1f} us per copy")
+    except Exception as e:                                 # noqa: BLE001
+      self.error_row("calibration", "copy", "calibration", e)
+    try:
+      call = lambda st, f, a: (st + 1, ())
+      sec, _, _ = amortised(call, jnp.zeros(8, F32), (), [()] * s.empty_r, None,
+                            s.reps, s.warmup)
+      self.empty_us = sec * 1e6
+      self.row("calibration", f"empty XLA op x{s.empty_r}", "calibration", self.empty_us,
+               None, True, notes="x + 1 on f32[8], a chain behind optimization barriers")
+      self.log(f"calibration: empty XLA op {self.empty_us:.2f} us")
+    except Exception as e:                                 # noqa: BLE001
+      self.error_row("calibration", "empty XLA op", "calibration", e)
+    if self.has_kernel("upcast_logits"):
+      try:
+        with kernels(True):
+          call = lambda st, f, a: (st, (glm5_jax.upcast_logits(f[0], a[0]),))
+          rot = [(i32([8]),)] * s.empty_r
+          sec, _, _ = amortised(call, None, (jnp.ones((1, 8), BF16),), rot, 0,
+                                s.reps, s.warmup)
+        us = sec * 1e6
+        above = None if self.empty_us is None else us - self.empty_us
+        self.row("calibration", f"empty FFI call x{s.empty_r}", "calibration", us, None,
+                 True, ffi_us=above,
+                 notes="upcast_logits 1x8 + the dependency fusion per link; ffi_us = "
+                       "link - empty XLA op")
+        self.log(f"calibration: upcast_logits 1x8 link {us:.2f} us")
+      except Exception as e:                               # noqa: BLE001
+        self.error_row("calibration", "empty FFI call", "calibration", e)
+
+  def error_row(self, op, shape, variant, e):
+    note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    self.log(f"{op} {shape} {variant}: {note}")
+    if self.args.verbose:
+      traceback.print_exc()
+    self.row(op, shape, variant, None, None, False, notes=note)
+
+  # ops -----------------------------------------------------------------------
+  def run_op(self, op):
+    builder, shapes = CASES[op]
+    variants = ["reference"] + (["kernel"] if self.has_kernel(op) else [])
+    for kw in shapes(self.s):
+      shape = ",".join(f"{k}={v}" for k, v in kw.items())
+      if self.over_budget():
+        for v in variants:
+          self.row(op, shape, v, None, None, False, notes="skipped: over the time budget")
+        self.log(f"{op} {shape}: skipped (over the time budget)")
+        continue
+      try:
+        case = builder(Rand(zlib.crc32(f"{op} {shape}".encode())), self.s, **kw)
+      except Exception as e:                               # noqa: BLE001
+        for v in variants:
+          self.error_row(op, shape, v, e)
+        continue
+      self.run_case(case, variants)
+      del case
+      gc.collect()
+      self.write_json()
+
+  def run_case(self, case, variants):
+    """Checks every variant once against the reference (from the same initial
+    state), then times each; the state is threaded from run to run."""
+    s, state = self.s, case.state
+    floor = floor_us(case.nbytes, case.flops, self.bw)
+    target = _ffi.KERNEL_TARGETS.get(case.op)
+    ref, r, exact = None, s.r_min, {}
+    for variant in variants:
+      try:
+        with kernels(variant == "kernel"):
+          text, got, wall = single_call(case, state)
+        if (f"@{target}" in text if target else False) != (variant == "kernel"):
+          raise RuntimeError(f"the {variant} variant lowered "
+                             f"{'to' if variant == 'reference' else 'without'} {target}")
+        if variant == "reference":
+          ref, exact[variant] = got, True
+          r = max(s.r_min, min(len(case.rotated), int(s.chain_s / wall)))
+        else:
+          exact[variant] = ref is not None and all(
+              bool(_same_bits(a, b)) for a, b in zip(got, ref))
+        del got
+      except Exception as e:                               # noqa: BLE001
+        self.error_row(case.op, case.shape, variant, e)
+    del ref
+    for variant in exact:
+      try:
+        with kernels(variant == "kernel"):
+          sec, state, info = amortised(case.call, state, case.fixed, case.rotated[:r],
+                                       case.dep, s.reps, s.warmup)
+        us = sec * 1e6
+        copies = cache_copies(info["hlo"], state) if case.state is not None else 0
+        self.row(case.op, case.shape, variant, us, floor, exact[variant],
+                 gbps=case.nbytes / sec / 1e9, R=r, reps=s.reps,
+                 compile_s=round(info["compile_s"], 2), min_bytes=int(case.nbytes),
+                 flops=int(case.flops) or None,
+                 notes=f"{copies} state-sized copies in the chain" if copies else None)
+        self.log(f"{case.op} {case.shape} {variant}: {us:.2f} us (floor {floor:.3f}, R={r}, "
+                 f"exact={exact[variant]}, compile {info['compile_s']:.1f}s)")
+      except Exception as e:                               # noqa: BLE001
+        self.error_row(case.op, case.shape, variant, e)
+        if any(a.is_deleted() for a in jax.tree.leaves(state)):
+          return                                           # the state was donated away
+
+  def write_json(self):
+    with open(self.args.out, "w") as f:
+      json.dump(self.rows, f, indent=1, default=float)
+
+
+# ----------------------------------------------------------------- reports
+
+def _fmt(v):
+  if v is None or (isinstance(v, float) and not math.isfinite(v)):
+    return "—"
+  return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def _lookup(rows):
+  return {(r["op"], r["shape"], r["variant"]): r for r in rows}
+
+
+def tables(rows):
+  """Markdown tables, one per op: shape | reference | kernel | floor | speedup | exact."""
+  by = _lookup(rows)
+  out = []
+  for op in dict.fromkeys(r["op"] for r in rows if r["op"] != "calibration"):
+    out += [f"### {op}", "",
+            "| shape | reference µs | kernel µs | floor µs | kernel/reference speedup | exact |",
+            "|---|---|---|---|---|---|"]
+    notes = []
+    for shape in dict.fromkeys(r["shape"] for r in rows if r["op"] == op):
+      ref, ker = by.get((op, shape, "reference")), by.get((op, shape, "kernel"))
+      rus = ref and ref["device_us"]
+      kus = ker and ker["device_us"]
+      floor = next((x["floor_us"] for x in (ref, ker) if x and x["floor_us"]), None)
+      speed = f"{rus / kus:.2f}×" if rus and kus else "—"
+      exact = "—" if not kus else "yes" if ker["exact"] else "**NO**"
+      out.append(f"| {shape} | {_fmt(rus)} | {_fmt(kus)} | {_fmt(floor)} | {speed} | {exact} |")
+      notes += [f"- {shape} {x['variant']}: {x['notes']}" for x in (ref, ker)
+                if x and x.get("notes")]
+    out += [""] + notes + ([""] if notes else [])
+  return out
+
+
+def markdown(rows, meta, sizes, plot_ref):
+  calib = {r["shape"].split(" x")[0]: r for r in rows if r["op"] == "calibration"}
+  copy = next((r for k, r in calib.items() if k.startswith("copy")), None)
+  parts = [f"copy {copy['gbps']:.0f} GB/s read + write over {copy['shape'][5:]} "
+           f"({copy['device_us']:.0f} µs)" if copy and copy.get("gbps") else
+           f"copy: not measured, floors use {BW_FALLBACK / 1e12:.1f} TB/s"]
+  if calib.get("empty XLA op", {}).get("device_us"):
+    parts.append(f"empty XLA op {calib['empty XLA op']['device_us']:.2f} µs")
+  ffi = calib.get("empty FFI call", {})
+  if ffi.get("device_us"):
+    parts.append(f"empty FFI link (upcast_logits 1x8 + dependency fusion) "
+                 f"{ffi['device_us']:.2f} µs")
+  lines = [
+      "# glm5_jax benchmarks", "",
+      f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
+      f"{meta['date']} · kernels: {', '.join(_ffi.KERNEL_TARGETS) or 'none'}", "",
+      "Method (`bench/bench.py`, PERFORMANCE.md §8): one jitted function runs R chained calls "
+      f"(R ≤ {sizes.r_max}, fewer for slow ops, see the JSON), each on its own rotated inputs "
+      "(weights and logits rotated past the 60 MB L2; ≥1 GB caches donated and threaded "
+      "through the calls; stateless calls chained by a run-time-zero scalar behind "
+      "optimization barriers), XLA command buffers at their defaults. µs = median over "
+      f"{sizes.reps} back-to-back runs / R, nothing subtracted. reference = the public op "
+      "with GLM5_JAX_KERNELS=0 (pure JAX under jit); kernel = its CUDA FFI kernel. "
+      "floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "
+      "(PERFORMANCE.md §7). exact = kernel output bit-equal to the reference "
+      "(upcast: columns below row_ends).", "",
+      "Calibration: " + "; ".join(parts) + ".", ""]
+  if plot_ref:
+    lines += [f"![µs per call vs shape]({plot_ref})", ""]
+  return "\n".join(lines + tables(rows)) + "\n"
+
+
+def plot(rows, path):
+  """One panel per op: µs per call vs shape (log y), reference, kernel, floor."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  by = _lookup(rows)
+  ops = list(dict.fromkeys(r["op"] for r in rows if r["op"] != "calibration"))
+  cols = 3
+  fig, axes = plt.subplots(-(-len(ops) // cols), cols, figsize=(5 * cols, 3.3 * -(-len(ops) // cols)),
+                           squeeze=False)
+  for ax, op in zip(axes.flat, ops):
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["op"] == op))
+    x = np.arange(len(shapes))
+
+    def series(variant, key="device_us"):
+      vals = [(by.get((op, sh, variant)) or {}).get(key) for sh in shapes]
+      return np.array([v if v else np.nan for v in vals], float)
+
+    for variant, style in (("reference", "o-"), ("kernel", "s-")):
+      y = series(variant)
+      if np.isfinite(y).any():
+        ax.plot(x, y, style, label=variant)
+    floor = series("reference", "floor_us")
+    if np.isfinite(floor).any():
+      ax.plot(x, floor, "k--", label="floor")
+    ax.set_yscale("log")
+    ax.set_title(op, fontsize=10)
+    ax.set_ylabel("µs per call", fontsize=8)
+    ax.set_xticks(x, shapes, rotation=30, ha="right", fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(ops):]:
+    ax.set_visible(False)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# ------------------------------------------------------------------- main
+
+def main():
+  here = os.path.dirname(os.path.abspath(__file__))
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default="BENCHMARKS.json", help="JSON rows")
+  p.add_argument("--md", default="BENCHMARKS.md", help="markdown report")
+  p.add_argument("--plot", default=os.path.join(here, "benchmarks.png"), help="PNG plot")
+  p.add_argument("--quick", action="store_true", help="M in {1, 64}, one shape per op")
+  p.add_argument("--ops", default="", help="comma-separated ops (default: all)")
+  p.add_argument("--cpu-smoke", action="store_true",
+                 help="tiny caches, contexts, R and N (for a CPU run)")
+  p.add_argument("--budget-s", type=float, default=230,
+                 help="skip the remaining shapes after this many seconds")
+  p.add_argument("--verbose", action="store_true", help="print tracebacks")
+  args = p.parse_args()
+  ops = [o for o in args.ops.replace(" ", "").split(",") if o] or list(glm5_jax.OPS)
+  unknown = set(ops) - set(glm5_jax.OPS)
+  if unknown:
+    p.error(f"unknown ops {sorted(unknown)}; choose from {', '.join(glm5_jax.OPS)}")
+  # Ops with a kernel first: they matter most if the budget runs out.
+  ops = sorted(ops, key=lambda o: (o not in _ffi.KERNEL_TARGETS, glm5_jax.OPS.index(o)))
+
+  sizes = sizes_for(args.quick, args.cpu_smoke)
+  bench = Bench(sizes, args)
+  bench.log(f"{bench.meta['gpu']} ({jax.default_backend()}), jax {jax.__version__}, "
+            f"CUDA module {'built' if bench.module else 'absent'}, kernel ops: "
+            f"{[o for o in ops if bench.has_kernel(o)]}")
+  bench.calibrate()
+  for op in ops:
+    bench.run_op(op)
+  bench.write_json()
+
+  plot_ref = None
+  try:
+    plot(bench.rows, args.plot)
+    plot_ref = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.md)))
+  except Exception as e:                                   # noqa: BLE001
+    bench.log(f"plot failed: {type(e).__name__}: {e}")
+  text = markdown(bench.rows, bench.meta, sizes, plot_ref)
+  with open(args.md, "w") as f:
+    f.write(text)
+  bench.log(f"wrote {args.out}, {args.md}" + (f", {args.plot}" if plot_ref else ""))
+  print("\n".join(line for line in text.splitlines() if not line.startswith("![")), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,163 @@
+"""glm5_jax.reference logits ops (SPEC §5b, §5c, §8) against the independent oracle."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle as O
+from glm5_jax import reference as R
+
+F32 = np.float32
+
+
+def _i32(x):
+  return jnp.asarray(np.asarray(x, np.int64), jnp.int32)
+
+
+_upcast = jax.jit(R.upcast_logits)
+
+
+# --------------------------------------------------------------------------- §8
+
+@pytest.mark.parametrize("rows,width", [(7, 40), (16, 2048)])
+def test_upcast_logits(rows, width):
+  rng = np.random.default_rng(50)
+  logits = O.random_bf16(rng, (rows, width), 30.0)
+  ends = rng.integers(-3, width + 5, rows)
+  ends[0], ends[1] = 0, width
+  want, valid = O.upcast_logits(logits, ends)
+  got = np.asarray(_upcast(jnp.asarray(logits), _i32(ends)))
+  assert got.dtype == np.float32 and got.shape == (rows, width)
+  np.testing.assert_array_equal(got[valid].view(np.uint32), want[valid].view(np.uint32))
+  assert valid.sum() > rows * width // 4
+
+
+def test_upcast_logits_empty():
+  assert _upcast(jnp.zeros((0, 16), jnp.bfloat16), _i32(np.zeros(0))).shape == (0, 16)
+  got = _upcast(jnp.zeros((3, 0), jnp.bfloat16), _i32([0, 1, 2]))
+  assert got.shape == (3, 0) and got.dtype == jnp.float32
+
+
+# --------------------------------------------------------------------------- §5b
+
+def _cache_with_entries(rng, pages, page, scale_format):
+  """A K cache with valid entries everywhere: fp8 codes (no NaN) and sane scales."""
+  kv = np.zeros((pages, page, 132), np.uint8)
+  flat = kv.reshape(pages, page * 132)
+  codes = rng.integers(0, 256, (pages, page * 128)).astype(np.uint8)
+  codes[(codes & 0x7F) == 0x7F] ^= 0x01                     # no NaN codes
+  flat[:, :page * 128] = codes
+  E = rng.integers(-20, -2, (pages, page))
+  if scale_format == "fp32":
+    s = (2.0 ** E).astype("<f4")
+    flat[:, page * 128:] = s.view(np.uint8).reshape(pages, page * 4)
+  else:
+    flat[:, page * 128:] = np.repeat((E + 127).astype(np.uint8), 4, axis=1)
+  return kv
+
+
+@functools.cache
+def _mqa_fn(max_pools, scale_format):
+  return jax.jit(functools.partial(R.mqa_logits, max_pools=max_pools,
+                                   scale_format=scale_format))
+
+
+@pytest.mark.parametrize("scale_format,H,page", [("fp32", 32, 64), ("ue8m0", 32, 32),
+                                                 ("fp32", 4, 32)])
+def test_mqa_logits(scale_format, H, page):
+  rng = np.random.default_rng(51)
+  rows, pages, MP = 8, 12, 6
+  max_pools = MP * page
+  kv = _cache_with_entries(rng, pages, page, scale_format)
+  qc = rng.integers(0, 256, (rows, H, 128)).astype(np.uint8)
+  qc[(qc & 0x7F) == 0x7F] ^= 0x01
+  q = qc.view(O.E4M3)
+  w = (rng.standard_normal((rows, H)) * 2.0 ** -6).astype(F32)      # sign mixes
+  table = rng.integers(0, pages, (rows, MP))
+  table[1, 2] = -1                                                  # page ids outside
+  table[2, 0] = pages
+  table[3, 1] = pages + 100
+  lens = rng.integers(1, max_pools + 1, rows)
+  lens[[0, 4, 5, 6]] = [0, -3, max_pools + 7, max_pools]
+  want, bound = O.mqa_logits(q, w, kv, table, lens, max_pools=max_pools,
+                             scale_format=scale_format)
+  got = np.asarray(_mqa_fn(max_pools, scale_format)(
+      jnp.asarray(q), jnp.asarray(w), jnp.asarray(kv), _i32(table), _i32(lens)))
+  assert got.dtype == np.float32 and got.shape == (rows, max_pools)
+  none = np.isneginf(want)
+  np.testing.assert_array_equal(np.isneginf(got), none)
+  tol = (128 + H + 8) * 2.0 ** -24 * bound[~none] + 1e-30
+  err = np.abs(got[~none].astype(np.float64) - want[~none])
+  assert np.all(err <= tol), float(np.max(err / tol))
+  assert (~none).sum() > rows * max_pools // 4
+  assert np.any(want[~none] < 0) and np.any(want[~none] > 0)
+  print(f"\nmqa {scale_format} H={H}: max err/bound {float(np.max(err / bound[~none].clip(1e-300))):.2e}")
+
+
+def test_mqa_logits_empty():
+  rng = np.random.default_rng(52)
+  kv = _cache_with_entries(rng, 2, 32, "fp32")
+  got = _mqa_fn(64, "fp32")(jnp.zeros((0, 32, 128), jnp.float8_e4m3fn),
+                            jnp.zeros((0, 32), jnp.float32), jnp.asarray(kv),
+                            _i32(np.zeros((0, 2))), _i32(np.zeros(0)))
+  assert got.shape == (0, 64)
+
+
+# --------------------------------------------------------------------------- §5c
+
+@functools.cache
+def _topk_fn(k):
+  return jax.jit(functools.partial(R.pool_topk, k=k))
+
+
+def _check_topk(logits, lens, k):
+  want = O.pool_topk(logits, lens, k=k)
+  got = np.asarray(_topk_fn(k)(jnp.asarray(logits, jnp.float32), _i32(lens)))
+  assert got.dtype == np.int32 and got.shape == want.shape
+  np.testing.assert_array_equal(got, want)
+  return want
+
+
+def test_pool_topk_random():
+  rng = np.random.default_rng(53)
+  rows, P, k = 16, 2048, 512
+  logits = (rng.standard_normal((rows, P)) * 10).astype(F32)
+  logits[:4] = np.round(logits[:4] / 10) + F32(0)   # many ties (no -0.0: see below)
+  lens = rng.integers(0, P + 1, rows)
+  lens[:8] = [P, 511, 512, 513, 0, -5, P + 100, 1]
+  want = _check_topk(logits, lens, k)
+  for r in range(rows):
+    n = max(0, min(int(lens[r]), P))
+    assert np.sum(want[r] >= 0) == min(n, k)
+
+
+def test_pool_topk_special_values():
+  P, k = 12, 8
+  nan, inf = np.nan, np.inf
+  logits = np.array([
+      [1, 2, 2, 1, 3, 3, 3, 0, 0, 5, 5, 5],                 # ties: ascending id
+      [nan, -inf, 1, nan, -inf, 0, inf, 2, nan, 1, 0, -1],  # NaN ranks as -inf
+      [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],               # ineligible past len
+      [5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6],           # len 0
+      [1e30, -1e30, 3e38, -3e38, 1e-40, -1e-40, 0, 0, 1, 1, 1, 1],
+  ], F32)
+  lens = np.array([12, 12, 5, 0, 12])
+  want = _check_topk(logits, lens, k)
+  assert want[0].tolist() == [9, 10, 11, 4, 5, 6, 1, 2]
+  assert want[1].tolist() == [6, 7, 2, 9, 5, 10, 11, 0]
+  assert want[2].tolist() == [4, 3, 2, 1, 0, -1, -1, -1]
+  assert want[3].tolist() == [-1] * k
+
+
+def test_pool_topk_signed_zeros_tie_by_id():
+  """-0.0 and +0.0 are equal logits (they arise as sum_h w*relu(..) with w < 0), so
+  the documented tie rule orders them by ascending id."""
+  logits = np.array([[-0.0, 0.0, -0.0, 0.0, -1.0, 1.0]], F32)
+  want = _check_topk(logits, np.array([6]), 6)
+  assert want[0].tolist() == [5, 0, 1, 2, 3, 4]
+
+
+def test_pool_topk_empty():
+  assert _topk_fn(4)(jnp.zeros((0, 10), jnp.float32), _i32(np.zeros(0))).shape == (0, 4)
