@@ -1,5 +1,10 @@
 """upcast_logits as a CUDA kernel inside jit (command buffers on, XLA default
 flags), against the reference below every row end."""
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -44,3 +49,23 @@ def test_empty_inputs():
     out = jax.jit(glm5_jax.upcast_logits)(jnp.zeros(shape, jnp.bfloat16),
                                           jnp.zeros(shape[:1], jnp.int32))
     assert out.shape == shape and out.dtype == jnp.float32
+
+
+def test_kernel_runs_inside_a_command_buffer(tmp_path):
+  """With XLA's default flags the FFI call is captured in a CUDA graph: the
+  thunk sequence XLA dumps after its passes holds it inside a command buffer."""
+  script = (
+      "import jax, jax.numpy as jnp, glm5_jax\n"
+      "x = jnp.ones((4, 64), jnp.bfloat16); e = jnp.array([1, 64, 9, 0], jnp.int32)\n"
+      f"f = jax.jit(lambda x, e: [glm5_jax.upcast_logits(x * (i + 1), e) for i in range({CALLS})])\n"
+      "print(float(f(x, e)[-1][1, 5]))\n")
+  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, check=True).stdout
+  assert out.strip() == str(float(CALLS))
+  dumps = [p.read_text() for p in tmp_path.glob("*thunk_sequence_after_thunk_passes*")]
+  assert dumps, sorted(p.name for p in tmp_path.iterdir())[:40]
+  graphed = [d for d in dumps if "glm5_upcast_logits" in d]
+  context = [line[:160] for d in dumps for line in d.splitlines()
+             if re.search(r"upcast|command.?buffer", line, re.I)][:30]
+  assert graphed and all(re.search(r"command.?buffer", d, re.I) for d in graphed), context
