@@ -1,18 +1,21 @@
 """Benchmark every glm5_jax op at GLM-5.3-Flash decode shapes on one GPU.
 
   python bench/bench.py --out BENCHMARKS.json --md BENCHMARKS.md [--quick] [--ops a,b]
-  python bench/bench.py --quick --cpu-smoke --out /tmp/b.json --md /tmp/b.md
+  python bench/bench.py --quick --out /tmp/b.json --md /tmp/b.md   # CPU: --cpu-smoke sizes
 
 Variants per shape: "reference" = the public op with GLM5_JAX_KERNELS=0 (pure
-JAX under jit) and "kernel" = the public op with its CUDA kernel, for the ops
-in glm5_jax._ffi.KERNEL_TARGETS (GPU only). Method (PERFORMANCE.md §8): one
-jitted function runs R chained calls, each on its own rotated inputs (weights
-and logits rotated past the 60 MB L2; caches >= 1 GB donated and threaded
-through the calls; stateless calls chained by a run-time-zero scalar
-dependency behind optimization barriers). device_us = median over N runs of
-the run time / R, nothing subtracted; the calibration rows give the copy
-bandwidth and the cost of an empty op. floor_us = max(minimum bytes /
-measured copy bandwidth, FLOPs / 790 TFLOP/s) (PERFORMANCE.md §7).
+JAX under jit) and "kernel" = the public op with its CUDA kernel, for every op
+in glm5_jax._ffi.KERNEL_TARGETS (GPU with the CUDA module only). Method
+(PERFORMANCE.md §8): one jitted function runs R calls, each on its own rotated
+inputs (W_cat and logits rotated past the 60 MB L2; caches >= 1 GB donated and
+threaded through the calls; stateless calls ordered by optimization barriers
+on the previous call's outputs, or with --data-dep by a run-time-zero scalar);
+device_us = median over N back-to-back runs of the run time / R, nothing
+subtracted (the calibration rows give the copy bandwidth and the per-call cost
+of an empty XLA op and an empty FFI call). floor_us = max(minimum bytes /
+measured copy bandwidth, FLOPs / 790 TFLOP/s) (PERFORMANCE.md §7). Each
+variant is first checked bit for bit against the reference (`exact`).
+Compilations go to a persistent cache (--cache-dir), so reruns are faster.
 """
 import argparse
 import contextlib
@@ -23,7 +26,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -60,6 +62,7 @@ ENTRY = DIM + 4                                # K-cache bytes per entry
 CONTEXT = 128 * 1024                           # tokens, expand/remap/kpool_update
 PEAK_BF16 = 790e12                             # dense bf16 FLOP/s (H200)
 BW_FALLBACK = 4.3e12                           # B/s when the copy calibration fails
+W_CAT_COPIES = 56                              # >= 54 rotated W_cat (>= 128 MB, past L2)
 
 
 @dataclasses.dataclass
@@ -74,10 +77,12 @@ class Sizes:
   copy_bytes: int = 2 << 30
   r_max: int = 64                              # calls per chain (rotated input sets)
   r_min: int = 4
-  chain_s: float = 0.05                        # target device time of one chain run
+  chain_s: float = 0.02                        # most wall time of one chain run
+  chain_lines: int = 12000                     # most lowered StableHLO lines of a chain
   reps: int = 20
   warmup: int = 2
   empty_r: int = 100
+  data_dep: bool = False                       # chain stateless calls by a scalar, not barriers
 
 
 def sizes_for(quick, cpu_smoke):
@@ -172,6 +177,11 @@ def bytes_topk(pool_lens, k):
 
 # ----------------------------------------------------------------- inputs
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _normal(key, n, shape, dtype, scale):
+  return (jax.random.normal(jax.random.fold_in(key, n), shape, F32) * scale).astype(dtype)
+
+
 class Rand:
   """Seeded random data: small index data from numpy, big arrays on device."""
 
@@ -179,12 +189,15 @@ class Rand:
     self.np = np.random.default_rng(seed)
     self._key, self._n = jax.random.key(seed), 0
 
-  def key(self):
+  def _next(self):
     self._n += 1
-    return jax.random.fold_in(self._key, self._n)
+    return self._n
+
+  def key(self):
+    return jax.random.fold_in(self._key, self._next())
 
   def normal(self, shape, dtype=BF16, scale=1.0):
-    return (jax.random.normal(self.key(), shape, F32) * scale).astype(dtype)
+    return _normal(self._key, self._next(), tuple(shape), jnp.dtype(dtype), float(scale))
 
   def kv_cache(self, nbytes):
     """u8[pages, PAGE, 132] of about nbytes: fp8 data with |v| < 2 (the exponent's
@@ -218,10 +231,12 @@ def i32(a):
 # ------------------------------------------------------------------ cases
 
 class Case(NamedTuple):
-  """One op at one shape. call(state, fixed, args) -> (state, outs): the public
+  """One op at one shape (its label comes from CASES). call(state, fixed, args) -> (state, outs): the public
   op on state (threaded caches, or None), fixed (shared) and one rotated
-  argument tuple. dep: index of the argument that takes the chain dependency
-  (stateless ops). mask(args, outs) -> outs hides unspecified outputs."""
+  argument tuple. dep: index of the (small) argument that takes the run-time
+  dependency under --data-dep (stateless ops). nbytes, flops: the floor's
+  minimum bytes and FLOPs per call. mask(args, outs) -> outs hides outputs the
+  op leaves unspecified."""
   op: str
   shape: str
   call: Callable
@@ -232,14 +247,15 @@ class Case(NamedTuple):
   nbytes: int
   flops: int = 0
   mask: Callable | None = None
+  r_min: int = 0            # fewest calls per chain (rotated copies), e.g. of W_cat
 
 
 def case_projection(r, s, m):
   rot = [(r.normal((m, HIDDEN)), r.normal((W_ROWS, HIDDEN), scale=HIDDEN ** -0.5))
          for _ in range(s.r_max)]
   call = lambda st, f, a: (st, glm5_jax.indexer_projection(*a, heads=HEADS))
-  return Case("indexer_projection", f"M={m}", call, None, (), rot, 0,
-              bytes_projection(m), 2 * m * W_ROWS * HIDDEN)
+  return Case("indexer_projection", "", call, None, (), rot, 0,
+              bytes_projection(m), 2 * m * W_ROWS * HIDDEN, r_min=W_CAT_COPIES)
 
 
 def _norm(r):
@@ -252,7 +268,7 @@ def case_query(r, s, m):
          for _ in range(s.r_max)]
   call = lambda st, f, a: (st, glm5_jax.indexer_query(*a, *f, scale=CONFIG.scale,
                                                       padded=PADDED))
-  return Case("indexer_query", f"M={m}", call, None, _norm(r), rot, 2, bytes_query(m))
+  return Case("indexer_query", "", call, None, _norm(r), rot, 2, bytes_query(m))
 
 
 def case_fused(r, s, m):
@@ -260,8 +276,8 @@ def case_fused(r, s, m):
           r.normal((m, HEADS, DIM))) for _ in range(s.r_max)]
   call = lambda st, f, a: (st, glm5_jax.indexer_projection_fused(
       *a, *f, heads=HEADS, scale=CONFIG.scale, padded=PADDED))
-  return Case("indexer_projection_fused", f"M={m}", call, None, _norm(r), rot, 0,
-              bytes_fused(m), 2 * m * W_ROWS * HIDDEN)
+  return Case("indexer_projection_fused", "", call, None, _norm(r), rot, 0,
+              bytes_fused(m), 2 * m * W_ROWS * HIDDEN, r_min=W_CAT_COPIES)
 
 
 def _ape(r):
@@ -289,7 +305,7 @@ def case_update(r, s, b, next_n):
                 batch.loc, batch.positions))
   call = lambda st, f, a: (glm5_jax.kpool_update(st[0], st[1], a[0], a[1], a[2], f[0],
                                                  a[3], a[4]), ())
-  return Case("kpool_update", f"B={b},next_n={next_n}", call, (kv, tail), (_ape(r),),
+  return Case("kpool_update", "", call, (kv, tail), (_ape(r),),
               rot, None, bytes_update(b * next_n, np.mean(completing)))
 
 
@@ -304,7 +320,7 @@ def case_compress(r, s, n):
     rot.append((r.normal((n, POOL, DIM)), r.normal((n, POOL, DIM)), i32(loc),
                 jnp.asarray(mask)))
   call = lambda st, f, a: (glm5_jax.kpool_compress(st, a[0], a[1], f[0], a[2], a[3]), ())
-  return Case("kpool_compress", f"n={n}", call, kv, (_ape(r),), rot, None,
+  return Case("kpool_compress", "", call, kv, (_ape(r),), rot, None,
               bytes_compress(n, np.mean(written)))
 
 
@@ -322,7 +338,7 @@ def case_seed(r, s, n):
     tslot = (blk[:, None] * ring + pos % ring).reshape(-1)[:n]
     rot.append((r.normal((n, DIM)), r.normal((n, DIM)), i32(tslot)))
   call = lambda st, f, a: (glm5_jax.kpool_seed_tail(st, *a), ())
-  return Case("kpool_seed_tail", f"n={n}", call, tail, (), rot, None, bytes_seed(n, n))
+  return Case("kpool_seed_tail", "", call, tail, (), rot, None, bytes_seed(n, n))
 
 
 def _positions(r, m):
@@ -333,7 +349,7 @@ def case_expand(r, s, m):
   rot = [(i32(r.pool_ids(m, CONTEXT // POOL - 1)), i32(_positions(r, m)))
          for _ in range(s.r_max)]
   call = lambda st, f, a: (st, (glm5_jax.expand_pools(*a, seq_offset=1, width=WIDTH),))
-  return Case("expand_pools", f"rows={m}", call, None, (), rot, 1, bytes_expand(m))
+  return Case("expand_pools", "", call, None, (), rot, 1, bytes_expand(m))
 
 
 def case_remap(r, s, m):
@@ -348,7 +364,7 @@ def case_remap(r, s, m):
     rot.append((i32(ids), i32(_positions(r, m)), i32(table)))
   call = lambda st, f, a: (st, glm5_jax.expand_and_remap(
       a[0], a[1], f[0], a[2], block_size=BLOCK, width=WIDTH))
-  return Case("expand_and_remap", f"rows={m}", call, None, (i32(np.arange(m)),), rot, 1,
+  return Case("expand_and_remap", "", call, None, (i32(np.arange(m)),), rot, 1,
               bytes_remap(m, np.mean(touched)))
 
 
@@ -361,7 +377,7 @@ def case_upcast(r, s, m, p):
   ends = [r.ragged(m, p) for _ in range(s.r_max)]
   rot = [(r.normal((m, p), scale=30.0), i32(e)) for e in ends]
   call = lambda st, f, a: (st, (glm5_jax.upcast_logits(*a),))
-  return Case("upcast_logits", f"rows={m},P={p}", call, None, (), rot, 1,
+  return Case("upcast_logits", "", call, None, (), rot, 1,
               np.mean([bytes_upcast(e) for e in ends]), mask=_upcast_mask)
 
 
@@ -376,12 +392,13 @@ def case_mqa(r, s, m):
     n = r.ragged(m, p)
     lens.append(n)
     q = jnp.clip(r.normal((m, HEADS, DIM), scale=8.0, dtype=F32), -448, 448)
-    table = r.np.choice(kv.shape[0], m * per_row, replace=False).reshape(m, per_row)
+    table = r.np.choice(kv.shape[0], m * per_row, replace=m * per_row > kv.shape[0])
+    table = table.reshape(m, per_row)
     rot.append((q.astype(jnp.float8_e4m3fn), jnp.asarray(r.np.random((m, HEADS)), F32),
                 i32(table), i32(n)))
   call = lambda st, f, a: (st, (glm5_jax.mqa_logits(a[0], a[1], f[0], a[2], a[3],
                                                     max_pools=p),))
-  return Case("mqa_logits", f"rows={m},P={p}", call, None, (kv,), rot, 1,
+  return Case("mqa_logits", "", call, None, (kv,), rot, 1,
               np.mean([bytes_mqa(n, p) for n in lens]), np.mean([flops_mqa(n) for n in lens]))
 
 
@@ -389,26 +406,30 @@ def case_topk(r, s, m, p):
   lens = [r.ragged(m, p) for _ in range(s.r_max)]
   rot = [(r.normal((m, p), F32), i32(n)) for n in lens]
   call = lambda st, f, a: (st, (glm5_jax.pool_topk(*a, k=GROUPS),))
-  return Case("pool_topk", f"rows={m},P={p}", call, None, (), rot, 1,
+  return Case("pool_topk", "", call, None, (), rot, 1,
               np.mean([bytes_topk(n, GROUPS) for n in lens]))
 
 
-# op -> (builder, shapes(sizes) -> list of builder keyword arguments)
+def _rows(s, key="m", fmt="M={}"):
+  return [(fmt.format(m), {key: m}) for m in s.rows]
+
+
+# op -> (builder(rand, sizes, **kwargs) -> Case, shapes(sizes) -> [(label, kwargs)])
 CASES = {
-    "indexer_projection": (case_projection, lambda s: [dict(m=m) for m in s.rows]),
-    "indexer_query": (case_query, lambda s: [dict(m=m) for m in s.rows]),
-    "indexer_projection_fused": (case_fused, lambda s: [dict(m=m) for m in s.rows]),
-    "kpool_update": (case_update, lambda s: [dict(b=b, next_n=n) for n in s.next_ns
-                                             for b in s.rows]),
-    "kpool_compress": (case_compress, lambda s: [dict(n=n) for n in s.rows]),
-    "kpool_seed_tail": (case_seed, lambda s: [dict(n=n) for n in s.rows]),
-    "expand_pools": (case_expand, lambda s: [dict(m=m) for m in s.rows]),
-    "expand_and_remap": (case_remap, lambda s: [dict(m=m) for m in s.rows]),
-    "upcast_logits": (case_upcast, lambda s: [dict(m=m, p=p) for p in s.upcast_pools
-                                              for m in s.rows]),
-    "mqa_logits": (case_mqa, lambda s: [dict(m=m) for m in s.rows]),
-    "pool_topk": (case_topk, lambda s: [dict(m=m, p=p) for p in s.topk_pools
-                                        for m in s.rows]),
+    "indexer_projection": (case_projection, _rows),
+    "indexer_query": (case_query, _rows),
+    "indexer_projection_fused": (case_fused, _rows),
+    "kpool_update": (case_update, lambda s: [(f"B={b},next_n={n}", dict(b=b, next_n=n))
+                                             for n in s.next_ns for b in s.rows]),
+    "kpool_compress": (case_compress, lambda s: _rows(s, "n", "n={}")),
+    "kpool_seed_tail": (case_seed, lambda s: _rows(s, "n", "n={}")),
+    "expand_pools": (case_expand, lambda s: _rows(s, fmt="rows={}")),
+    "expand_and_remap": (case_remap, lambda s: _rows(s, fmt="rows={}")),
+    "upcast_logits": (case_upcast, lambda s: [(f"rows={m},P={p}", dict(m=m, p=p))
+                                              for p in s.upcast_pools for m in s.rows]),
+    "mqa_logits": (case_mqa, lambda s: _rows(s, fmt=f"rows={{}},P={s.mqa_pools}")),
+    "pool_topk": (case_topk, lambda s: [(f"rows={m},P={p}", dict(m=m, p=p))
+                                        for p in s.topk_pools for m in s.rows]),
 }
 assert set(CASES) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench case"
 
@@ -429,7 +450,7 @@ def kernels(on):
       os.environ["GLM5_JAX_KERNELS"] = old
 
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _NAN_BITS = {2: 0x7FED, 4: 0x7FEDCBA9}      # NaN payloads / ints no op produces
 
 
@@ -442,67 +463,83 @@ def _sentinel(outs):
   return functools.reduce(jnp.logical_or, hits)
 
 
-def _token(state):
-  """A scalar read from the final state, so a run's completion can be awaited."""
-  leaf = jax.tree.leaves(state)[0]
-  return leaf.reshape(-1)[0]
+def _token(tree):
+  """A scalar read from the first leaf of `tree`."""
+  return jax.tree.leaves(tree)[0].reshape(-1)[0]
 
 
-def _chain(call, dep):
-  """chain(state, fixed, dep_flag, rotated): one call per rotated argument tuple.
-  Stateless calls: argument `dep` of call i+1 gets + dep_flag, which call i's
-  outputs decide (always False). Every call sits behind an optimization
-  barrier, and all outputs are returned, so XLA can neither fuse, overlap, CSE
-  nor drop calls."""
+def _chain(call, dep, data_dep):
+  """chain(state, fixed, flag, rotated): one call per rotated argument tuple,
+  in order. Stateful calls are chained by their state (donated, updated in
+  place). A stateless call's arguments pass through an optimization barrier
+  together with the previous call's outputs: an HLO dependency that XLA keeps
+  through fusion and scheduling (no overlap, no horizontal fusion, no CSE) and
+  that costs nothing at run time. With data_dep they also take a run-time
+  dependency: argument `dep` of call i+1 gets + flag, which call i's outputs
+  decide (always False), at the cost of one tiny fusion per call. All outputs
+  are returned, so no call is dropped."""
   def chain(state, fixed, flag, rotated):
-    kept = []
+    kept, prev = [], flag
     for args in rotated:
-      if dep is not None:
-        args = args[:dep] + (args[dep] + flag.astype(args[dep].dtype),) + args[dep + 1:]
-      state, args = lax.optimization_barrier((state, args))
+      if state is None:
+        if data_dep and dep is not None:
+          args = args[:dep] + (args[dep] + flag.astype(args[dep].dtype),) + args[dep + 1:]
+        prev, args = lax.optimization_barrier((prev, args))
       state, outs = call(state, fixed, args)
-      if dep is not None:
+      if data_dep and dep is not None:
         flag = _sentinel(outs)
+      prev = outs
       kept.append(outs)
-    done = flag if state is None else _token(state)
+    # Something to wait on (all outputs of a run are ready together). Not a read
+    # of the state: XLA would copy a state that is read besides being updated.
+    done = ~flag if state is not None else _token(kept[-1])
     return state, flag, (done, kept)
   return chain
 
 
 def compile_fn(fn, *args):
-  """(compiled, lowered text, compiled text, seconds): jit, argument 0 (the state) donated."""
+  """(compiled, lowered text, seconds): jit with argument 0 (the state) donated."""
   t0 = time.perf_counter()
   lowered = jax.jit(fn, donate_argnums=0).lower(*args)
   compiled = lowered.compile()
-  return compiled, lowered.as_text(), compiled.as_text() or "", time.perf_counter() - t0
+  return compiled, lowered.as_text(), time.perf_counter() - t0
 
 
-def amortised(call, state, fixed, rotated, dep, reps, warmup):
+def temp_bytes(compiled):
+  """The executable's temporary buffer bytes (None where XLA does not say)."""
+  try:
+    return compiled.memory_analysis().temp_size_in_bytes
+  except Exception:                                        # noqa: BLE001
+    return None
+
+
+def amortised(call, state, fixed, rotated, dep, sizes):
   """Seconds per call: one jitted chain of len(rotated) calls, run warmup + reps
   times back to back (the next run is dispatched before waiting for the previous
   one, so host dispatch overlaps device work); the median interval between run
   completions, divided by the chain length. Returns (s, state, info)."""
   flag = jnp.zeros((), jnp.bool_)
-  fn, _, hlo, seconds = compile_fn(_chain(call, dep), state, fixed, flag, rotated)
-  state, flag, done = fn(state, fixed, flag, rotated)
-  jax.block_until_ready(done)
+  fn, _, seconds = compile_fn(_chain(call, dep, sizes.data_dep), state, fixed, flag, rotated)
+  state, flag, (done, _) = fn(state, fixed, flag, rotated)
+  done.block_until_ready()
   stamps = [time.perf_counter()]
-  for _ in range(warmup + reps):
-    state, flag, nxt = fn(state, fixed, flag, rotated)
-    jax.block_until_ready(done)
+  for _ in range(sizes.warmup + sizes.reps):
+    state, flag, (nxt, _) = fn(state, fixed, flag, rotated)
+    done.block_until_ready()          # a run's outputs are all ready together
     stamps.append(time.perf_counter())
     done = nxt
-  jax.block_until_ready(done)
+  done.block_until_ready()
   stamps.append(time.perf_counter())
-  del done
-  intervals = np.diff(stamps)[warmup + 1:]
-  return statistics.median(intervals) / len(rotated), state, dict(compile_s=seconds, hlo=hlo)
+  intervals = np.diff(stamps)[sizes.warmup + 1:]
+  info = dict(compile_s=seconds, temp=temp_bytes(fn))
+  return statistics.median(intervals) / len(rotated), state, info
 
 
 def _bits(a):
-  a = jnp.asarray(a)
-  return a if a.dtype == jnp.bool_ or not jnp.issubdtype(a.dtype, jnp.inexact) \
-      else lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
+  """Floats as their bit patterns (NaN == NaN, -0 != 0); other dtypes as they are."""
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    return lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
+  return a
 
 
 @jax.jit
@@ -515,9 +552,9 @@ def _copy(tree):
 
 
 def single_call(case, state):
-  """(compiled one-call function, lowered text, its result leaves, wall s per call)."""
+  """(lowered text, result leaves, wall s per call) of one call from `state`."""
   fn = lambda st, f, a: case.call(st, f, a)
-  compiled, text, _, _ = compile_fn(fn, state, case.fixed, case.rotated[0])
+  compiled, text, _ = compile_fn(fn, state, case.fixed, case.rotated[0])
   st, outs = compiled(_copy(state), case.fixed, case.rotated[0])
   if case.mask is not None:
     outs = case.mask(case.rotated[0], outs)
@@ -532,10 +569,13 @@ def single_call(case, state):
   return text, result, min(times)
 
 
-def cache_copies(hlo, state):
-  """Number of copy instructions of a state-sized array in compiled HLO text."""
-  shapes = {",".join(map(str, a.shape)) for a in jax.tree.leaves(state) if a.size > 1 << 16}
-  return sum(dims in shapes for dims in re.findall(r"\[([\d,]+)\]\{[^}]*\} copy\(", hlo))
+def not_in_place(temp, state):
+  """A note when the chain needs temporaries the size of a state buffer (a cache
+  copied instead of updated in place), else None."""
+  big = max((a.nbytes for a in jax.tree.leaves(state)), default=0)
+  if temp is None or big < 1 << 20 or temp < big // 2:
+    return None
+  return f"not in place: {_size(temp)} of temporaries for a {_size(big)} state"
 
 
 # ----------------------------------------------------------------- driver
@@ -553,6 +593,7 @@ class Bench:
                          timespec="seconds"))
     self.gpu = jax.default_backend() == "gpu"
     self.module = self.gpu and _ffi.register_targets()
+    self.kernels = [op for op in _ffi.KERNEL_TARGETS if self.has_kernel(op)]
 
   def log(self, msg):
     print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
@@ -571,45 +612,44 @@ class Bench:
 
   # calibration ---------------------------------------------------------------
   def calibrate(self):
-    s = self.s
+    """Copy bandwidth (the floors' denominator) and the per-op cost of an empty
+    XLA fusion and, with the CUDA module, of an (almost) empty FFI call."""
+    s = dataclasses.replace(self.s, data_dep=False)
     try:
+      # One call per run (R = 1: a chain of elementwise ops would fuse), in place.
       x = jnp.zeros(s.copy_bytes // 4, jnp.uint32)
       call = lambda st, f, a: (st + f[0], ())
-      sec, x, info = amortised(call, x, (jnp.zeros((), jnp.uint32),), [()] * 8, None,
-                               s.reps, s.warmup)
+      sec, x, _ = amortised(call, x, (jnp.zeros((), jnp.uint32),), [()], None, s)
       del x
       self.bw = 2 * s.copy_bytes / sec
-      self.row("calibration", f"copy {s.copy_bytes / 2 ** 30:.1f} GiB", "calibration",
-               sec * 1e6, None, True, gbps=self.bw / 1e9,
-               notes="x + s on u32 in place, one kernel per call; GB/s counts read + write")
+      self.row("calibration", f"copy {_size(s.copy_bytes)}", "calibration", sec * 1e6,
+               None, True, gbps=self.bw / 1e9,
+               notes="x = x + s on u32 in place, one kernel; GB/s counts read + write")
       self.log(f"calibration: copy {self.bw / 1e9:.0f} GB/s (read + write), "
                f"{sec * 1e6:.1f} us per copy")
     except Exception as e:                                 # noqa: BLE001
       self.error_row("calibration", "copy", "calibration", e)
     try:
-      call = lambda st, f, a: (st + 1, ())
-      sec, _, _ = amortised(call, jnp.zeros(8, F32), (), [()] * s.empty_r, None,
-                            s.reps, s.warmup)
+      call = lambda st, f, a: (st, (a[0] + 1,))
+      rot = [(jnp.full(8, i, F32),) for i in range(s.empty_r)]
+      sec, _, _ = amortised(call, None, (), rot, None, s)
       self.empty_us = sec * 1e6
       self.row("calibration", f"empty XLA op x{s.empty_r}", "calibration", self.empty_us,
-               None, True, notes="x + 1 on f32[8], a chain behind optimization barriers")
+               None, True, notes="y = x + 1 on f32[8], one fusion per call")
       self.log(f"calibration: empty XLA op {self.empty_us:.2f} us")
     except Exception as e:                                 # noqa: BLE001
       self.error_row("calibration", "empty XLA op", "calibration", e)
     if self.has_kernel("upcast_logits"):
       try:
+        call = lambda st, f, a: (st, (glm5_jax.upcast_logits(f[0], a[0]),))
+        rot = [(i32([8]),) for _ in range(s.empty_r)]
         with kernels(True):
-          call = lambda st, f, a: (st, (glm5_jax.upcast_logits(f[0], a[0]),))
-          rot = [(i32([8]),)] * s.empty_r
-          sec, _, _ = amortised(call, None, (jnp.ones((1, 8), BF16),), rot, 0,
-                                s.reps, s.warmup)
+          sec, _, _ = amortised(call, None, (jnp.ones((1, 8), BF16),), rot, 0, s)
         us = sec * 1e6
-        above = None if self.empty_us is None else us - self.empty_us
         self.row("calibration", f"empty FFI call x{s.empty_r}", "calibration", us, None,
-                 True, ffi_us=above,
-                 notes="upcast_logits 1x8 + the dependency fusion per link; ffi_us = "
-                       "link - empty XLA op")
-        self.log(f"calibration: upcast_logits 1x8 link {us:.2f} us")
+                 True, notes="upcast_logits kernel on 1x8" + (
+                     " + the dependency fusion" if s.data_dep else ""))
+        self.log(f"calibration: upcast_logits 1x8 kernel call {us:.2f} us")
       except Exception as e:                               # noqa: BLE001
         self.error_row("calibration", "empty FFI call", "calibration", e)
 
@@ -621,11 +661,13 @@ class Bench:
     self.row(op, shape, variant, None, None, False, notes=note)
 
   # ops -----------------------------------------------------------------------
-  def run_op(self, op):
+  def run_op(self, op, labels):
+    """Measures `op` at the shapes of CASES[op] named in `labels`."""
     builder, shapes = CASES[op]
     variants = ["reference"] + (["kernel"] if self.has_kernel(op) else [])
-    for kw in shapes(self.s):
-      shape = ",".join(f"{k}={v}" for k, v in kw.items())
+    for shape, kw in shapes(self.s):
+      if shape not in labels:
+        continue
       if self.over_budget():
         for v in variants:
           self.row(op, shape, v, None, None, False, notes="skipped: over the time budget")
@@ -633,6 +675,7 @@ class Bench:
         continue
       try:
         case = builder(Rand(zlib.crc32(f"{op} {shape}".encode())), self.s, **kw)
+        case = case._replace(shape=shape)
       except Exception as e:                               # noqa: BLE001
         for v in variants:
           self.error_row(op, shape, v, e)
@@ -642,13 +685,20 @@ class Bench:
       gc.collect()
       self.write_json()
 
+  def chain_length(self, case, wall, lines):
+    """R: <= r_max calls, a run of <= chain_s (one call's wall time) and of
+    <= chain_lines lowered lines (compile time); >= r_min and case.r_min."""
+    s = self.s
+    r = min(s.r_max, int(s.chain_s / wall), s.chain_lines // max(1, lines))
+    return min(len(case.rotated), max(r, s.r_min, case.r_min))
+
   def run_case(self, case, variants):
     """Checks every variant once against the reference (from the same initial
     state), then times each; the state is threaded from run to run."""
     s, state = self.s, case.state
     floor = floor_us(case.nbytes, case.flops, self.bw)
     target = _ffi.KERNEL_TARGETS.get(case.op)
-    ref, r, exact = None, s.r_min, {}
+    ref, checked = None, {}                                # variant -> (exact, R)
     for variant in variants:
       try:
         with kernels(variant == "kernel"):
@@ -657,33 +707,38 @@ class Bench:
           raise RuntimeError(f"the {variant} variant lowered "
                              f"{'to' if variant == 'reference' else 'without'} {target}")
         if variant == "reference":
-          ref, exact[variant] = got, True
-          r = max(s.r_min, min(len(case.rotated), int(s.chain_s / wall)))
+          ref, exact = got, True
         else:
-          exact[variant] = ref is not None and all(
-              bool(_same_bits(a, b)) for a, b in zip(got, ref))
+          exact = ref is not None and all(bool(_same_bits(a, b)) for a, b in zip(got, ref))
+        checked[variant] = exact, self.chain_length(case, wall, text.count("\n"))
         del got
       except Exception as e:                               # noqa: BLE001
         self.error_row(case.op, case.shape, variant, e)
     del ref
-    for variant in exact:
+    for variant, (exact, r) in checked.items():
       try:
         with kernels(variant == "kernel"):
           sec, state, info = amortised(case.call, state, case.fixed, case.rotated[:r],
-                                       case.dep, s.reps, s.warmup)
+                                       case.dep, s)
         us = sec * 1e6
-        copies = cache_copies(info["hlo"], state) if case.state is not None else 0
-        self.row(case.op, case.shape, variant, us, floor, exact[variant],
+        self.row(case.op, case.shape, variant, us, floor, exact,
                  gbps=case.nbytes / sec / 1e9, R=r, reps=s.reps,
                  compile_s=round(info["compile_s"], 2), min_bytes=int(case.nbytes),
                  flops=int(case.flops) or None,
-                 notes=f"{copies} state-sized copies in the chain" if copies else None)
+                 notes=not_in_place(info["temp"], state))
         self.log(f"{case.op} {case.shape} {variant}: {us:.2f} us (floor {floor:.3f}, R={r}, "
-                 f"exact={exact[variant]}, compile {info['compile_s']:.1f}s)")
+                 f"exact={exact}, compile {info['compile_s']:.1f}s)")
       except Exception as e:                               # noqa: BLE001
         self.error_row(case.op, case.shape, variant, e)
         if any(a.is_deleted() for a in jax.tree.leaves(state)):
           return                                           # the state was donated away
+
+  def sort_rows(self, ops):
+    """Calibration first, then ops in `ops` order, shapes in CASES order."""
+    order = {(op, shape): (i, j) for i, op in enumerate(ops)
+             for j, (shape, _) in enumerate(CASES[op][1](self.s))}
+    self.rows.sort(key=lambda r: (r["op"] != "calibration",
+                                  order.get((r["op"], r["shape"]), (-1, -1))))
 
   def write_json(self):
     with open(self.args.out, "w") as f:
@@ -691,6 +746,10 @@ class Bench:
 
 
 # ----------------------------------------------------------------- reports
+
+def _size(n):
+  return f"{n / 2 ** 30:.3g} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.3g} MiB"
+
 
 def _fmt(v):
   if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -735,22 +794,24 @@ def markdown(rows, meta, sizes, plot_ref):
     parts.append(f"empty XLA op {calib['empty XLA op']['device_us']:.2f} µs")
   ffi = calib.get("empty FFI call", {})
   if ffi.get("device_us"):
-    parts.append(f"empty FFI link (upcast_logits 1x8 + dependency fusion) "
-                 f"{ffi['device_us']:.2f} µs")
+    parts.append(f"empty FFI call (upcast_logits kernel on 1x8) {ffi['device_us']:.2f} µs")
   lines = [
       "# glm5_jax benchmarks", "",
       f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
-      f"{meta['date']} · kernels: {', '.join(_ffi.KERNEL_TARGETS) or 'none'}", "",
-      "Method (`bench/bench.py`, PERFORMANCE.md §8): one jitted function runs R chained calls "
-      f"(R ≤ {sizes.r_max}, fewer for slow ops, see the JSON), each on its own rotated inputs "
-      "(weights and logits rotated past the 60 MB L2; ≥1 GB caches donated and threaded "
-      "through the calls; stateless calls chained by a run-time-zero scalar behind "
-      "optimization barriers), XLA command buffers at their defaults. µs = median over "
-      f"{sizes.reps} back-to-back runs / R, nothing subtracted. reference = the public op "
-      "with GLM5_JAX_KERNELS=0 (pure JAX under jit); kernel = its CUDA FFI kernel. "
-      "floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "
-      "(PERFORMANCE.md §7). exact = kernel output bit-equal to the reference "
-      "(upcast: columns below row_ends).", "",
+      f"{meta['date']} · kernel variants: {', '.join(meta['kernels']) or 'none'}", "",
+      "Method (`bench/bench.py`, PERFORMANCE.md §8):", "",
+      f"- one jitted function runs R calls of the public op (R ≤ {sizes.r_max}, per row in "
+      "the JSON), each on its own inputs: W_cat and logits rotated past the 60 MB L2, ≥ 1 GB "
+      "caches donated and threaded through the calls, stateless calls ordered by "
+      "optimization barriers on the previous call's outputs" + (
+          " and a run-time-zero scalar (+1 tiny fusion per call)" if sizes.data_dep else "")
+      + "; XLA command buffers at their defaults;",
+      f"- µs = median over {sizes.reps} back-to-back runs of the run time / R, nothing "
+      "subtracted (see the calibration); reference = the op with GLM5_JAX_KERNELS=0 (pure "
+      "JAX under jit), kernel = its CUDA FFI kernel;",
+      "- floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "
+      "(PERFORMANCE.md §7); exact = kernel output bit-equal to the reference (upcast: "
+      "columns below row_ends).", "",
       "Calibration: " + "; ".join(parts) + ".", ""]
   if plot_ref:
     lines += [f"![µs per call vs shape]({plot_ref})", ""]
@@ -764,9 +825,8 @@ def plot(rows, path):
   import matplotlib.pyplot as plt
   by = _lookup(rows)
   ops = list(dict.fromkeys(r["op"] for r in rows if r["op"] != "calibration"))
-  cols = 3
-  fig, axes = plt.subplots(-(-len(ops) // cols), cols, figsize=(5 * cols, 3.3 * -(-len(ops) // cols)),
-                           squeeze=False)
+  cols, rows_ = 3, -(-len(ops) // 3)
+  fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.3 * rows_), squeeze=False)
   for ax, op in zip(axes.flat, ops):
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r["op"] == op))
     x = np.arange(len(shapes))
@@ -791,6 +851,7 @@ def plot(rows, path):
   for ax in list(axes.flat)[len(ops):]:
     ax.set_visible(False)
   fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -803,14 +864,26 @@ def main():
   p.add_argument("--out", default="BENCHMARKS.json", help="JSON rows")
   p.add_argument("--md", default="BENCHMARKS.md", help="markdown report")
   p.add_argument("--plot", default=os.path.join(here, "benchmarks.png"), help="PNG plot")
-  p.add_argument("--quick", action="store_true", help="M in {1, 64}, one shape per op")
+  p.add_argument("--quick", action="store_true",
+                 help="M (B, n, rows) in {1, 64} and the first of the other sizes")
   p.add_argument("--ops", default="", help="comma-separated ops (default: all)")
-  p.add_argument("--cpu-smoke", action="store_true",
-                 help="tiny caches, contexts, R and N (for a CPU run)")
+  p.add_argument("--cpu-smoke", action=argparse.BooleanOptionalAction, default=None,
+                 help="tiny caches, contexts, R and N (default: on for the CPU backend)")
   p.add_argument("--budget-s", type=float, default=230,
                  help="skip the remaining shapes after this many seconds")
+  p.add_argument("--cache-dir", default=os.path.join(here, ".jax_cache"),
+                 help="persistent XLA compilation cache ('' = off); reruns skip "
+                      "the unchanged compiles")
+  p.add_argument("--data-dep", action="store_true",
+                 help="also chain stateless calls through a run-time-zero scalar "
+                      "(one extra tiny fusion per call)")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   args = p.parse_args()
+  if args.cpu_smoke is None:
+    args.cpu_smoke = jax.default_backend() == "cpu"
+  if args.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   ops = [o for o in args.ops.replace(" ", "").split(",") if o] or list(glm5_jax.OPS)
   unknown = set(ops) - set(glm5_jax.OPS)
   if unknown:
@@ -818,14 +891,24 @@ def main():
   # Ops with a kernel first: they matter most if the budget runs out.
   ops = sorted(ops, key=lambda o: (o not in _ffi.KERNEL_TARGETS, glm5_jax.OPS.index(o)))
 
-  sizes = sizes_for(args.quick, args.cpu_smoke)
+  for path in (args.out, args.md):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep)
   bench = Bench(sizes, args)
   bench.log(f"{bench.meta['gpu']} ({jax.default_backend()}), jax {jax.__version__}, "
-            f"CUDA module {'built' if bench.module else 'absent'}, kernel ops: "
-            f"{[o for o in ops if bench.has_kernel(o)]}")
+            f"CUDA module {'built' if bench.module else 'absent'}, kernel variants: "
+            f"{bench.kernels}, compilation cache: {args.cache_dir or 'off'}"
+            + (", --cpu-smoke sizes" if args.cpu_smoke else ""))
   bench.calibrate()
+  # Two passes, so a run cut short by --budget-s still has every op's extreme
+  # shapes: first the --quick subset (M in {1, 64}), then the rest.
+  first = {op: {label for label, _ in CASES[op][1](sizes_for(True, args.cpu_smoke))}
+           for op in ops}
   for op in ops:
-    bench.run_op(op)
+    bench.run_op(op, first[op])
+  for op in ops:
+    bench.run_op(op, {label for label, _ in CASES[op][1](sizes)} - first[op])
+  bench.sort_rows(ops)
   bench.write_json()
 
   plot_ref = None
@@ -834,10 +917,12 @@ def main():
     plot_ref = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.md)))
   except Exception as e:                                   # noqa: BLE001
     bench.log(f"plot failed: {type(e).__name__}: {e}")
-  text = markdown(bench.rows, bench.meta, sizes, plot_ref)
+  text = markdown(bench.rows, dict(bench.meta, kernels=bench.kernels), sizes, plot_ref)
   with open(args.md, "w") as f:
     f.write(text)
-  bench.log(f"wrote {args.out}, {args.md}" + (f", {args.plot}" if plot_ref else ""))
+  compile_s = sum(r.get("compile_s", 0) for r in bench.rows)
+  bench.log(f"wrote {args.out}, {args.md}" + (f", {args.plot}" if plot_ref else "")
+            + f"; chain compiles took {compile_s:.0f}s")
   print("\n".join(line for line in text.splitlines() if not line.startswith("![")), flush=True)
 
 
