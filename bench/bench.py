@@ -6,11 +6,13 @@
 Variants per shape: "reference" = the public op with GLM5_JAX_KERNELS=0 (pure
 JAX under jit) and "kernel" = the public op with its CUDA kernel, for every op
 in glm5_jax._ffi.KERNEL_TARGETS (GPU with the CUDA module only). Method
-(PERFORMANCE.md §8): one jitted function runs R calls, each on its own rotated
-inputs (W_cat and logits rotated past the 60 MB L2; caches >= 1 GB donated and
-threaded through the calls; stateless calls ordered by optimization barriers
-on the previous call's outputs, or with --data-dep by a run-time-zero scalar);
-device_us = median over N back-to-back runs of the run time / R, nothing
+(PERFORMANCE.md §8): one jitted function runs a device loop of `passes` passes
+over R calls, each on its own rotated inputs (W_cat and logits rotated past
+the 60 MB L2; caches >= 1 GB donated and threaded through the calls; stateless
+calls ordered by optimization barriers on the previous call's outputs, or with
+--data-dep by a run-time-zero scalar); passes grows until a run takes >= 4 ms
+so host dispatch is amortised; device_us = median over N back-to-back runs of
+the run time / (passes * R), nothing
 subtracted (the calibration rows give the copy bandwidth and the per-call cost
 of an empty XLA op and an empty FFI call). floor_us = max(minimum bytes /
 measured copy bandwidth, FLOPs / 790 TFLOP/s) (PERFORMANCE.md §7). Each
@@ -81,6 +83,8 @@ class Sizes:
   chain_lines: int = 12000                     # most lowered StableHLO lines of a chain
   reps: int = 20
   warmup: int = 2
+  run_s: float = 0.004                         # least device time of one timed run
+  max_passes: int = 4096
   empty_r: int = 100
   data_dep: bool = False                       # chain stateless calls by a scalar, not barriers
 
@@ -95,7 +99,7 @@ def sizes_for(quick, cpu_smoke):
         s, upcast_pools=tuple(p // 16 for p in s.upcast_pools),
         topk_pools=tuple(p // 16 for p in s.topk_pools), mqa_pools=512,
         cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,
-        warmup=1, empty_r=20)
+        warmup=1, empty_r=20, run_s=0.001, max_passes=8)
   return s
 
 
@@ -469,17 +473,18 @@ def _token(tree):
 
 
 def _chain(call, dep, data_dep):
-  """chain(state, fixed, flag, rotated): one call per rotated argument tuple,
-  in order. Stateful calls are chained by their state (donated, updated in
-  place). A stateless call's arguments pass through an optimization barrier
-  together with the previous call's outputs: an HLO dependency that XLA keeps
-  through fusion and scheduling (no overlap, no horizontal fusion, no CSE) and
-  that costs nothing at run time. With data_dep they also take a run-time
-  dependency: argument `dep` of call i+1 gets + flag, which call i's outputs
-  decide (always False), at the cost of one tiny fusion per call. All outputs
-  are returned, so no call is dropped."""
-  def chain(state, fixed, flag, rotated):
-    kept, prev = [], flag
+  """chain(state, fixed, flag, rotated, passes): `passes` (a run-time count)
+  passes of one call per rotated argument tuple, in order, in a device loop, so
+  one dispatch covers many calls. Stateful calls are chained by their state
+  (donated, updated in place). A stateless call's arguments pass through an
+  optimization barrier together with the previous call's outputs: an HLO
+  dependency that XLA keeps through fusion and scheduling (no overlap, no
+  horizontal fusion, no CSE) and that costs nothing at run time. With data_dep
+  they also take a run-time dependency: argument `dep` of call i+1 gets + flag,
+  which call i's outputs decide (always False), at the cost of one tiny fusion
+  per call. The last pass's outputs are the loop's result, so no call is dropped."""
+  def one_pass(state, fixed, flag, prev, rotated):
+    kept = []
     for args in rotated:
       if state is None:
         if data_dep and dep is not None:
@@ -490,6 +495,17 @@ def _chain(call, dep, data_dep):
         flag = _sentinel(outs)
       prev = outs
       kept.append(outs)
+    return state, flag, kept
+
+  def chain(state, fixed, flag, rotated, passes):
+    shapes = jax.eval_shape(lambda *a: one_pass(*a)[2], state, fixed, flag, flag, rotated)
+    kept = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def body(_, carry):
+      state, flag, kept = carry
+      return one_pass(state, fixed, flag, kept[-1], rotated)
+
+    state, flag, kept = lax.fori_loop(0, passes, body, (state, flag, kept))
     # Something to wait on (all outputs of a run are ready together). Not a read
     # of the state: XLA would copy a state that is read besides being updated.
     done = ~flag if state is not None else _token(kept[-1])
@@ -514,25 +530,40 @@ def temp_bytes(compiled):
 
 
 def amortised(call, state, fixed, rotated, dep, sizes):
-  """Seconds per call: one jitted chain of len(rotated) calls, run warmup + reps
-  times back to back (the next run is dispatched before waiting for the previous
-  one, so host dispatch overlaps device work); the median interval between run
-  completions, divided by the chain length. Returns (s, state, info)."""
+  """Seconds per call: one jitted device loop of `passes` passes over a chain
+  of len(rotated) calls. passes grows until one run takes >= sizes.run_s, so
+  host dispatch (which overlaps: the next run is dispatched before waiting for
+  the previous one) is amortised away; the median interval between run
+  completions over reps runs, divided by passes * len(rotated).
+  Returns (s, state, info)."""
   flag = jnp.zeros((), jnp.bool_)
-  fn, _, seconds = compile_fn(_chain(call, dep, sizes.data_dep), state, fixed, flag, rotated)
-  state, flag, (done, _) = fn(state, fixed, flag, rotated)
-  done.block_until_ready()
-  stamps = [time.perf_counter()]
-  for _ in range(sizes.warmup + sizes.reps):
-    state, flag, (nxt, _) = fn(state, fixed, flag, rotated)
-    done.block_until_ready()          # a run's outputs are all ready together
+  passes = jnp.int32(1)
+  fn, _, seconds = compile_fn(_chain(call, dep, sizes.data_dep), state, fixed, flag,
+                              rotated, passes)
+
+  def timed(state, n, reps):
+    n = jnp.int32(n)
+    state, _, (done, _) = fn(state, fixed, flag, rotated, n)
+    done.block_until_ready()
+    stamps = [time.perf_counter()]
+    for _ in range(reps):
+      state, _, (nxt, _) = fn(state, fixed, flag, rotated, n)
+      done.block_until_ready()          # a run's outputs are all ready together
+      stamps.append(time.perf_counter())
+      done = nxt
+    done.block_until_ready()
     stamps.append(time.perf_counter())
-    done = nxt
-  done.block_until_ready()
-  stamps.append(time.perf_counter())
-  intervals = np.diff(stamps)[sizes.warmup + 1:]
-  info = dict(compile_s=seconds, temp=temp_bytes(fn))
-  return statistics.median(intervals) / len(rotated), state, info
+    return state, statistics.median(np.diff(stamps)[2:])
+
+  n = 1
+  for _ in range(4):                    # a few probes: run time is linear in n
+    state, run = timed(state, n, 3)
+    if run >= sizes.run_s or n >= sizes.max_passes:
+      break
+    n = int(min(sizes.max_passes, np.ceil(n * 1.5 * sizes.run_s / run)))
+  state, run = timed(state, n, sizes.warmup + sizes.reps)
+  info = dict(compile_s=seconds, temp=temp_bytes(fn), passes=n)
+  return run / (n * len(rotated)), state, info
 
 
 def _bits(a):
@@ -722,11 +753,12 @@ class Bench:
                                        case.dep, s)
         us = sec * 1e6
         self.row(case.op, case.shape, variant, us, floor, exact,
-                 gbps=case.nbytes / sec / 1e9, R=r, reps=s.reps,
+                 gbps=case.nbytes / sec / 1e9, R=r, passes=info["passes"], reps=s.reps,
                  compile_s=round(info["compile_s"], 2), min_bytes=int(case.nbytes),
                  flops=int(case.flops) or None,
                  notes=not_in_place(info["temp"], state))
-        self.log(f"{case.op} {case.shape} {variant}: {us:.2f} us (floor {floor:.3f}, R={r}, "
+        self.log(f"{case.op} {case.shape} {variant}: {us:.2f} us (floor {floor:.3f}, "
+                 f"R={r} x {info['passes']} passes, "
                  f"exact={exact}, compile {info['compile_s']:.1f}s)")
       except Exception as e:                               # noqa: BLE001
         self.error_row(case.op, case.shape, variant, e)
@@ -800,13 +832,14 @@ def markdown(rows, meta, sizes, plot_ref):
       f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
       f"{meta['date']} · kernel variants: {', '.join(meta['kernels']) or 'none'}", "",
       "Method (`bench/bench.py`, PERFORMANCE.md §8):", "",
-      f"- one jitted function runs R calls of the public op (R ≤ {sizes.r_max}, per row in "
-      "the JSON), each on its own inputs: W_cat and logits rotated past the 60 MB L2, ≥ 1 GB "
+      f"- one jitted function runs a device loop of `passes` passes over R calls of the public "
+      f"op (R ≤ {sizes.r_max}; passes grows until a run takes ≥ {sizes.run_s * 1e3:g} ms, so "
+      "host dispatch is amortised; both per row in the JSON), each call on its own inputs: W_cat and logits rotated past the 60 MB L2, ≥ 1 GB "
       "caches donated and threaded through the calls, stateless calls ordered by "
       "optimization barriers on the previous call's outputs" + (
           " and a run-time-zero scalar (+1 tiny fusion per call)" if sizes.data_dep else "")
       + "; XLA command buffers at their defaults;",
-      f"- µs = median over {sizes.reps} back-to-back runs of the run time / R, nothing "
+      f"- µs = median over {sizes.reps} back-to-back runs of the run time / (passes × R), nothing "
       "subtracted (see the calibration); reference = the op with GLM5_JAX_KERNELS=0 (pure "
       "JAX under jit), kernel = its CUDA FFI kernel;",
       "- floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "

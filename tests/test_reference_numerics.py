@@ -250,3 +250,12 @@ def test_scale_bytes():
     np.testing.assert_array_equal(got8[i], O.scale_bytes(s[i], int(e[i]), "ue8m0"))
     assert int.from_bytes(bytes(got32[i]), "little") == (int(e[i]) + 127) << 23
     assert int.from_bytes(bytes(got8[i]), "little") == (int(e[i]) + 127) * 0x01010101
+
+
+def test_e4m3_decode_every_code():
+  codes = np.arange(256, dtype=np.uint8)
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(F32)
+  got = np.asarray(jax.jit(N.e4m3_to_f32)(jnp.asarray(codes)))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  finite = ~np.isnan(want)
+  np.testing.assert_array_equal(_bits(got[finite]), _bits(want[finite]))

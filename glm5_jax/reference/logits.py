@@ -4,7 +4,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .numerics import DIM
+from .numerics import DIM, e4m3_to_f32
 
 
 def upcast_logits(logits, row_ends):
@@ -29,8 +29,7 @@ def read_cache(kv_cache, loc, scale_format="fp32"):
     scale = lax.bitcast_convert_type(raw, jnp.float32)
   else:
     scale = lax.bitcast_convert_type((raw[..., 0].astype(jnp.int32)) << 23, jnp.float32)
-  values = lax.bitcast_convert_type(data, jnp.float8_e4m3fn).astype(jnp.float32)
-  return values, scale
+  return e4m3_to_f32(data), scale
 
 
 def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
@@ -49,7 +48,8 @@ def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
   ok = (p < pool_lens[:, None]) & (p // page < page_table.shape[1]) & (pg >= 0) & (pg < pages)
   loc = jnp.where(ok, pg * page + p % page, 0)
   k, kscale = read_cache(kv_cache, loc, scale_format)                   # [rows, P, 128]
-  dots = jnp.einsum("rhd,rpd->rhp", q_fp8.astype(jnp.float32), k,
+  q = e4m3_to_f32(lax.bitcast_convert_type(q_fp8, jnp.uint8))
+  dots = jnp.einsum("rhd,rpd->rhp", q, k,
                     precision=lax.Precision.HIGHEST)
   score = jnp.einsum("rh,rhp->rp", weights.astype(jnp.float32), jnp.maximum(dots, 0),
                      precision=lax.Precision.HIGHEST) * kscale

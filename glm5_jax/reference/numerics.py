@@ -109,6 +109,23 @@ def to_e4m3(x):
   return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
 
 
+def e4m3_to_f32(bits):
+  """float8_e4m3fn bit patterns u8[...] -> their exact f32 values.
+
+  Decoded with integer ops on purpose: XLA's GPU compiler turns a dot of
+  converted fp8 operands into an FP8 tensor-core GEMM, whose accumulation is
+  less precise than fp32.
+  """
+  b = bits.astype(jnp.uint32)
+  sign = (b >> 7) << 31
+  exp, mant = (b >> 3) & 0xF, b & 0x7
+  normal = lax.bitcast_convert_type(sign | ((exp + 120) << 23) | (mant << 20), jnp.float32)
+  subnormal = mant.astype(jnp.float32) * np.float32(2.0 ** -9)
+  subnormal = jnp.where(sign != 0, -subnormal, subnormal)
+  value = jnp.where(exp == 0, subnormal, normal)
+  return jnp.where((b & 0x7F) == 0x7F, jnp.nan, value)
+
+
 def rotate_quant(x, *, round_scale=True):
   """Hadamard + FP8 of rows (SPEC §2b, the tail of §3).
 
