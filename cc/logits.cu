@@ -12,6 +12,7 @@ namespace {
 
 constexpr int kUpcastThreads = 256;
 constexpr int kUpcastChunk = 8;           // bf16 per 16-byte load
+constexpr int kUpcastUnroll = 4;          // chunks a thread loads before it stores
 constexpr int64_t kUpcastMaxCtas = 1024;  // rows * splits stays around this (seed `cap`)
 
 // bf16 is the high half of an f32, so widening is exact: f32 bits = bf16 bits << 16.
@@ -44,15 +45,26 @@ __global__ void __launch_bounds__(kUpcastThreads)
     const int64_t up = (begin + kUpcastChunk - 1) / kUpcastChunk * kUpcastChunk;
     const int64_t vb = min(up, end);
     const int64_t ve = max(end / kUpcastChunk * kUpcastChunk, vb);
-    // Usually one chunk per thread: unrolling only adds code.
+    // kUpcastUnroll chunks in flight per thread: one outstanding 16-byte load per
+    // thread leaves a large upcast latency-bound.
+    const int64_t stride = step * kUpcastChunk;
 #pragma unroll 1
-    for (int64_t i = vb + first * kUpcastChunk; i < ve; i += step * kUpcastChunk) {
-      const uint4 in = *reinterpret_cast<const uint4*>(src + i);
-      const uint4 lo = make_uint4(widen_lo(in.x), widen_hi(in.x), widen_lo(in.y), widen_hi(in.y));
-      const uint4 hi = make_uint4(widen_lo(in.z), widen_hi(in.z), widen_lo(in.w), widen_hi(in.w));
-      // Intrinsic stores: with plain stores LLVM re-split `lo` into u32/u32/v2 pieces.
-      __stwb(reinterpret_cast<uint4*>(dst + i), lo);
-      __stwb(reinterpret_cast<uint4*>(dst + i + 4), hi);
+    for (int64_t i = vb + first * kUpcastChunk; i < ve; i += kUpcastUnroll * stride) {
+      uint4 in[kUpcastUnroll];
+#pragma unroll
+      for (int k = 0; k < kUpcastUnroll; ++k)
+        if (i + k * stride < ve) in[k] = *reinterpret_cast<const uint4*>(src + i + k * stride);
+#pragma unroll
+      for (int k = 0; k < kUpcastUnroll; ++k) {
+        const int64_t j = i + k * stride;
+        if (j >= ve) break;
+        const uint4 w = in[k];
+        // Intrinsic stores: with plain stores LLVM re-split them into u32/u32/v2 pieces.
+        __stwb(reinterpret_cast<uint4*>(dst + j),
+               make_uint4(widen_lo(w.x), widen_hi(w.x), widen_lo(w.y), widen_hi(w.y)));
+        __stwb(reinterpret_cast<uint4*>(dst + j + 4),
+               make_uint4(widen_lo(w.z), widen_hi(w.z), widen_lo(w.w), widen_hi(w.w)));
+      }
     }
     if (blockIdx.y == 0 && threadIdx.x < 2 * kUpcastChunk) {
       const bool head = threadIdx.x < kUpcastChunk;
