@@ -3,4 +3,6 @@
 
 #include "xla/ffi/api/api.h"
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Glm5ExpandPools);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Glm5ExpandAndRemap);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Glm5UpcastLogits);

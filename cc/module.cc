@@ -18,6 +18,8 @@ NB_MODULE(_glm5_cuda, m) {
   m.doc() = "glm5_jax CUDA kernels as XLA FFI handlers";
   m.def("registrations", [] {
     nb::dict targets;
+    targets["glm5_expand_pools"] = capsule(Glm5ExpandPools);
+    targets["glm5_expand_and_remap"] = capsule(Glm5ExpandAndRemap);
     targets["glm5_upcast_logits"] = capsule(Glm5UpcastLogits);
     return targets;
   });

@@ -13,6 +13,8 @@ import jax
 
 # Ops with a CUDA kernel -> FFI target. The module's registrations() must match.
 KERNEL_TARGETS = {
+    "expand_pools": "glm5_expand_pools",
+    "expand_and_remap": "glm5_expand_and_remap",
     "upcast_logits": "glm5_upcast_logits",
 }
 

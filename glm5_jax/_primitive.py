@@ -3,8 +3,9 @@
 Each op gets: abstract evaluation that validates shapes and dtypes at trace
 time, a CPU (default) lowering through the pure-JAX reference, a CUDA lowering
 to its FFI target (operand/output aliasing for in-place caches) or to the
-reference when it has no kernel or GLM5_JAX_KERNELS turns it off, a batching
-rule, and an error under differentiation.
+reference when it has no kernel, the kernel does not support the shapes or
+GLM5_JAX_KERNELS turns it off, a batching rule, and an error under
+differentiation.
 """
 import jax
 import jax.numpy as jnp
@@ -24,15 +25,22 @@ class Op:
   updated in place; rows: per-operand row axis (None = shared) and per-result
   row axis, when examples can be folded into the rows under vmap (otherwise
   vmap maps the op over the examples); attributes: static params -> FFI
-  attributes with exact C++ types.
+  attributes with exact C++ types; kernel_supports: (avals, params) -> whether
+  the kernel handles these shapes (like `shapes`; otherwise the CUDA lowering
+  uses the reference), described for diagnostics by kernel_limits.
   """
 
+  registry = {}     # name -> Op
+
   def __init__(self, name, reference, shapes, *, aliases=None, rows=None,
-               attributes=None):
+               attributes=None, kernel_supports=None, kernel_limits=None):
     self.name, self.reference, self.shapes = name, reference, shapes
     self.aliases = aliases or {}
     self.rows = rows
     self.attributes = attributes or (lambda **params: {})
+    self.kernel_supports = kernel_supports or (lambda *avals, **params: True)
+    self.kernel_limits = kernel_limits
+    Op.registry[name] = self
     prim = self.primitive = Primitive(f"glm5_{name}")
     prim.multiple_results = True
     prim.def_impl(lambda *args, **params: xla.apply_primitive(prim, *args, **params))
@@ -56,7 +64,7 @@ class Op:
   def _cuda_lowering(self, lower_ref):
     def lowering(ctx, *args, **params):
       target = _ffi.kernel_target(self.name)
-      if target is None:
+      if target is None or not self.kernel_supports(*ctx.avals_in, **params):
         return lower_ref(ctx, *args, **params)
       rule = jax.ffi.ffi_lowering(target, operand_output_aliases=self.aliases)
       return rule(ctx, *args, **self.attributes(**params))

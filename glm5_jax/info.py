@@ -5,6 +5,7 @@ import jaxlib
 
 import glm5_jax
 from glm5_jax import _ffi
+from glm5_jax._primitive import Op
 
 
 def report():
@@ -26,7 +27,8 @@ def report():
     elif not _ffi.kernels_enabled(op):
       how = "reference (GLM5_JAX_KERNELS)"
     else:
-      how = f"kernel {target}"
+      limits = Op.registry[op].kernel_limits
+      how = f"kernel {target}" + (f" ({limits}; otherwise reference)" if limits else "")
     lines.append(f"  {op:26s} {how}")
   return lines
 

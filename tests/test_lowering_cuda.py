@@ -38,6 +38,24 @@ def test_cuda_lowering_uses_kernel_where_one_exists(op, monkeypatch):
   assert [c for c in calls if c.startswith("glm5_")] == ([target] if target else [])
 
 
+@pytest.mark.parametrize("groups,kernel", [(32, True), (64, True), (1024, True), (40, False),
+                                           (8, False), (1056, False), (0, False)])
+def test_remap_kernel_only_for_supported_shapes(groups, kernel, monkeypatch):
+  """expand_and_remap's kernel needs G % 32 == 0 and 32 <= G <= 1024; other shapes
+  lower to the reference (no FFI call), also under vmap."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(-1, 50, (3, groups)).astype(np.int32)
+  args = (ids, np.array([4, 9, -1], np.int32), np.array([0, 1, 1, 0], np.int32),
+          rng.integers(0, 50, (2, 8)).astype(np.int32))
+  fn = lambda *a: glm5_jax.expand_and_remap(*a, block_size=16, width=4 * groups + 4)
+  want = ["glm5_expand_and_remap"] if kernel else []
+  assert custom_calls(cuda_module(fn, args)) == want
+  batched = jax.vmap(fn, in_axes=(0, 0, 0, None))
+  stacked = tuple(np.stack([a, a]) for a in args[:3]) + args[3:]
+  assert custom_calls(cuda_module(batched, stacked)) == want
+
+
 @pytest.mark.parametrize("switch", ["0", "upcast_logits=0", "1,upcast_logits=0"])
 def test_kill_switch_routes_to_reference(switch, monkeypatch):
   monkeypatch.setenv("GLM5_JAX_KERNELS", switch)

@@ -1,0 +1,328 @@
+// expand_pools (SPEC §6) and the fused expand + sparse-MLA remap (SPEC §6 + §7).
+//
+// Both kernels see an output row as quads: columns [4q, 4q + 4), the last one partial when
+// width % 4 != 0. A pool is four consecutive tokens 4*pid .. 4*pid + 3, so it fills exactly
+// one quad, and since block_size % 4 == 0 its tokens share one KV block: a pool is valid or
+// invalid as a whole. The layout of a row with G pool ids:
+//   expand_pools, and expand_and_remap with compact=False:
+//     quad q < G: pool q (token ids, or remapped slots, or -1 x 4);
+//     quad G: the trailing incomplete pool (3 columns) and a -1; quads > G: -1 x 4.
+//   expand_and_remap with compact=True (H = number of valid pools of the row):
+//     quads < H: the valid pools in rank order; quad H: the tail; quads > H: -1 x 4.
+// Every quad is written by exactly one thread with one 16-byte store (4 scalar stores when
+// the row is not 16-byte aligned), so a row is written completely and without overlap.
+//
+// Integer arithmetic is int32 with wraparound, as in the reference (pid * 4 of a huge pool
+// id, block_table * stride_rows): done on uint32 and converted back.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "common.h"
+#include "handlers.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int kPool = 4;              // tokens per pool (SPEC §9)
+constexpr int kExpandThreads = 128;   // expand_pools: quads per CTA
+constexpr int kMaxGridY = 65535;      // CUDA's limit on gridDim.y
+constexpr int kWarp = 32;
+constexpr int kMaxGroups = 1024;      // expand_and_remap: one thread per pool, one CTA per row
+constexpr int32_t kI32Max = std::numeric_limits<int32_t>::max();
+
+__host__ __device__ __forceinline__ int32_t wrap_add(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+}
+
+__host__ __device__ __forceinline__ int32_t wrap_mul(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b));
+}
+
+__host__ __device__ __forceinline__ int4 none4() { return make_int4(-1, -1, -1, -1); }
+
+// v, v + 1, v + 2, v + 3 (int32, wrapping).
+__host__ __device__ __forceinline__ int4 run4(int32_t v) {
+  return make_int4(v, wrap_add(v, 1), wrap_add(v, 2), wrap_add(v, 3));
+}
+
+// The trailing incomplete pool of a row: tokens start .. start + count - 1, count in [0, 3].
+// n = pos + seq_offset (int32, wrapping); n <= 0 (padding) has no tail.
+struct Tail {
+  int32_t start;
+  int32_t count;
+};
+
+__host__ __device__ __forceinline__ Tail tail_of(int32_t pos, int32_t seq_offset) {
+  const int32_t n = wrap_add(pos, seq_offset);
+  if (n <= 0) return {0, 0};
+  const int32_t start = n & ~(kPool - 1);   // n // 4 * 4 for n > 0
+  return {start, n - start};
+}
+
+// The tail quad: first + j for j < count, then -1 (its last column is always -1).
+__host__ __device__ __forceinline__ int4 tail_quad(int32_t first, int32_t count) {
+  return make_int4(count > 0 ? first : -1, count > 1 ? wrap_add(first, 1) : -1,
+                   count > 2 ? wrap_add(first, 2) : -1, -1);
+}
+
+// Writes quad q of a row: one 16-byte store (kVector: width % 4 == 0, row 16-byte aligned,
+// and callers keep q < width / 4) or the quad's in-bounds columns one by one.
+template <bool kVector>
+__host__ __device__ __forceinline__ void store_quad(int32_t* row_out, int q, int width, int4 v) {
+  int32_t* p = row_out + static_cast<int64_t>(kPool) * q;
+  if constexpr (kVector) {
+    *reinterpret_cast<int4*>(p) = v;
+  } else {
+    const int c = kPool * q;
+    if (c < width) p[0] = v.x;
+    if (c + 1 < width) p[1] = v.y;
+    if (c + 2 < width) p[2] = v.z;
+    if (c + 3 < width) p[3] = v.w;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// expand_pools: grid (rows, ctas), thread q of a row's quad range writes quad q. Any G.
+template <bool kVector>
+__global__ void __launch_bounds__(kExpandThreads)
+    expand_pools_kernel(const int32_t* __restrict__ pool_ids, const int32_t* __restrict__ seq_lens,
+                        int32_t* __restrict__ out, int groups, int width, int32_t seq_offset) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t row = blockIdx.x;
+  const int quads = (width + kPool - 1) / kPool;   // > groups since width >= 4G + 3
+  int32_t* row_out = out + row * width;
+#pragma unroll 1
+  for (int q = static_cast<int>(blockIdx.y * kExpandThreads + threadIdx.x); q < quads;
+       q += static_cast<int>(gridDim.y * kExpandThreads)) {
+    int4 v = none4();
+    if (q < groups) {
+      const int32_t pid = pool_ids[row * groups + q];
+      if (pid >= 0) v = run4(wrap_mul(pid, kPool));   // no upper bound; wraps like the reference
+    } else if (q == groups) {
+      const Tail tail = tail_of(seq_lens[row], seq_offset);
+      v = tail_quad(tail.start, tail.count);
+    }
+    store_quad<kVector>(row_out, q, width, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// expand_and_remap.
+
+// The block-table mapping of one request's tokens. `table` is the request's row; it is
+// only dereferenced for 0 <= block < max_blocks.
+struct Remap {
+  const int32_t* table;
+  int64_t max_blocks;
+  int32_t block_size;
+  int32_t stride_rows;
+
+  // Physical slot of the first of the 4 tokens first_token .. first_token + 3
+  // (first_token % 4 == 0, so all 4 share its block); false when they are dropped
+  // (a negative token id, or a block past the table).
+  __host__ __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
+    if (first_token < 0) return false;
+    const int32_t block = first_token / block_size;
+    if (block >= max_blocks) return false;
+    *out = wrap_add(wrap_mul(table[block], stride_rows), first_token % block_size);
+    return true;
+  }
+};
+
+// One CTA per output row, thread g owns pool g (blockDim = groups, groups % 32 == 0, so
+// every warp is full for the ballot). Compaction: a valid pool's destination quad is the
+// number of valid pools before it = valid pools in earlier warps (shared-memory totals)
+// + valid lanes below it in its warp (ballot).
+template <bool kCompact, bool kVector>
+__global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(
+    const int32_t* __restrict__ pool_ids, const int32_t* __restrict__ positions,
+    const int32_t* __restrict__ req_ids, const int32_t* __restrict__ block_table,
+    int32_t* __restrict__ out, int32_t* __restrict__ counts, int expanded, int groups,
+    int width, int64_t num_requests, int64_t max_blocks, int32_t block_size,
+    int32_t stride_rows, int32_t seq_offset) {
+  __shared__ int warp_valid[kMaxGroups / kWarp];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int row = blockIdx.x;
+  const int g = threadIdx.x;
+  const int lane = g % kWarp, warp = g / kWarp;
+  const int quads = (width + kPool - 1) / kPool;   // > groups since width >= 4G + 3
+  int32_t* row_out = out + static_cast<int64_t>(row) * width;
+
+  // The row's loads do not depend on each other (the request only gates their use).
+  const bool expanded_row = row < expanded;
+  const int32_t req = req_ids[row];
+  const int32_t pid = expanded_row ? pool_ids[static_cast<int64_t>(row) * groups + g] : -1;
+  const int32_t pos = g == 0 && expanded_row ? positions[row] : 0;
+
+  // Rows past `expanded` (no pool ids) and rows whose request is outside [0, R) hold no
+  // indices: every pool and the tail are dropped, the row is all -1, its count 0.
+  const bool has_ids = expanded_row && req >= 0 && req < num_requests;
+  const Remap remap{block_table + (has_ids ? req * max_blocks : 0), max_blocks, block_size,
+                    stride_rows};
+
+  // pid < 0 is unused; 4 * pid may wrap to a negative token id, which is dropped too.
+  int32_t first = 0;
+  const bool live = has_ids && pid >= 0 && remap.slot(wrap_mul(pid, kPool), &first);
+  // Thread 0 maps the tail now, so its loads overlap the ballot. The tail tokens
+  // start .. start + count - 1 share start's block (start % 4 == 0), so they are kept or
+  // dropped together and their compacted columns are their own columns.
+  int4 tail = none4();
+  int tail_valid = 0;
+  if (g == 0 && has_ids) {
+    const Tail t = tail_of(pos, seq_offset);
+    int32_t tail_first;
+    if (t.count > 0 && remap.slot(t.start, &tail_first)) {
+      tail = tail_quad(tail_first, t.count);
+      tail_valid = t.count;
+    }
+  }
+
+  const unsigned ballot = __ballot_sync(0xffffffffu, live);
+  if (lane == 0) warp_valid[warp] = __popc(ballot);
+  __syncthreads();
+  int prior = 0, valid = 0;   // valid pools in earlier warps; in the whole row
+#pragma unroll 1
+  for (int w = 0; w < groups / kWarp; ++w) {
+    const int n = warp_valid[w];
+    prior += w < warp ? n : 0;
+    valid += n;
+  }
+
+  // Quads [0, tail_at): pools; tail_at: the tail; (tail_at, quads): -1.
+  const int tail_at = kCompact ? valid : groups;
+  if constexpr (kCompact) {
+    if (live) {
+      const int below = __popc(ballot & ((1u << lane) - 1u));
+      store_quad<kVector>(row_out, prior + below, width, run4(first));
+    }
+  } else {
+    store_quad<kVector>(row_out, g, width, live ? run4(first) : none4());
+  }
+  if (g == 0) {
+    store_quad<kVector>(row_out, tail_at, width, tail);
+    counts[row] = kPool * valid + tail_valid;
+  }
+#pragma unroll 1
+  for (int q = tail_at + 1 + g; q < quads; q += groups) {
+    store_quad<kVector>(row_out, q, width, none4());
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool fits_i32(int64_t v) {
+  return v >= std::numeric_limits<int32_t>::min() && v <= kI32Max;
+}
+
+// ---------------------------------------------------------------------------------------
+// Handlers: shapes are checked again here (the primitive checks them at trace time); the
+// launch configuration depends on shapes only (command-buffer contract).
+
+ffi::Error ExpandPoolsImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids,
+                           ffi::BufferR1<ffi::S32> seq_lens, ffi::ResultBufferR2<ffi::S32> out,
+                           int64_t seq_offset) {
+  const int64_t rows = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
+  const int64_t width = out->dimensions()[1];
+  if (out->dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_expand_pools: out rows != pool_ids rows");
+  if (seq_lens.dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_expand_pools: seq_lens length != pool_ids rows");
+  if (width < groups * kPool + kPool - 1)
+    return ffi::Error::InvalidArgument("glm5_expand_pools: out width < 4 * G + 3");
+  if (!fits_i32(seq_offset))
+    return ffi::Error::InvalidArgument("glm5_expand_pools: seq_offset does not fit int32");
+  if (rows == 0) return ffi::Error::Success();
+  if (rows > kI32Max || width > kI32Max - kPool)
+    return ffi::Error::InvalidArgument("glm5_expand_pools: rows or width too large");
+  int32_t* dst = out->typed_data();
+  const int64_t quads = (width + kPool - 1) / kPool;
+  const int64_t ctas = std::min<int64_t>((quads + kExpandThreads - 1) / kExpandThreads, kMaxGridY);
+  auto kernel = width % kPool == 0 && aligned16(dst) ? expand_pools_kernel<true>
+                                                     : expand_pools_kernel<false>;
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(ctas)),
+                           dim3(kExpandThreads), 0, stream, /*pdl=*/true,
+                           pool_ids.typed_data(), seq_lens.typed_data(), dst,
+                           static_cast<int>(groups), static_cast<int>(width),
+                           static_cast<int32_t>(seq_offset));
+  return cuda_status("glm5_expand_pools", err);
+}
+
+ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids,
+                              ffi::BufferR1<ffi::S32> positions, ffi::BufferR1<ffi::S32> req_ids,
+                              ffi::BufferR2<ffi::S32> block_table,
+                              ffi::ResultBufferR2<ffi::S32> out,
+                              ffi::ResultBufferR1<ffi::S32> counts, int64_t block_size,
+                              int64_t stride_rows, int64_t seq_offset, bool compact) {
+  const int64_t expanded = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
+  const int64_t rows = req_ids.dimensions()[0];
+  const int64_t num_requests = block_table.dimensions()[0];
+  const int64_t max_blocks = block_table.dimensions()[1];
+  const int64_t width = out->dimensions()[1];
+  if (positions.dimensions()[0] != expanded)
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: positions length != pool_ids rows");
+  if (out->dimensions()[0] != rows || counts->dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: out/counts rows != req_ids length");
+  if (groups % kWarp != 0 || groups < kWarp || groups > kMaxGroups)
+    return ffi::Error::InvalidArgument(
+        "glm5_expand_and_remap: the kernel needs G % 32 == 0 and 32 <= G <= 1024");
+  if (width < groups * kPool + kPool - 1)
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: out width < 4 * G + 3");
+  if (num_requests <= 0 || max_blocks <= 0)
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: block_table is empty");
+  if (block_size <= 0 || block_size % kPool != 0 || block_size > kI32Max)
+    return ffi::Error::InvalidArgument(
+        "glm5_expand_and_remap: block_size must be a positive multiple of 4 (int32)");
+  if (stride_rows <= 0 || stride_rows > kI32Max)
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: stride_rows must be in [1, 2^31)");
+  if (!fits_i32(seq_offset))
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: seq_offset does not fit int32");
+  if (rows == 0) return ffi::Error::Success();
+  if (rows > kI32Max || expanded > kI32Max || width > kI32Max - kPool)
+    return ffi::Error::InvalidArgument("glm5_expand_and_remap: rows or width too large");
+  int32_t* dst = out->typed_data();
+  const bool vector = width % kPool == 0 && aligned16(dst);
+  auto kernel = compact ? (vector ? expand_and_remap_kernel<true, true>
+                                  : expand_and_remap_kernel<true, false>)
+                        : (vector ? expand_and_remap_kernel<false, true>
+                                  : expand_and_remap_kernel<false, false>);
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows)),
+                           dim3(static_cast<unsigned>(groups)), 0, stream, /*pdl=*/true,
+                           pool_ids.typed_data(), positions.typed_data(), req_ids.typed_data(),
+                           block_table.typed_data(), dst, counts->typed_data(),
+                           static_cast<int>(expanded), static_cast<int>(groups),
+                           static_cast<int>(width), num_requests, max_blocks,
+                           static_cast<int32_t>(block_size), static_cast<int32_t>(stride_rows),
+                           static_cast<int32_t>(seq_offset));
+  return cuda_status("glm5_expand_and_remap", err);
+}
+
+}  // namespace
+}  // namespace glm5
+
+// BufferR<n> aliases: a comma inside <> would split the macro argument.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandPools, glm5::ExpandPoolsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()     // pool_ids
+                                  .Arg<ffi::BufferR1<ffi::S32>>()     // seq_lens
+                                  .Ret<ffi::BufferR2<ffi::S32>>()     // out
+                                  .Attr<int64_t>("seq_offset"),       // seq_offset
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandAndRemap, glm5::ExpandAndRemapImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()     // pool_ids
+                                  .Arg<ffi::BufferR1<ffi::S32>>()     // positions
+                                  .Arg<ffi::BufferR1<ffi::S32>>()     // req_ids
+                                  .Arg<ffi::BufferR2<ffi::S32>>()     // block_table
+                                  .Ret<ffi::BufferR2<ffi::S32>>()     // out
+                                  .Ret<ffi::BufferR1<ffi::S32>>()     // counts
+                                  .Attr<int64_t>("block_size")        // block_size
+                                  .Attr<int64_t>("stride_rows")       // stride_rows
+                                  .Attr<int64_t>("seq_offset")        // seq_offset
+                                  .Attr<bool>("compact"),             // compact
+                              {ffi::Traits::kCmdBufferCompatible});
