@@ -3,4 +3,5 @@
 
 #include "xla/ffi/api/api.h"
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Glm5KpoolUpdate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Glm5UpcastLogits);

@@ -18,6 +18,7 @@ NB_MODULE(_glm5_cuda, m) {
   m.doc() = "glm5_jax CUDA kernels as XLA FFI handlers";
   m.def("registrations", [] {
     nb::dict targets;
+    targets["glm5_kpool_update"] = capsule(Glm5KpoolUpdate);
     targets["glm5_upcast_logits"] = capsule(Glm5UpcastLogits);
     return targets;
   });

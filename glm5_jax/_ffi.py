@@ -13,6 +13,7 @@ import jax
 
 # Ops with a CUDA kernel -> FFI target. The module's registrations() must match.
 KERNEL_TARGETS = {
+    "kpool_update": "glm5_kpool_update",
     "upcast_logits": "glm5_upcast_logits",
 }
 
