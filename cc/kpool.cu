@@ -235,6 +235,9 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
   }
   const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
   const int64_t half = static_cast<int64_t>(a.ring) * kDim;
+  // [key | score][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
+  extern __shared__ uint2 staged[];
+  const int chunk = min(kLanes, a.tokens);
 
   for (int32_t t0 = 0; t0 < a.tokens; t0 += kLanes) {
     // Lane u fetches token t0 + u's indices; the token loop broadcasts them.
@@ -245,6 +248,15 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
       my_tslot = __ldg(a.tslot + first + t0 + lane);
     }
     const int count = min(kLanes, a.tokens - t0);
+    // Stage the chunk's key/score quads in shared memory with all loads in flight at once;
+    // the token loop then waits on global memory only for the ring rows of completions.
+    // Each lane reads back only its own slots (program order; no barrier needed).
+#pragma unroll 4
+    for (int u = 0; u < count; ++u) {
+      const int64_t tok = (first + t0 + u) * kDim + dim;
+      staged[u * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+      staged[(chunk + u) * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.score + tok));
+    }
 #pragma unroll 1
     for (int u = 0; u < count; ++u) {
       const int32_t pos = __shfl_sync(kFullMask, my_pos, u);
@@ -252,9 +264,8 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
       const int32_t tslot = __shfl_sync(kFullMask, my_tslot, u);
       const int64_t blk = max(tslot, 0) / a.ring;
       if (pos < 0 || blk >= a.blocks) continue;  // padding; tail block past the buffer
-      const int64_t tok = (first + t0 + u) * kDim + dim;
-      const uint2 kw = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-      const uint2 sw = __ldg(reinterpret_cast<const uint2*>(a.score + tok));
+      const uint2 kw = staged[u * kLanes + lane];
+      const uint2 sw = staged[(chunk + u) * kLanes + lane];
       uint16_t* const block = a.tail + blk * block_elems + dim;
       if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
         compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, sw, bias, loc, lane);
@@ -269,6 +280,11 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
       __syncwarp();
     }
   }
+}
+
+// Dynamic shared memory of the kernel: the key/score quads of up to 32 tokens.
+size_t stage_bytes(int64_t tokens) {
+  return 2 * static_cast<size_t>(tokens < kLanes ? tokens : kLanes) * kLanes * sizeof(uint2);
 }
 
 bool aligned(const void* p, uintptr_t bytes) {
@@ -346,8 +362,8 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
   auto kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
                 : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kLanes), 0, stream,
-                           /*pdl=*/true, args);
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kLanes),
+                           stage_bytes(tokens), stream, /*pdl=*/true, args);
   return cuda_status("glm5_kpool_update", err);
 }
 

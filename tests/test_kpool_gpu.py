@@ -196,7 +196,8 @@ def test_edge_chain_matches_reference(ring, mode):
     label = f"ring {ring} {mode} call {i}"
     np.testing.assert_array_equal(_bits(gtail), _bits(rtail), err_msg=f"{label}: tail")
     np.testing.assert_array_equal(_bits(gtail), _bits(otail), err_msg=f"{label}: tail (oracle)")
-    bad, total = O.compare_cache(gkv, rkv, kv0, written, label, STATS)
+    bad, total = O.compare_cache(gkv, rkv, kv0, written, label, STATS,
+                                 plain_scales=not mode[1])
   assert len(written) == len(set(written)) and total == len(written) > 60
   # the edge call's no-op requests: padding (block 4), tslot < 0 (8), block 0 untouched
   for blk in (0, 4, 8):
@@ -225,7 +226,8 @@ def test_more_than_32_tokens_per_request():
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
     np.testing.assert_array_equal(_bits(gtail), _bits(otail))
-    bad, n = O.compare_cache(gkv, okv, kv0, written, f"N 37 {mode}", STATS)
+    bad, n = O.compare_cache(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
+                             plain_scales=not mode[1])
     assert n > 100 and bad <= max(1, 0.01 * n), (bad, n)
     T = triton_oracle.load()
     if T is not None:
@@ -325,7 +327,8 @@ def test_donated_step_updates_in_place_and_continues(mode):
   assert len(written) == B                          # one completion per request, in call 2
   np.testing.assert_array_equal(_bits(tail), _bits(otail))
   np.testing.assert_array_equal(_bits(tail), _bits(rtail))
-  bad, n = O.compare_cache(kv, rkv, kv0, written, f"donated {mode}", STATS)
+  bad, n = O.compare_cache(kv, rkv, kv0, written, f"donated {mode}", STATS,
+                           plain_scales=not mode[1])
   assert bad <= 1, (bad, n)
 
 
@@ -434,7 +437,8 @@ def test_million_pools_bit_identical_to_triton():
                                            round_scale=rs))(*map(jnp.asarray, np_args))
     np.testing.assert_array_equal(_bits(got_tail), _bits(rtail), err_msg=f"{label}: ref tail")
     written = np_args[6][np_args[6] >= 0]
-    bad, w = O.compare_cache(got_kv, rkv, np_args[0], written, label, STATS)
+    bad, w = O.compare_cache(got_kv, rkv, np_args[0], written, label, STATS,
+                             plain_scales=not rs)
     assert w == n
     total += n
     ref_bad += bad
