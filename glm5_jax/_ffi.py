@@ -15,6 +15,7 @@ import jax
 KERNEL_TARGETS = {
     "expand_pools": "glm5_expand_pools",
     "expand_and_remap": "glm5_expand_and_remap",
+    "kpool_update": "glm5_kpool_update",
     "upcast_logits": "glm5_upcast_logits",
 }
 

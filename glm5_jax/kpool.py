@@ -27,7 +27,13 @@ def _update_shapes(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
   return [(kv_cache.shape, kv_cache.dtype), (tail.shape, tail.dtype)]
 
 
-_update = Op("kpool_update", ref.kpool_update, _update_shapes, aliases={0: 0, 1: 1})
+def _scale_attributes(*, scale_format, round_scale):
+  """FFI attributes of the scale options (C++ bool each)."""
+  return {"ue8m0": scale_format == "ue8m0", "round_scale": bool(round_scale)}
+
+
+_update = Op("kpool_update", ref.kpool_update, _update_shapes, aliases={0: 0, 1: 1},
+             attributes=_scale_attributes)
 
 
 def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,

@@ -509,10 +509,15 @@ def _e4m3_spacing(v):
   return 2.0 ** (e - 3)
 
 
-def compare_cache(ref_kv, orc_kv, orig_kv, written, label="", stats=None):
+def compare_cache(ref_kv, orc_kv, orig_kv, written, label="", stats=None,
+                  plain_scales=False):
   """Compare a reference K cache with the oracle's (SPEC D2 rules).
 
-  Every scale byte equal; every byte of an entry not written equal to the original;
+  Every scale byte equal (with `plain_scales`, for round_scale=False fp32 scales
+  v = RN(amax / 448): a flipped pooled value can move amax by one bf16 ulp and v
+  with it, so written entries' scales may differ by <= 2^-7 relative; such entries
+  are compared as dequantised values with the allowance below and counted as
+  differing); every byte of an entry not written equal to the original;
   fp8 codes of written entries equal or one e4m3 code apart -- except in an entry
   where a ~1 ulp exp difference flipped one pooled bf16 value y_i: the Hadamard then
   moves every output by c * ulp_bf16(y_i) <= c * 2^-7 * ||out||_2 (||y||_2 =
@@ -528,9 +533,18 @@ def compare_cache(ref_kv, orc_kv, orig_kv, written, label="", stats=None):
   rf = ref_kv.reshape(pages, page * 132)
   of = orc_kv.reshape(pages, page * 132)
   gf = orig_kv.reshape(pages, page * 132)
-  np.testing.assert_array_equal(rf[:, page * D:], of[:, page * D:],
-                                err_msg=f"{label}: scale bytes differ")
   wset = set(int(w) for w in written)
+  rscale = rf[:, page * D:].reshape(pages * page, 4)
+  oscale = of[:, page * D:].reshape(pages * page, 4)
+  moved = np.zeros(pages * page, bool)
+  if plain_scales:
+    moved = np.any(rscale != oscale, axis=1)
+    moved &= np.isin(np.arange(pages * page), np.fromiter(wset, np.int64, len(wset)))
+    rs, os_ = rscale[moved].copy().view("<f4")[:, 0], oscale[moved].copy().view("<f4")[:, 0]
+    assert np.all(np.abs(rs - os_) <= 2.0 ** -7 * np.maximum(rs, os_)), (
+        f"{label}: plain scales differ by more than one bf16 ulp of amax")
+  np.testing.assert_array_equal(rscale[~moved], oscale[~moved],
+                                err_msg=f"{label}: scale bytes differ")
   rdata = rf[:, :page * D].reshape(pages * page, D)
   odata = of[:, :page * D].reshape(pages * page, D)
   gdata = gf[:, :page * D].reshape(pages * page, D)
@@ -542,19 +556,24 @@ def compare_cache(ref_kv, orc_kv, orig_kv, written, label="", stats=None):
   if not wl:
     return 0, 0
   dr = np.abs(e4m3_rank(rdata[wl]) - e4m3_rank(odata[wl]))
+  wmoved = moved[wl]
   multi = 0
-  for i in np.nonzero(dr.max(axis=1) > 1)[0]:
+  for i in np.nonzero((dr.max(axis=1) > 1) | wmoved)[0]:
+    sa = sb = 1.0
+    if wmoved[i]:
+      sa = float(rscale[wl[i]].copy().view("<f4")[0])
+      sb = float(oscale[wl[i]].copy().view("<f4")[0])
     a = e4m3_value(rdata[wl[i]])
     b = e4m3_value(odata[wl[i]])
     assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), label
-    allowed = 2 * float(C_HAD) * 2.0 ** -7 * np.linalg.norm(b) + 2 * _e4m3_spacing(
-        np.maximum(np.abs(a), np.abs(b)))
-    assert np.all(np.abs(a - b) <= allowed), (
+    allowed = 2 * float(C_HAD) * 2.0 ** -7 * np.linalg.norm(b * sb) + 2 * _e4m3_spacing(
+        np.maximum(np.abs(a), np.abs(b))) * max(sa, sb)
+    assert np.all(np.abs(a * sa - b * sb) <= allowed), (
         f"{label}: entry {wl[i]} fp8 values off by more than a pooled bf16 flip explains")
-    multi += 1
+    multi += int(dr[i].max() > 1)
   if stats is not None:
     stats["multi"] = stats.get("multi", 0) + multi
-  bad = int(np.sum(np.any(dr != 0, axis=1)))
+  bad = int(np.sum(np.any(dr != 0, axis=1) | wmoved))
   return bad, len(wl)
 
 

@@ -88,3 +88,17 @@ def test_ffi_lowering_contract(op, monkeypatch):
   assert found == aliases
   for operand, result in aliases.items():
     assert re.search(rf"%arg{operand}: [^)]*?tf.aliasing_output = {result} ", text), text[:800]
+
+
+@pytest.mark.parametrize("scale_format,round_scale,ue8m0", [
+    ("fp32", True, "false"), ("ue8m0", True, "true"), ("fp32", False, "false")])
+def test_kpool_update_scale_attributes(scale_format, round_scale, ue8m0, monkeypatch):
+  """The scale options reach glm5_kpool_update as the bool attributes its handler binds."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  case = CASES["kpool_update"]
+  fn = lambda *a: glm5_jax.kpool_update(*a, scale_format=scale_format, round_scale=round_scale)
+  text = cuda_module(fn, case.make(np.random.default_rng(0)), donate=(0, 1))
+  call = text[text.index("stablehlo.custom_call @glm5_kpool_update"):].split("\n")[0]
+  attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
+  assert sorted(a.strip() for a in attrs.split(",")) == [
+      f"round_scale = {str(round_scale).lower()}", f"ue8m0 = {ue8m0}"]

@@ -1,0 +1,389 @@
+// kpool_update (SPEC §3): per request, in token order, stash each token's key/gate score in
+// the request's tail ring and, when a token completes a pool (pos % 4 == 3), softmax-pool the
+// pool's four tokens, rotate (Hadamard-128), quantise to e4m3 and write the entry at `loc`.
+//
+// One warp per request (grid B, block 32); lane l owns head dims 4l .. 4l+3, so a lane only
+// ever reads back tail words it wrote itself. The arithmetic is the stock Triton kernel's PTX
+// (SPEC §11.1), pinned with explicit-rounding intrinsics and inline asm so nvcc cannot
+// contract or reassociate it:
+//   z   = add.rn(score, ape)                       e = ex2.approx(mul.rn(sub.rn(z, max), LOG2E))
+//   den = add.rn chain from 0                      acc = fma.rn chain from +0
+//   y   = bf16(div.full(acc, den))                 Hadamard: 7 stages of add.rn / sub.rn
+//   y   = bf16(mul.rn(y, 1/sqrt(128)))             amax via fmax, floor 1e-4
+//   v   = mul.rn(amax, fp32(1/448))                E = ceil(libdevice log2f(v))
+//   q   = cvt.rn.satfinite.e4m3(clamp(div.full(y, scale), -448, 448))
+// Build without fast math: log2f must stay libdevice's polynomial (not lg2.approx) and the
+// bf16/e4m3 conversions round to nearest even.
+//
+// Project decisions (glm5_jax.reference.kpool, SPEC D4): padding (pos < 0) touches nothing; a
+// tail block >= the number of blocks makes the token a no-op; tslot < 0 pools block 0's rows
+// and stashes nothing; slots outside the cache are never written; the ring row comes from
+// pos % RING. Requests must own distinct tail blocks (warps run concurrently).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <string>
+
+#include "common.h"
+#include "handlers.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int kDim = 128;                  // head dim = Hadamard size
+constexpr int kPool = 4;                   // tokens per kpool entry
+constexpr int kEntryBytes = kDim + 4;      // fp8 bytes + 4 scale bytes per entry
+constexpr int kLanes = 32;                 // one warp per request
+constexpr int kPerLane = kDim / kLanes;    // 4 dims per lane
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr uint32_t kInvSqrtDimBits = 0x3DB504F3u;  // fp32(1/sqrt(128))
+constexpr uint32_t kInvFp8MaxBits = 0x3B124925u;   // fp32(1/448)
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+static_assert(kPerLane == 4, "a lane owns 4 dims: one 8-byte bf16 load, one 4-byte fp8 store");
+
+// Scale slot format (SPEC §0.1, D3).
+enum class ScaleMode { kPow2Fp32, kPow2Ue8m0, kPlainFp32 };
+
+struct UpdateArgs {
+  uint8_t* cache;            // u8[pages, page, 132], dense
+  uint16_t* tail;            // bf16[blocks, 2, ring, 128], dense; read and written
+  // Read-only for the kernel's lifetime (never aliased with cache/tail): read via __ldg.
+  const int32_t* tslot;      // [B, N]
+  const uint16_t* key;       // bf16[B, N, 128]
+  const uint16_t* score;     // bf16[B, N, 128]
+  const float* ape;          // f32[4, 128]
+  const int32_t* loc;        // [B, N]
+  const int32_t* pos;        // [B, N]
+  int64_t capacity;          // pages * page: flat slots of the cache
+  int64_t blocks;            // tail blocks
+  int32_t tokens;            // N
+  int32_t ring;              // RING
+  int32_t page;              // PAGE
+};
+
+// ---------------------------------------------------------------------------------------------
+// Arithmetic with pinned PTX.
+
+// Triton's fp32 tl.exp(z - max): the difference and the product with log2(e) each rounded,
+// then ex2.approx (non-ftz).
+__device__ __forceinline__ float exp_shifted(float z, float peak) {
+  float r;
+  asm("{\n\t.reg .f32 d;\n\t"
+      "sub.rn.f32 d, %1, %2;\n\t"
+      "mul.rn.f32 d, d, 0f3FB8AA3B;\n\t"
+      "ex2.approx.f32 %0, d;\n\t}"
+      : "=f"(r)
+      : "f"(z), "f"(peak));
+  return r;
+}
+
+// Triton's fp32 `/`.
+__device__ __forceinline__ float div_full(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Single-rounding a*b + c; asm so that fma(e, k, +0) is not folded into a multiply
+// (a -0 product must give +0, as the stock fma chain from 0 does).
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+
+// cvt.rn.bf16.f32 and back (exact).
+__device__ __forceinline__ float round_bf16(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// Two fp32 -> e4m3 bytes (RNE, saturating): `lo` in the low (first) byte.
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// bf16 bits -> f32 (exact): bf16 is the high half of an f32. A 32-bit word holds two bf16,
+// the lower-addressed one in the low half.
+__device__ __forceinline__ void widen4(uint2 w, float (&v)[kPerLane]) {
+  v[0] = __uint_as_float(w.x << 16);
+  v[1] = __uint_as_float(w.x & 0xffff0000u);
+  v[2] = __uint_as_float(w.y << 16);
+  v[3] = __uint_as_float(w.y & 0xffff0000u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
+// start+2 of the tail block at `block` with the current token (kw, sw), write entry `loc`.
+template <ScaleMode kMode>
+__device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
+                                                   int32_t start, uint2 kw, uint2 sw,
+                                                   const float (&bias)[kPool][kPerLane],
+                                                   int32_t loc, int lane) {
+  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> score rows
+  float k[kPool][kPerLane], z[kPool][kPerLane];
+  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
+    const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
+    const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
+    const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
+    widen4(kr, k[p]);
+    widen4(sr, z[p]);
+  }
+  widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
+  widen4(sw, z[kPool - 1]);
+
+  float x[kPerLane];
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) {
+    float peak = -INFINITY;
+#pragma unroll
+    for (int p = 0; p < kPool; ++p) {
+      z[p][e] = __fadd_rn(z[p][e], bias[p][e]);
+      peak = fmaxf(peak, z[p][e]);
+    }
+    float den = 0.0f, acc = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPool; ++p) {  // pool order
+      const float prob = exp_shifted(z[p][e], peak);
+      den = __fadd_rn(den, prob);
+      acc = fma_rn(prob, k[p][e], acc);
+    }
+    x[e] = round_bf16(div_full(acc, den));
+  }
+
+  // Hadamard, strides 1 and 2 inside the lane: (a, b) -> (a + b, a - b).
+#pragma unroll
+  for (int stride = 1; stride <= 2; stride *= 2) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (i & stride) continue;
+      const float lo = x[i], hi = x[i + stride];
+      x[i] = __fadd_rn(lo, hi);
+      x[i + stride] = __fsub_rn(lo, hi);
+    }
+  }
+  // Strides 4..64 pair lane l with l ^ (stride / 4): the lower lane holds a and gets a + b,
+  // the upper holds b and gets a - b. Both are RN(other + (+-mine)): IEEE a - b is a + (-b)
+  // (signed zeros included) and + commutes, so flipping the sign bit keeps the warp converged.
+#pragma unroll
+  for (int shift = 0; shift < 5; ++shift) {
+    const uint32_t flip = ((static_cast<uint32_t>(lane) >> shift) & 1u) << 31;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float other = __shfl_xor_sync(kFullMask, x[i], 1 << shift);
+      x[i] = __fadd_rn(other, __uint_as_float(__float_as_uint(x[i]) ^ flip));
+    }
+  }
+
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    x[i] = round_bf16(__fmul_rn(x[i], __uint_as_float(kInvSqrtDimBits)));
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+#pragma unroll
+  for (int shift = 0; shift < 5; ++shift)
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1 << shift));
+  amax = fmaxf(amax, kAmaxFloor);
+  const float v = __fmul_rn(amax, __uint_as_float(kInvFp8MaxBits));
+  // libdevice log2f (accurate; no fast math). Clamped so that an infinite v gives E = 128
+  // (scale bits 0x7F800000, as the reference's bit arithmetic) instead of overflowing.
+  const int exponent = static_cast<int>(fminf(fmaxf(ceilf(log2f(v)), -127.0f), 128.0f));
+  const uint32_t pow2_bits = static_cast<uint32_t>(exponent + 127) << 23;
+  const float scale = kMode == ScaleMode::kPlainFp32 ? v : __uint_as_float(pow2_bits);
+
+  float q[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    q[i] = fminf(fmaxf(div_full(x[i], scale), -kFp8Max), kFp8Max);
+  const uint32_t packed = e4m3x2(q[0], q[1]) | (e4m3x2(q[2], q[3]) << 16);
+
+  // Flat slot -> (page, entry) (0 <= loc < capacity); byte offsets in 64 bits.
+  const int64_t page = a.page;
+  uint8_t* const page_base = a.cache + static_cast<int64_t>(loc / a.page) * (page * kEntryBytes);
+  const int64_t entry = loc % a.page;
+  *reinterpret_cast<uint32_t*>(page_base + entry * kDim + kPerLane * lane) = packed;
+  if (lane == 0) {
+    const uint32_t bits = kMode == ScaleMode::kPow2Ue8m0
+                              ? static_cast<uint32_t>(exponent + 127) * 0x01010101u
+                              : __float_as_uint(scale);
+    *reinterpret_cast<uint32_t*>(page_base + page * kDim + entry * 4) = bits;
+  }
+}
+
+// Block `req` = request req; tokens in t order.
+template <ScaleMode kMode>
+__global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a) {
+  const int lane = threadIdx.x;
+  const int dim = kPerLane * lane;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * a.tokens;  // [B, N] row of req
+  // Unlike the seed (APE read before the wait, as a model weight), APE here is an ordinary
+  // operand that the previous kernel may have produced, so every input is read after the wait.
+  pdl_wait();
+  pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
+
+  float bias[kPool][kPerLane];
+#pragma unroll
+  for (int p = 0; p < kPool; ++p) {
+    const float4 b = __ldg(reinterpret_cast<const float4*>(a.ape + p * kDim + dim));
+    bias[p][0] = b.x, bias[p][1] = b.y, bias[p][2] = b.z, bias[p][3] = b.w;
+  }
+  const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
+  const int64_t half = static_cast<int64_t>(a.ring) * kDim;
+  // [key | score][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
+  extern __shared__ uint2 staged[];
+  const int chunk = min(kLanes, a.tokens);
+
+  for (int32_t t0 = 0; t0 < a.tokens; t0 += kLanes) {
+    // Lane u fetches token t0 + u's indices; the token loop broadcasts them.
+    int32_t my_pos = -1, my_loc = -1, my_tslot = -1;
+    if (t0 + lane < a.tokens) {
+      my_pos = __ldg(a.pos + first + t0 + lane);
+      my_loc = __ldg(a.loc + first + t0 + lane);
+      my_tslot = __ldg(a.tslot + first + t0 + lane);
+    }
+    const int count = min(kLanes, a.tokens - t0);
+    // Stage the chunk's key/score quads in shared memory with all loads in flight at once;
+    // the token loop then waits on global memory only for the ring rows of completions.
+    // Each lane reads back only its own slots (program order; no barrier needed).
+#pragma unroll 4
+    for (int u = 0; u < count; ++u) {
+      const int64_t tok = (first + t0 + u) * kDim + dim;
+      staged[u * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+      staged[(chunk + u) * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.score + tok));
+    }
+#pragma unroll 1
+    for (int u = 0; u < count; ++u) {
+      const int32_t pos = __shfl_sync(kFullMask, my_pos, u);
+      const int32_t loc = __shfl_sync(kFullMask, my_loc, u);
+      const int32_t tslot = __shfl_sync(kFullMask, my_tslot, u);
+      const int64_t blk = max(tslot, 0) / a.ring;
+      if (pos < 0 || blk >= a.blocks) continue;  // padding; tail block past the buffer
+      const uint2 kw = staged[u * kLanes + lane];
+      const uint2 sw = staged[(chunk + u) * kLanes + lane];
+      uint16_t* const block = a.tail + blk * block_elems + dim;
+      if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
+        compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, sw, bias, loc, lane);
+      if (tslot >= 0) {  // stash after the completion read
+        const int64_t row = static_cast<int64_t>(pos % a.ring) * kDim;
+        *reinterpret_cast<uint2*>(block + row) = kw;
+        *reinterpret_cast<uint2*>(block + half + row) = sw;
+      }
+      // Each lane reads back only its own words, so program order already orders this
+      // token's stash before the next token's ring reads; the barrier keeps the warp's
+      // memory operations of consecutive tokens ordered as a whole.
+      __syncwarp();
+    }
+  }
+}
+
+// Dynamic shared memory of the kernel: the key/score quads of up to 32 tokens.
+size_t stage_bytes(int64_t tokens) {
+  return 2 * static_cast<size_t>(tokens < kLanes ? tokens : kLanes) * kLanes * sizeof(uint2);
+}
+
+bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
+                           ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+                           ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> score,
+                           ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc,
+                           ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR3<ffi::U8> kv_out,
+                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale) {
+  auto fail = [](const char* what) {
+    return ffi::Error::InvalidArgument(std::string("glm5_kpool_update: ") + what);
+  };
+  const auto cd = kv_cache.dimensions();
+  const auto td = tail.dimensions();
+  const auto kd = key.dimensions();
+  const int64_t pages = cd[0], page = cd[1], blocks = td[0], ring = td[2];
+  const int64_t requests = kd[0], tokens = kd[1];
+  if (cd[2] != kEntryBytes) return fail("kv_cache must be u8[pages, PAGE, 132]");
+  if (td[1] != 2 || td[3] != kDim) return fail("tail must be bf16[blocks, 2, RING, 128]");
+  if (ring < kPool || ring % kPool != 0 || ring > std::numeric_limits<int32_t>::max())
+    return fail("tail ring size (dim 2) must be a positive multiple of 4");
+  if (page > std::numeric_limits<int32_t>::max()) return fail("PAGE too large");
+  if (kd[2] != kDim) return fail("key must be bf16[B, N, 128]");
+  const auto sd = score.dimensions();
+  if (sd[0] != requests || sd[1] != tokens || sd[2] != kDim)
+    return fail("score must have key's shape [B, N, 128]");
+  const auto ad = ape.dimensions();
+  if (ad[0] != kPool || ad[1] != kDim) return fail("ape must be f32[4, 128]");
+  for (const auto* idx : {&tslot, &loc, &pos}) {
+    const auto d = idx->dimensions();
+    if (d[0] != requests || d[1] != tokens) return fail("tslot, loc and pos must be s32[B, N]");
+  }
+  const auto od = kv_out->dimensions();
+  const auto ud = tail_out->dimensions();
+  for (int i = 0; i < 3; ++i)
+    if (od[i] != cd[i]) return fail("kv_cache result shape differs from the operand");
+  for (int i = 0; i < 4; ++i)
+    if (ud[i] != td[i]) return fail("tail result shape differs from the operand");
+  // In place: the lowering aliases result 0/1 with operand 0/1 (XLA copies a non-donated
+  // operand first), so the buffers must be the same.
+  if (kv_cache.element_count() > 0 && kv_out->untyped_data() != kv_cache.untyped_data())
+    return fail("kv_cache result is not aliased with the kv_cache operand");
+  if (tail.element_count() > 0 && tail_out->untyped_data() != tail.untyped_data())
+    return fail("tail result is not aliased with the tail operand");
+  if (!round_scale && ue8m0) return fail("round_scale=false needs the fp32 scale format");
+  // Vector accesses: 16 B APE rows, 8 B bf16 quads, 4 B fp8/scale words (XLA buffers are
+  // at least 16 B aligned; checked so that a violation fails here, not as a device fault).
+  if (!aligned(ape.untyped_data(), 16) || !aligned(key.untyped_data(), 8) ||
+      !aligned(score.untyped_data(), 8) || !aligned(tail.untyped_data(), 8) ||
+      !aligned(kv_cache.untyped_data(), 4))
+    return fail("operand buffers are not aligned (ape 16 B; key, score, tail 8 B; kv_cache 4 B)");
+  if (requests > std::numeric_limits<int32_t>::max() ||
+      tokens > std::numeric_limits<int32_t>::max())
+    return fail("too many requests or tokens for one grid");
+  if (requests == 0 || tokens == 0) return ffi::Error::Success();
+
+  UpdateArgs args;
+  args.cache = kv_out->typed_data();
+  args.tail = reinterpret_cast<uint16_t*>(tail_out->typed_data());
+  args.tslot = tslot.typed_data();
+  args.key = reinterpret_cast<const uint16_t*>(key.typed_data());
+  args.score = reinterpret_cast<const uint16_t*>(score.typed_data());
+  args.ape = ape.typed_data();
+  args.loc = loc.typed_data();
+  args.pos = pos.typed_data();
+  args.capacity = pages * page;
+  args.blocks = blocks;
+  args.tokens = static_cast<int32_t>(tokens);
+  args.ring = static_cast<int32_t>(ring);
+  args.page = static_cast<int32_t>(page);
+
+  auto kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
+                : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
+                             : kpool_update_kernel<ScaleMode::kPow2Fp32>;
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kLanes),
+                           stage_bytes(tokens), stream, /*pdl=*/true, args);
+  return cuda_status("glm5_kpool_update", err);
+}
+
+}  // namespace
+}  // namespace glm5
+
+// BufferR<n> aliases: a comma inside <> would split the macro argument.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5KpoolUpdate, glm5::KpoolUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR4<ffi::BF16>>()  // tail
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // tslot
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // key
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // score
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // ape
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // loc
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // pos
+                                  .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
+                                  .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
+                                  .Attr<bool>("ue8m0")              // ue8m0
+                                  .Attr<bool>("round_scale"),       // round_scale
+                              {ffi::Traits::kCmdBufferCompatible});
