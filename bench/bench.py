@@ -848,7 +848,24 @@ def markdown(rows, meta, sizes, plot_ref):
       "Calibration: " + "; ".join(parts) + ".", ""]
   if plot_ref:
     lines += [f"![µs per call vs shape]({plot_ref})", ""]
-  return "\n".join(lines + tables(rows)) + "\n"
+  return "\n".join(lines + routing(rows) + tables(rows)) + "\n"
+
+
+def routing(rows):
+  """Where each kernel loses to the jitted reference, and what the op runs by
+  default (glm5_jax._ffi.KERNEL_DEFAULT_OFF)."""
+  by = _lookup(rows)
+  lines = ["Routing (kernel vs jitted reference, same run):", ""]
+  for op in dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"):
+    pairs = [(sh, by.get((op, sh, "reference")), k) for (o, sh, v), k in by.items()
+             if o == op and v == "kernel"]
+    slower = [sh for sh, ref, k in pairs if ref and ref.get("device_us") and
+              k.get("device_us") and k["device_us"] > ref["device_us"]]
+    default = (f"reference by default ({_ffi.KERNEL_DEFAULT_OFF[op]})"
+               if op in _ffi.KERNEL_DEFAULT_OFF else "kernel by default")
+    lines.append(f"- `{op}`: kernel slower at {len(slower)} of {len(pairs)} shapes"
+                 + (f" ({', '.join(slower)})" if slower else "") + f"; {default}.")
+  return lines + [""]
 
 
 def plot(rows, path):
@@ -911,7 +928,12 @@ def main():
                  help="also chain stateless calls through a run-time-zero scalar "
                       "(one extra tiny fusion per call)")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
+  p.add_argument("--render", metavar="JSON",
+                 help="measure nothing: rebuild --md and --plot from these JSON rows")
   args = p.parse_args()
+  if args.render:
+    render(args)
+    return
   if args.cpu_smoke is None:
     args.cpu_smoke = jax.default_backend() == "cpu"
   if args.cache_dir:
@@ -957,6 +979,18 @@ def main():
   bench.log(f"wrote {args.out}, {args.md}" + (f", {args.plot}" if plot_ref else "")
             + f"; chain compiles took {compile_s:.0f}s")
   print("\n".join(line for line in text.splitlines() if not line.startswith("![")), flush=True)
+
+
+def render(args):
+  """BENCHMARKS.md and the plot from the rows of an earlier run."""
+  with open(args.render) as f:
+    rows = json.load(f)
+  meta = {k: rows[0][k] for k in ("gpu", "jax_version", "date")}
+  meta["kernels"] = list(dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"))
+  plot(rows, args.plot)
+  plot_ref = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.md)))
+  with open(args.md, "w") as f:
+    f.write(markdown(rows, meta, sizes_for(False, False), plot_ref))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "common.h"
 #include "handlers.h"
@@ -326,23 +327,31 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
     if (od[i] != cd[i]) return fail("kv_cache result shape differs from the operand");
   for (int i = 0; i < 4; ++i)
     if (ud[i] != td[i]) return fail("tail result shape differs from the operand");
-  // In place: the lowering aliases result 0/1 with operand 0/1 (XLA copies a non-donated
-  // operand first), so the buffers must be the same.
-  if (kv_cache.element_count() > 0 && kv_out->untyped_data() != kv_cache.untyped_data())
-    return fail("kv_cache result is not aliased with the kv_cache operand");
-  if (tail.element_count() > 0 && tail_out->untyped_data() != tail.untyped_data())
-    return fail("tail result is not aliased with the tail operand");
   if (!round_scale && ue8m0) return fail("round_scale=false needs the fp32 scale format");
   // Vector accesses: 16 B APE rows, 8 B bf16 quads, 4 B fp8/scale words (XLA buffers are
   // at least 16 B aligned; checked so that a violation fails here, not as a device fault).
   if (!aligned(ape.untyped_data(), 16) || !aligned(key.untyped_data(), 8) ||
-      !aligned(score.untyped_data(), 8) || !aligned(tail.untyped_data(), 8) ||
-      !aligned(kv_cache.untyped_data(), 4))
+      !aligned(score.untyped_data(), 8) || !aligned(tail_out->untyped_data(), 8) ||
+      !aligned(kv_out->untyped_data(), 4))
     return fail("operand buffers are not aligned (ape 16 B; key, score, tail 8 B; kv_cache 4 B)");
   if (requests > std::numeric_limits<int32_t>::max() ||
       tokens > std::numeric_limits<int32_t>::max())
     return fail("too many requests or tokens for one grid");
   if (requests == 0 || tokens == 0) return ffi::Error::Success();
+  // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
+  // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
+  // call on jax 0.11.2): then the result starts as a copy of the operand (stream-ordered,
+  // graph-capturable) and the kernel, which only touches the results, runs without PDL.
+  bool copied = false;
+  for (auto [dst, src, bytes] : {std::tuple{kv_out->untyped_data(), kv_cache.untyped_data(),
+                                            kv_cache.size_bytes()},
+                                 std::tuple{tail_out->untyped_data(), tail.untyped_data(),
+                                            tail.size_bytes()}}) {
+    if (dst == src || bytes == 0) continue;
+    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return cuda_status("glm5_kpool_update", err);
+    copied = true;
+  }
 
   UpdateArgs args;
   args.cache = kv_out->typed_data();
@@ -363,7 +372,7 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                 : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kLanes),
-                           stage_bytes(tokens), stream, /*pdl=*/true, args);
+                           stage_bytes(tokens), stream, /*pdl=*/!copied, args);
   return cuda_status("glm5_kpool_update", err);
 }
 

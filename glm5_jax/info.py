@@ -1,5 +1,7 @@
 """Diagnostics: `python -m glm5_jax.info` prints versions, platforms and which
 ops run a CUDA kernel."""
+import os
+
 import jax
 import jaxlib
 
@@ -25,7 +27,9 @@ def report():
     elif not built:
       how = "reference (CUDA module not built)"
     elif not _ffi.kernels_enabled(op):
-      how = "reference (GLM5_JAX_KERNELS)"
+      why = _ffi.KERNEL_DEFAULT_OFF.get(op, "off") if "GLM5_JAX_KERNELS" not in os.environ \
+          else "GLM5_JAX_KERNELS"
+      how = f"reference ({why}; kernel {target} with GLM5_JAX_KERNELS={op}=1)"
     else:
       limits = Op.registry[op].kernel_limits
       how = f"kernel {target}" + (f" ({limits}; otherwise reference)" if limits else "")

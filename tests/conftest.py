@@ -18,6 +18,16 @@ def has_gpu():
     return False
 
 
+@pytest.fixture
+def all_kernels(monkeypatch):
+  """Every built kernel on (GLM5_JAX_KERNELS=1, also those off by default), with
+  jit caches cleared around the test: the switch is read when a function is lowered."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "1")
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
 def pytest_report_header(config):
   from glm5_jax.info import report
   return report()

@@ -3,20 +3,17 @@ XLA default flags) against the jitted pure-JAX reference: exactly equal on every
 edge case and on >= 1e5 random GLM-shaped rows. Shapes the remap kernel does not
 support (G % 32 != 0, ...) must lower to the reference."""
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
+from graphs import run_and_check_graphed
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 I32_MAX, I32_MIN = 2**31 - 1, -2**31
 GLM_G, GLM_W = 512, 2176
 # Pool ids that stress int32 wraparound of 4 * pid: 2^29 -> -2^31 (a negative token,
@@ -249,19 +246,11 @@ def test_kernels_run_inside_a_command_buffer(tmp_path):
       "  return outs\n"
       "outs = jax.jit(f)(ids, pos, req, table)\n"
       "print(int(outs[-1][1]), int(outs[0][0, 0]))\n")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
-  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, check=True).stdout
+  out = run_and_check_graphed(script, ["glm5_expand_pools", "glm5_expand_and_remap"],
+                              tmp_path)
   ids = (np.arange(3 * 512).reshape(3, 512) % 700 - 100).astype(np.int32) + 2
   want_count = np.asarray(ref.expand_and_remap(ids, np.array([5, 4000, -1], np.int32),
                                                np.array([0, 1, 1, 0], np.int32),
                                                np.arange(128, dtype=np.int32).reshape(2, 64),
                                                block_size=64, width=2176)[1])[1]
   assert out.split() == [str(want_count), "-1"]
-  dumps = [p.read_text() for p in tmp_path.glob("*thunk_sequence_after_thunk_passes*")]
-  assert dumps, sorted(p.name for p in tmp_path.iterdir())[:40]
-  for target in ("glm5_expand_pools", "glm5_expand_and_remap"):
-    graphed = [d for d in dumps if target in d]
-    context = [line[:160] for d in dumps for line in d.splitlines()
-               if re.search(r"expand|command.?buffer", line, re.I)][:30]
-    assert graphed and all(re.search(r"command.?buffer", d, re.I) for d in graphed), context

@@ -13,8 +13,6 @@
 import functools
 import os
 import re
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -27,8 +25,9 @@ import oracle as O
 import triton_oracle
 from glm5_jax import _ffi
 from glm5_jax import reference as ref
+from graphs import run_and_check_graphed
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 
 MODES = [("fp32", True), ("ue8m0", True), ("fp32", False)]
 MODE_IDS = ["fp32", "ue8m0", "fp32-plain"]
@@ -265,16 +264,8 @@ def test_kernel_runs_inside_a_command_buffer(tmp_path):
       "  return kv, tail\n"
       "kv, tail = jax.jit(f)(kv, tail)\n"
       "print(int((kv != 0).any()))\n")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
-  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, check=True).stdout
+  out = run_and_check_graphed(script, ["glm5_kpool_update"], tmp_path)
   assert out.split()[-1] == "1", out
-  dumps = [p.read_text() for p in tmp_path.glob("*thunk_sequence_after_thunk_passes*")]
-  assert dumps, sorted(p.name for p in tmp_path.iterdir())[:40]
-  graphed = [d for d in dumps if "glm5_kpool_update" in d]
-  context = [line[:160] for d in dumps for line in d.splitlines()
-             if re.search(r"kpool|command.?buffer", line, re.I)][:30]
-  assert graphed and all(re.search(r"command.?buffer", d, re.I) for d in graphed), context
 
 
 # --------------------------------------------------------------------------- (c)

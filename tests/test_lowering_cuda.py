@@ -29,12 +29,20 @@ def custom_calls(text):
   return re.findall(r"stablehlo.custom_call @(\w+)", text)
 
 
+@pytest.mark.parametrize("switch", [None, "1"])
 @pytest.mark.parametrize("op", OPS)
-def test_cuda_lowering_uses_kernel_where_one_exists(op, monkeypatch):
-  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+def test_cuda_lowering_uses_kernel_where_one_exists(op, switch, monkeypatch):
+  """By default every kernel but those slower than XLA (KERNEL_DEFAULT_OFF); all
+  of them with GLM5_JAX_KERNELS=1."""
+  if switch is None:
+    monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  else:
+    monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
   case = CASES[op]
   calls = custom_calls(cuda_module(case.fn, case.make(np.random.default_rng(0))))
   target = _ffi.KERNEL_TARGETS.get(op)
+  if switch is None and op in _ffi.KERNEL_DEFAULT_OFF:
+    target = None
   assert [c for c in calls if c.startswith("glm5_")] == ([target] if target else [])
 
 
@@ -56,20 +64,24 @@ def test_remap_kernel_only_for_supported_shapes(groups, kernel, monkeypatch):
   assert custom_calls(cuda_module(batched, stacked)) == want
 
 
-@pytest.mark.parametrize("switch", ["0", "upcast_logits=0", "1,upcast_logits=0"])
+@pytest.mark.parametrize("switch", ["0", "kpool_update=0", "1,kpool_update=0"])
 def test_kill_switch_routes_to_reference(switch, monkeypatch):
   monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
-  case = CASES["upcast_logits"]
+  case = CASES["kpool_update"]
   calls = custom_calls(cuda_module(case.fn, case.make(np.random.default_rng(0))))
   assert not [c for c in calls if c.startswith("glm5_")]
 
 
-@pytest.mark.parametrize("switch,expected", [
-    ("", True), ("1", True), ("0", False), ("0,upcast_logits=1", True),
-    ("all=0", False), ("expand_pools=0", True), ("upcast_logits=0", False)])
-def test_kill_switch_parsing(switch, expected, monkeypatch):
+@pytest.mark.parametrize("op,switch,expected", [
+    ("kpool_update", "", True), ("kpool_update", "1", True), ("kpool_update", "0", False),
+    ("kpool_update", "0,kpool_update=1", True), ("kpool_update", "all=0", False),
+    ("kpool_update", "expand_pools=0", True), ("kpool_update", "kpool_update=0", False),
+    ("upcast_logits", "", False), ("upcast_logits", "1", True),
+    ("upcast_logits", "upcast_logits=1", True), ("upcast_logits", "all=1,upcast_logits=0", False)])
+def test_kill_switch_parsing(op, switch, expected, monkeypatch):
+  """Unset/empty: each kernel's default (off for KERNEL_DEFAULT_OFF); later entries win."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
-  assert _ffi.kernels_enabled("upcast_logits") is expected
+  assert _ffi.kernels_enabled(op) is expected
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -77,7 +89,7 @@ def test_ffi_lowering_contract(op, monkeypatch):
   """With a kernel declared for every op, each lowers to one glm5_<op> FFI call
   aliasing its caches, and a donated cache is reused (tf.aliasing_output)."""
   monkeypatch.setattr(_ffi, "KERNEL_TARGETS", {o: f"glm5_{o}" for o in OPS})
-  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "1")
   case = CASES[op]
   aliases = ALIASES.get(op, {})
   text = cuda_module(case.fn, case.make(np.random.default_rng(0)), donate=tuple(aliases))

@@ -168,7 +168,7 @@ def test_remap_empty():
 def test_int32_wraparound():
   """SPEC §6 `int32(pid*4 + o)` and §7 'int32 arithmetic' (block-table entries are not
   validated): large ids and table entries wrap like int32."""
-  G, W, bs, MB = 32, 132, 16, 4
+  G, W, bs = 32, 132, 16
   ids = np.full((2, G), -1)
   ids[0, :3] = [(1 << 29) + 1, (1 << 30) - 1, 2]
   positions = np.array([5, 9])

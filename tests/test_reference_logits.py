@@ -134,7 +134,7 @@ def test_pool_topk_random():
 
 
 def test_pool_topk_special_values():
-  P, k = 12, 8
+  k = 8
   nan, inf = np.nan, np.inf
   logits = np.array([
       [1, 2, 2, 1, 3, 3, 3, 0, 0, 5, 5, 5],                 # ties: ascending id

@@ -1,10 +1,5 @@
 """upcast_logits as a CUDA kernel inside jit (command buffers on, XLA default
 flags), against the reference below every row end."""
-import os
-import re
-import subprocess
-import sys
-
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -12,8 +7,9 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
+from graphs import run_and_check_graphed
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 CALLS = 6          # >= XLA's minimum command-buffer size, so the calls are graphed
 
 
@@ -59,14 +55,5 @@ def test_kernel_runs_inside_a_command_buffer(tmp_path):
       "x = jnp.ones((4, 64), jnp.bfloat16); e = jnp.array([1, 64, 9, 0], jnp.int32)\n"
       f"f = jax.jit(lambda x, e: [glm5_jax.upcast_logits(x * (i + 1), e) for i in range({CALLS})])\n"
       "print(float(f(x, e)[-1][1, 5]))\n")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
-  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, check=True).stdout
+  out = run_and_check_graphed(script, ["glm5_upcast_logits"], tmp_path)
   assert out.strip() == str(float(CALLS))
-  thunks = [line.split(":", 1)[1].split()[0]
-            for p in tmp_path.glob("*thunk_sequence_after_thunk_passes*")
-            for line in p.read_text().splitlines() if re.match(r"\d+: k", line)]
-  hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
-  assert 'custom_call_target="glm5_upcast_logits"' in hlo
-  # The whole program is one CUDA graph: no thunk outside a command buffer.
-  assert thunks and set(thunks) == {"kCommandBuffer"}, thunks

@@ -7,7 +7,6 @@ error-free transformations, so the reference gives the same bits on CPU and GPU
 whether or not XLA contracts multiply-adds.
 """
 import numpy as np
-import jax
 import jax.numpy as jnp
 from jax import lax
 

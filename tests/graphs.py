@@ -1,0 +1,23 @@
+"""Whether FFI calls run inside an XLA command buffer (CUDA graph), read from
+the dumps of a fresh process with XLA's default flags."""
+import os
+import re
+import subprocess
+import sys
+
+
+def run_and_check_graphed(script, targets, dump_dir):
+  """Runs `script` with --xla_dump_to=dump_dir and asserts that the optimised
+  HLO calls every FFI target in `targets` and that every thunk of the program
+  is a command buffer (nothing runs outside the CUDA graph). Returns stdout."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump_dir}")
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, check=True).stdout
+  thunks = [line.split(":", 1)[1].split()[0]
+            for p in dump_dir.glob("*thunk_sequence_after_thunk_passes*")
+            for line in p.read_text().splitlines() if re.match(r"\d+: k", line)]
+  hlo = "".join(p.read_text() for p in dump_dir.glob("*after_optimizations.txt"))
+  for target in targets:
+    assert f'custom_call_target="{target}"' in hlo, target
+  assert thunks and set(thunks) == {"kCommandBuffer"}, thunks
+  return out
