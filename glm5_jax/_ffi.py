@@ -62,7 +62,8 @@ def kernels_enabled(op):
 
 
 @functools.cache
-def _local_cuda():
+def local_cuda():
+  """Whether this process has a CUDA device."""
   try:
     return bool(jax.devices("cuda"))
   except RuntimeError:
@@ -84,7 +85,7 @@ def kernel_target(op):
   target = KERNEL_TARGETS.get(op)
   if target is None or not kernels_enabled(op):
     return None
-  if not register_targets() and _local_cuda():
+  if not register_targets() and local_cuda():
     _warn_once("glm5_jax: the CUDA module is not built (rebuild with "
                "GLM5_JAX_ENABLE_CUDA=ON); every op runs its pure-JAX reference")
     return None

@@ -3,19 +3,12 @@
 Tests marked `gpu` need a CUDA device; they skip without one unless
 GLM5_JAX_REQUIRE_GPU=1, which turns those skips into failures (the H200 run).
 """
-import functools
 import os
 
 import jax
 import pytest
 
-
-@functools.cache
-def has_gpu():
-  try:
-    return bool(jax.devices("cuda"))
-  except RuntimeError:
-    return False
+from glm5_jax._ffi import local_cuda
 
 
 @pytest.fixture
@@ -34,7 +27,7 @@ def pytest_report_header(config):
 
 
 def pytest_runtest_setup(item):
-  if "gpu" in item.keywords and not has_gpu():
+  if "gpu" in item.keywords and not local_cuda():
     if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
       pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but this machine has no CUDA device")
     pytest.skip("needs a CUDA GPU (GLM5_JAX_REQUIRE_GPU=1 makes this a failure)")
