@@ -259,3 +259,21 @@ def test_e4m3_decode_every_code():
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   finite = ~np.isnan(want)
   np.testing.assert_array_equal(_bits(got[finite]), _bits(want[finite]))
+
+
+def test_nan_handling_follows_stock_fmax():
+  """Stock clamps with fmax/fmin and reduces amax with fmax from 0: a NaN input
+  (which the Hadamard spreads over its whole row) gives the floor scale and
+  -448 codes, never a NaN scale or NaN codes."""
+  x = np.zeros((2, 128), F32)
+  x[:, 0] = 1.0
+  x[1, 5] = np.nan
+  q, scale, _ = jax.jit(N.rotate_quant)(jnp.asarray(x))
+  q, scale = np.asarray(q).view(np.uint8), np.asarray(scale)
+  floor_scale = F32(2.0) ** np.ceil(np.log2(F32(1e-4) * O.INV448))
+  assert scale[1] == floor_scale and scale[0] != floor_scale
+  minus448 = np.array(-448, F32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  assert (q[1] == minus448).all()
+  got = np.asarray(jax.jit(N.to_e4m3)(jnp.asarray([np.nan, -np.inf, np.inf], F32)))
+  want = np.array([-448, -448, 448], F32).astype(ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))

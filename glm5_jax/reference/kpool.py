@@ -76,7 +76,10 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
   Returns (kv_cache, tail). A completing token (loc >= 0, pos % 4 == 3) pools
   ring rows stashed earlier (also earlier in this call) with its own key/score.
   Requests must own distinct tail blocks. A tail block past the ring buffer
-  makes the token a no-op.
+  makes the token a no-op. A completing token with tslot < 0 pools the rows of
+  tail block 0 (as stock) and stashes nothing; kernels run requests
+  concurrently, so that read is defined only while no request of the same call
+  stashes into block 0.
   """
   blocks, _, ring, _ = tail.shape
   apef = ape.astype(jnp.float32)

@@ -104,8 +104,9 @@ def pow2(e):
 
 
 def to_e4m3(x):
-  """Saturating RNE fp32 -> float8_e4m3fn."""
-  return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  """Saturating RNE fp32 -> float8_e4m3fn. The clamp is fmax/fmin, as stock's:
+  a NaN becomes -448."""
+  return jnp.fmin(jnp.fmax(x, -FP8_MAX), FP8_MAX).astype(jnp.float8_e4m3fn)
 
 
 def e4m3_to_f32(bits):
@@ -133,7 +134,8 @@ def rotate_quant(x, *, round_scale=True):
   (exponent is then that of 2**ceil, unused by fp32 writers).
   """
   y = round_bf16(hadamard(x) * INV_SQRT_DIM)
-  amax = jnp.maximum(jnp.max(jnp.abs(y), axis=-1), AMAX_FLOOR)
+  # fmax semantics, as stock's reduction: NaN entries are ignored.
+  amax = jnp.fmax(jnp.max(jnp.where(jnp.isnan(y), 0, jnp.abs(y)), axis=-1), AMAX_FLOOR)
   v = amax * INV_FP8_MAX
   exponent = ceil_log2f(v)
   scale = pow2(exponent) if round_scale else v
