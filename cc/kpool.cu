@@ -8,10 +8,8 @@
 // contract or reassociate it:
 //   z   = add.rn(score, ape)                       e = ex2.approx(mul.rn(sub.rn(z, max), LOG2E))
 //   den = add.rn chain from 0                      acc = fma.rn chain from +0
-//   y   = bf16(div.full(acc, den))                 Hadamard: 7 stages of add.rn / sub.rn
-//   y   = bf16(mul.rn(y, 1/sqrt(128)))             amax via fmax, floor 1e-4
-//   v   = mul.rn(amax, fp32(1/448))                E = ceil(libdevice log2f(v))
-//   q   = cvt.rn.satfinite.e4m3(clamp(div.full(y, scale), -448, 448))
+//   y   = bf16(div.full(acc, den))
+// then the Hadamard + FP8 quantisation of hadamard_quant.cuh (shared with indexer.cu).
 // Build without fast math: log2f must stay libdevice's polynomial (not lg2.approx) and the
 // bf16/e4m3 conversions round to nearest even.
 //
@@ -28,23 +26,14 @@
 #include <tuple>
 
 #include "common.h"
+#include "hadamard_quant.cuh"
 #include "handlers.h"
 
 namespace glm5 {
 namespace {
 
-constexpr int kDim = 128;                  // head dim = Hadamard size
 constexpr int kPool = 4;                   // tokens per kpool entry
 constexpr int kEntryBytes = kDim + 4;      // fp8 bytes + 4 scale bytes per entry
-constexpr int kLanes = 32;                 // one warp per request
-constexpr int kPerLane = kDim / kLanes;    // 4 dims per lane
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr uint32_t kInvSqrtDimBits = 0x3DB504F3u;  // fp32(1/sqrt(128))
-constexpr uint32_t kInvFp8MaxBits = 0x3B124925u;   // fp32(1/448)
-constexpr float kFp8Max = 448.0f;
-constexpr float kAmaxFloor = 1e-4f;
-
-static_assert(kPerLane == 4, "a lane owns 4 dims: one 8-byte bf16 load, one 4-byte fp8 store");
 
 // Scale slot format (SPEC §0.1, D3).
 enum class ScaleMode { kPow2Fp32, kPow2Ue8m0, kPlainFp32 };
@@ -82,40 +71,12 @@ __device__ __forceinline__ float exp_shifted(float z, float peak) {
   return r;
 }
 
-// Triton's fp32 `/`.
-__device__ __forceinline__ float div_full(float a, float b) {
-  float r;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
 // Single-rounding a*b + c; asm so that fma(e, k, +0) is not folded into a multiply
 // (a -0 product must give +0, as the stock fma chain from 0 does).
 __device__ __forceinline__ float fma_rn(float a, float b, float c) {
   float r;
   asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
   return r;
-}
-
-// cvt.rn.bf16.f32 and back (exact).
-__device__ __forceinline__ float round_bf16(float x) {
-  return __bfloat162float(__float2bfloat16_rn(x));
-}
-
-// Two fp32 -> e4m3 bytes (RNE, saturating): `lo` in the low (first) byte.
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-// bf16 bits -> f32 (exact): bf16 is the high half of an f32. A 32-bit word holds two bf16,
-// the lower-addressed one in the low half.
-__device__ __forceinline__ void widen4(uint2 w, float (&v)[kPerLane]) {
-  v[0] = __uint_as_float(w.x << 16);
-  v[1] = __uint_as_float(w.x & 0xffff0000u);
-  v[2] = __uint_as_float(w.y << 16);
-  v[3] = __uint_as_float(w.y & 0xffff0000u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -157,52 +118,11 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
     x[e] = round_bf16(div_full(acc, den));
   }
 
-  // Hadamard, strides 1 and 2 inside the lane: (a, b) -> (a + b, a - b).
-#pragma unroll
-  for (int stride = 1; stride <= 2; stride *= 2) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      if (i & stride) continue;
-      const float lo = x[i], hi = x[i + stride];
-      x[i] = __fadd_rn(lo, hi);
-      x[i + stride] = __fsub_rn(lo, hi);
-    }
-  }
-  // Strides 4..64 pair lane l with l ^ (stride / 4): the lower lane holds a and gets a + b,
-  // the upper holds b and gets a - b. Both are RN(other + (+-mine)): IEEE a - b is a + (-b)
-  // (signed zeros included) and + commutes, so flipping the sign bit keeps the warp converged.
-#pragma unroll
-  for (int shift = 0; shift < 5; ++shift) {
-    const uint32_t flip = ((static_cast<uint32_t>(lane) >> shift) & 1u) << 31;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const float other = __shfl_xor_sync(kFullMask, x[i], 1 << shift);
-      x[i] = __fadd_rn(other, __uint_as_float(__float_as_uint(x[i]) ^ flip));
-    }
-  }
-
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    x[i] = round_bf16(__fmul_rn(x[i], __uint_as_float(kInvSqrtDimBits)));
-    amax = fmaxf(amax, fabsf(x[i]));
-  }
-#pragma unroll
-  for (int shift = 0; shift < 5; ++shift)
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1 << shift));
-  amax = fmaxf(amax, kAmaxFloor);
-  const float v = __fmul_rn(amax, __uint_as_float(kInvFp8MaxBits));
-  // libdevice log2f (accurate; no fast math). Clamped so that an infinite v gives E = 128
-  // (scale bits 0x7F800000, as the reference's bit arithmetic) instead of overflowing.
-  const int exponent = static_cast<int>(fminf(fmaxf(ceilf(log2f(v)), -127.0f), 128.0f));
-  const uint32_t pow2_bits = static_cast<uint32_t>(exponent + 127) << 23;
-  const float scale = kMode == ScaleMode::kPlainFp32 ? v : __uint_as_float(pow2_bits);
-
-  float q[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i)
-    q[i] = fminf(fmaxf(div_full(x[i], scale), -kFp8Max), kFp8Max);
-  const uint32_t packed = e4m3x2(q[0], q[1]) | (e4m3x2(q[2], q[3]) << 16);
+  hadamard128(x, lane);
+  const float v = plain_scale(normalise_amax(x));
+  const int exponent = scale_exponent(v);
+  const float scale = kMode == ScaleMode::kPlainFp32 ? v : pow2_scale(exponent);
+  const uint32_t packed = quantise4(x, scale);
 
   // Flat slot -> (page, entry) (0 <= loc < capacity); byte offsets in 64 bits.
   const int64_t page = a.page;

@@ -55,8 +55,14 @@ def _query_op_shapes(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps,
                        scale, eps, padded, weights_dtype)
 
 
+def _query_attributes(*, scale, eps, padded, weights_dtype):
+  """The kernel's Attr<float> scale and eps; padded and the weights dtype come
+  from its result buffers."""
+  return dict(scale=np.float32(scale), eps=np.float32(eps))
+
+
 _query = Op("indexer_query", ref.indexer_query, _query_op_shapes,
-            rows=((0, 0, 0, None, None), (0, 0, 0)))
+            rows=((0, 0, 0, None, None), (0, 0, 0)), attributes=_query_attributes)
 
 
 def _fused_shapes(x, w_cat, q, norm_weight, norm_bias, *, heads, scale, eps, padded,

@@ -29,6 +29,7 @@ if [ "$sanitize" = 1 ]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x \
       -p no:cacheprovider tests/test_upcast_gpu.py tests/test_expand_gpu.py tests/test_kpool_gpu.py \
+      tests/test_indexer_gpu.py \
       -k "not random_glm and not grid_stride and not million and not triton and not command_buffer" \
       > "$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries)"

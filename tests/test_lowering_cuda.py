@@ -114,3 +114,23 @@ def test_kpool_update_scale_attributes(scale_format, round_scale, ue8m0, monkeyp
   attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
   assert sorted(a.strip() for a in attrs.split(",")) == [
       f"round_scale = {str(round_scale).lower()}", f"ue8m0 = {ue8m0}"]
+
+
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+def test_indexer_query_attributes(wdtype, monkeypatch):
+  """scale and eps reach glm5_indexer_query as the f32 attributes its handler binds;
+  padded and the weights dtype are only in the result types."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_query=1")
+  case = CASES["indexer_query"]
+  fn = lambda *a: glm5_jax.indexer_query(*a, scale=0.1, eps=1e-5, padded=40,
+                                         weights_dtype=wdtype)
+  text = cuda_module(fn, case.make(np.random.default_rng(0)))
+  call = text[text.index("stablehlo.custom_call @glm5_indexer_query"):].split("\n")[0]
+  attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
+  parsed = dict(a.strip().split(" = ") for a in attrs.split(","))
+  assert set(parsed) == {"eps", "scale"}
+  for name, value in (("eps", 1e-5), ("scale", 0.1)):
+    number, _, typ = parsed[name].partition(" : ")
+    assert typ == "f32" and np.float32(float(number)) == np.float32(value), parsed
+  bf = "bf16" if wdtype == "bfloat16" else "f32"
+  assert f"tensor<3x40x{bf}>" in call and "tensor<3x40x128xf8E4M3FN>" in call, call

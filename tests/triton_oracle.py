@@ -1,4 +1,5 @@
-"""A Triton oracle of the SPEC §3 pool compression, written for the GPU tests.
+"""A Triton oracle of the SPEC §3 pool compression (and of the §2b/§2c q
+Hadamard + FP8 and head weights, `query`), written for the GPU tests.
 
 `compress(keys, scores, ape)` compresses pools of four tokens, one Triton program
 per pool, and returns the fp8 bytes and the 4 scale bytes of each K-cache entry.
@@ -118,6 +119,48 @@ if triton is not None:
     else:
       word = scale.to(tl.int32, bitcast=True)
     tl.store(scale_ptr + pool, word)
+
+
+  @triton.jit
+  def _query_kernel(q_ptr, w_ptr, codes_ptr, w_out_ptr, scale):
+    """SPEC §2b/§2c for one (token, head) row, stock op order: steps 5-9 of the
+    pool compression above on f32(q), then w_out = (w * 2^E) * scale (two fp32
+    multiplies; no add, so nothing to contract)."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, 128)
+    y = tl.load(q_ptr + row * 128 + d).to(tl.float32)
+    y = _butterfly(y, 1)
+    y = _butterfly(y, 2)
+    y = _butterfly(y, 4)
+    y = _butterfly(y, 8)
+    y = _butterfly(y, 16)
+    y = _butterfly(y, 32)
+    y = _butterfly(y, 64)
+    y = (y * 0.08838834764831845).to(tl.bfloat16).to(tl.float32)   # fp32 0x3DB504F3
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-4)
+    v = amax * 0.002232142857142857                                  # fp32 0x3B124925
+    q_scale = tl.exp2(tl.ceil(tl.log2(v)))
+    q = tl.minimum(tl.maximum(y / q_scale, -448.0), 448.0)
+    tl.store(codes_ptr + row * 128 + d, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+    tl.store(w_out_ptr + row, tl.load(w_ptr + row) * q_scale * scale)
+
+
+def query(q, weights, scale):
+  """q Hadamard + FP8 and head weights of SPEC §2b/§2c (no padding, fp32 w_out).
+
+  q: torch bf16[M, H, 128]; weights: torch f32[M, H]; scale: a Python float
+  (rounded to fp32 by Triton's fp32 scalar argument). Returns (codes torch
+  u8[M, H, 128], w_out torch f32[M, H]) on the inputs' device.
+  """
+  assert q.dtype == torch.bfloat16 and weights.dtype == torch.float32
+  M, H, _ = q.shape
+  assert q.shape == (M, H, DIM) and weights.shape == (M, H)
+  q, weights = q.contiguous(), weights.contiguous()
+  codes = torch.empty((M, H, DIM), dtype=torch.uint8, device=q.device)
+  w_out = torch.empty((M, H), dtype=torch.float32, device=q.device)
+  if M * H:
+    _query_kernel[(M * H,)](q, weights, codes, w_out, float(np.float32(scale)), num_warps=1)
+  return codes, w_out
 
 
 def _device():
