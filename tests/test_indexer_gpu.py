@@ -10,7 +10,6 @@
     `query`, the stock op order).
 (c) The FFI call is in the optimised HLO and runs inside a command buffer.
 """
-import os
 
 import ml_dtypes
 import numpy as np
@@ -173,13 +172,6 @@ def test_empty_batch(heads, padded):
 
 # --------------------------------------------------------------------------- (b)
 
-def _triton():
-  oracle = triton_oracle.load()
-  if oracle is None:
-    if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
-      pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but torch + triton with CUDA are not importable")
-    pytest.skip("needs torch + triton with CUDA (the Triton oracle)")
-  return oracle
 
 
 def _to_torch(a):
@@ -195,7 +187,7 @@ def test_bit_identical_to_triton(heads, padded):
   """q codes and fp32 head weights of the kernel equal the stock-order Triton oracle's
   on every row (wide magnitudes, zero and NaN rows); padding heads are zero."""
   _require_kernel()
-  T = _triton()
+  T = triton_oracle.require()
   rng = np.random.default_rng(heads * 7 + padded)
   params = _params(heads, padded, jnp.float32)
   fn = jax.jit(lambda *a: glm5_jax.indexer_query(*a, **params))

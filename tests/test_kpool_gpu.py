@@ -11,7 +11,6 @@
     continues from the first.
 """
 import functools
-import os
 import re
 
 import ml_dtypes
@@ -42,13 +41,6 @@ def _require_kernel():
     pytest.fail("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON) on a GPU machine")
 
 
-def _triton():
-  oracle = triton_oracle.load()
-  if oracle is None:
-    if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
-      pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but torch + triton with CUDA are not importable")
-    pytest.skip("needs torch + triton with CUDA (the Triton oracle)")
-  return oracle
 
 
 # --------------------------------------------------------------------------- inputs
@@ -358,7 +350,7 @@ def _entry_diff(got, want, page):
 def test_edge_chains_bit_identical_to_triton(ring):
   """The chains of (a), every scale mode: kernel == Triton oracle, bit for bit."""
   _require_kernel()
-  T = _triton()
+  T = triton_oracle.require()
   kv0, tail0, ape, batches = _chain(100 + ring, ring)
   for mode in MODES:
     got = _run_chain(True, mode, kv0, tail0, ape, batches)
@@ -384,7 +376,7 @@ def test_million_pools_bit_identical_to_triton():
   positions wrapping the ring: the kernel's cache bytes and tail rows equal the
   Triton oracle's; the mismatch rate against the reference is printed."""
   _require_kernel()
-  T = _triton()
+  T = triton_oracle.require()
   import torch
   dev = TORCH_DEVICE
   gen = torch.Generator(device=dev).manual_seed(1234)

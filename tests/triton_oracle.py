@@ -53,6 +53,17 @@ INV_FP8_MAX = float(np.uint32(0x3B124925).view(np.float32))   # fp32(1/448)
 AMAX_FLOOR = float(np.float32(1e-4))
 
 
+def require():
+  """load(), or skip the test (fail it under GLM5_JAX_REQUIRE_GPU=1) without the oracle."""
+  import pytest
+  oracle = load()
+  if oracle is None:
+    if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
+      pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but torch + triton with CUDA are not importable")
+    pytest.skip("needs torch + triton with CUDA (the Triton oracle)")
+  return oracle
+
+
 def load():
   """This module when torch + triton (+ a CUDA device for torch, unless the
   Triton interpreter is on) are available, else None."""
@@ -79,6 +90,18 @@ if triton is not None:
     return tl.reshape(v, (128,))
 
   @triton.jit
+  def _rotate(y):
+    """The 7 Hadamard stages (strides 1..64 in order), * fp32(1/sqrt(128)), bf16."""
+    y = _butterfly(y, 1)
+    y = _butterfly(y, 2)
+    y = _butterfly(y, 4)
+    y = _butterfly(y, 8)
+    y = _butterfly(y, 16)
+    y = _butterfly(y, 32)
+    y = _butterfly(y, 64)
+    return (y * 0.08838834764831845).to(tl.bfloat16).to(tl.float32)   # fp32 0x3DB504F3
+
+  @triton.jit
   def _compress_kernel(key_ptr, score_ptr, ape_ptr, q_ptr, scale_ptr,
                        ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
     pool = tl.program_id(0).to(tl.int64)
@@ -97,14 +120,7 @@ if triton is not None:
       den = den + p
       acc = tl.fma(p, k, acc)
     y = (acc / den).to(tl.bfloat16).to(tl.float32)
-    y = _butterfly(y, 1)
-    y = _butterfly(y, 2)
-    y = _butterfly(y, 4)
-    y = _butterfly(y, 8)
-    y = _butterfly(y, 16)
-    y = _butterfly(y, 32)
-    y = _butterfly(y, 64)
-    y = (y * 0.08838834764831845).to(tl.bfloat16).to(tl.float32)   # fp32 0x3DB504F3
+    y = _rotate(y)
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-4)
     v = amax * 0.002232142857142857                                  # fp32 0x3B124925
     e = tl.ceil(tl.log2(v))
@@ -129,14 +145,7 @@ if triton is not None:
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
     y = tl.load(q_ptr + row * 128 + d).to(tl.float32)
-    y = _butterfly(y, 1)
-    y = _butterfly(y, 2)
-    y = _butterfly(y, 4)
-    y = _butterfly(y, 8)
-    y = _butterfly(y, 16)
-    y = _butterfly(y, 32)
-    y = _butterfly(y, 64)
-    y = (y * 0.08838834764831845).to(tl.bfloat16).to(tl.float32)   # fp32 0x3DB504F3
+    y = _rotate(y)
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-4)
     v = amax * 0.002232142857142857                                  # fp32 0x3B124925
     q_scale = tl.exp2(tl.ceil(tl.log2(v)))
