@@ -44,6 +44,10 @@ def test_every_op_has_a_case():
 
 @pytest.mark.parametrize("op", OPS)
 def test_jit_matches_reference(op):
+  """On a GPU: the kernel (where one runs) against the reference. On the CPU the
+  primitive lowers to the reference: this checks its plumbing (argument order,
+  static params, result order); the reference itself is checked against the
+  numpy oracle in test_reference_*."""
   case = CASES[op]
   args = case.make(np.random.default_rng(0))
   got = outputs(op, args, jax.jit(case.fn)(*args))
