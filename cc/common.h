@@ -1,6 +1,7 @@
 // Shared by every kernel family: FFI alias, CUDA error mapping, launch with PDL.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <string_view>
@@ -22,6 +23,11 @@ inline ffi::Error cuda_status(const char* op, cudaError_t launch_status = cudaSu
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorName(err) + ": " +
                               cudaGetErrorString(err));
+}
+
+// Whether a buffer can take `bytes`-wide vector accesses.
+inline bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 // GLM5_JAX_PDL=0 turns programmatic dependent launch off for every kernel (debug/bisect aid).

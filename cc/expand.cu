@@ -211,8 +211,6 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 bool fits_i32(int64_t v) {
   return v >= std::numeric_limits<int32_t>::min() && v <= kI32Max;
 }
@@ -240,7 +238,7 @@ ffi::Error ExpandPoolsImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids
   int32_t* dst = out->typed_data();
   const int64_t quads = (width + kPool - 1) / kPool;
   const int64_t ctas = std::min<int64_t>((quads + kExpandThreads - 1) / kExpandThreads, kMaxGridY);
-  auto kernel = width % kPool == 0 && aligned16(dst) ? expand_pools_kernel<true>
+  auto kernel = width % kPool == 0 && aligned(dst, 16) ? expand_pools_kernel<true>
                                                      : expand_pools_kernel<false>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(ctas)),
                            dim3(kExpandThreads), 0, stream, /*pdl=*/true,
@@ -283,7 +281,7 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
   if (rows > kI32Max || expanded > kI32Max || width > kI32Max - kPool)
     return ffi::Error::InvalidArgument("glm5_expand_and_remap: rows or width too large");
   int32_t* dst = out->typed_data();
-  const bool vector = width % kPool == 0 && aligned16(dst);
+  const bool vector = width % kPool == 0 && aligned(dst, 16);
   auto kernel = compact ? (vector ? expand_and_remap_kernel<true, true>
                                   : expand_and_remap_kernel<true, false>)
                         : (vector ? expand_and_remap_kernel<false, true>

@@ -173,10 +173,6 @@ __global__ void __launch_bounds__(kWarps * kLanes) indexer_query_kernel(const Qu
   }
 }
 
-bool aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
                             ffi::BufferR2<ffi::BF16> key_raw, ffi::BufferR2<ffi::F32> weights,
                             ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,

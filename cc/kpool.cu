@@ -208,10 +208,6 @@ size_t stage_bytes(int64_t tokens) {
   return 2 * static_cast<size_t>(tokens < kLanes ? tokens : kLanes) * kLanes * sizeof(uint2);
 }
 
-bool aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                            ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
                            ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> score,

@@ -74,8 +74,6 @@ __global__ void __launch_bounds__(kUpcastThreads)
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Grid from shapes only (command-buffer contract): enough CTAs to fill the GPU, one chunk
 // per thread when rows are few and short.
 cudaError_t launch_upcast_logits(cudaStream_t stream, const uint16_t* src, uint32_t* dst,
@@ -84,7 +82,7 @@ cudaError_t launch_upcast_logits(cudaStream_t stream, const uint16_t* src, uint3
   const int64_t splits =
       std::min((width + chunk - 1) / chunk, std::max(int64_t{1}, kUpcastMaxCtas / rows));
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
-  auto kernel = aligned16(src) && aligned16(dst) ? upcast_logits_kernel<true>
+  auto kernel = aligned(src, 16) && aligned(dst, 16) ? upcast_logits_kernel<true>
                                                  : upcast_logits_kernel<false>;
   return launch(kernel, grid, dim3(kUpcastThreads), 0, stream, /*pdl=*/true, src, dst, row_ends,
                 width);
