@@ -33,7 +33,8 @@ def ape(rng):
 
 
 def i32(values):
-  return jnp.asarray(values, jnp.int32)
+  """int32 array; values outside int32 wrap, as in int32 arithmetic."""
+  return jnp.asarray(np.asarray(values, np.int64), jnp.int32)
 
 
 def _update_args(rng):

@@ -1,9 +1,22 @@
-"""Whether FFI calls run inside an XLA command buffer (CUDA graph), read from
-the dumps of a fresh process with XLA's default flags."""
+"""Checks on compiled programs: cache copies in optimized HLO, and whether FFI
+calls run inside an XLA command buffer (CUDA graph), read from the dumps of a
+fresh process with XLA's default flags."""
 import os
 import re
 import subprocess
 import sys
+
+
+def copied_shapes(hlo, shapes):
+  """The shapes (tuples) among `shapes` that optimized HLO text copies
+  (copy or copy-start): a cache copied instead of updated in place."""
+  wanted = {tuple(s) for s in shapes}
+  found = set()
+  for line in hlo.splitlines():
+    if re.search(r"\bcopy(-start)?\(", line):
+      found |= {tuple(int(d) for d in dims.split(","))
+                for dims in re.findall(r"\w+\[([\d,]+)\]", line)} & wanted
+  return found
 
 
 def run_and_check_graphed(script, targets, dump_dir):

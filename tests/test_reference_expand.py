@@ -3,16 +3,12 @@ independent oracle. Integer ops: exact equality everywhere."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import oracle as O
+from cases import i32
 from glm5_jax import reference as R
-
-
-def _i32(x):
-  return jnp.asarray(np.asarray(x, np.int64), jnp.int32)
 
 
 @functools.cache
@@ -36,7 +32,7 @@ def _pool_ids(rng, rows, G, pools, p_unused=0.2):
 
 def _check_expand(pool_ids, seq_lens, seq_offset, width):
   want = O.expand_pools(pool_ids, seq_lens, seq_offset=seq_offset, width=width)
-  got = np.asarray(_expand_fn(seq_offset, width)(_i32(pool_ids), _i32(seq_lens)))
+  got = np.asarray(_expand_fn(seq_offset, width)(i32(pool_ids), i32(seq_lens)))
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, want)
   return want
@@ -73,9 +69,9 @@ def test_expand_pools_tail_counts_and_negative_lengths():
 
 
 def test_expand_pools_empty():
-  got = _expand_fn(0, None)(_i32(np.zeros((0, 8))), _i32(np.zeros(0)))
+  got = _expand_fn(0, None)(i32(np.zeros((0, 8))), i32(np.zeros(0)))
   assert got.shape == (0, 35)
-  got = _expand_fn(1, 64)(_i32(np.zeros((0, 8))), _i32(np.zeros(0)))
+  got = _expand_fn(1, 64)(i32(np.zeros((0, 8))), i32(np.zeros(0)))
   assert got.shape == (0, 64)
 
 
@@ -85,7 +81,7 @@ def _check_remap(ids, positions, req_ids, table, *, block_size, width, stride_ro
                                   width=width, stride_rows=stride_rows,
                                   seq_offset=seq_offset, compact=compact)
   out, cnt = _remap_fn(block_size, width, stride_rows, seq_offset, compact)(
-      _i32(ids), _i32(positions), _i32(req_ids), _i32(table))
+      i32(ids), i32(positions), i32(req_ids), i32(table))
   out, cnt = np.asarray(out), np.asarray(cnt)
   assert out.dtype == np.int32 and cnt.dtype == np.int32
   np.testing.assert_array_equal(out, want)
@@ -154,14 +150,14 @@ def test_remap_tail_blocks_and_seq_offset():
 
 def test_remap_empty():
   table = np.arange(8).reshape(2, 4)
-  out, cnt = _remap_fn(16, 132, None, 1, True)(_i32(np.zeros((0, 32))), _i32(np.zeros(0)),
-                                               _i32(np.zeros(0)), _i32(table))
+  out, cnt = _remap_fn(16, 132, None, 1, True)(i32(np.zeros((0, 32))), i32(np.zeros(0)),
+                                               i32(np.zeros(0)), i32(table))
   assert out.shape == (0, 132) and cnt.shape == (0,)
   # rows but nothing expanded: all -1, counts 0
   _check_remap(np.zeros((0, 32)), np.zeros(0), np.array([0, 1, 1]), table, block_size=16,
                width=132)
-  out, cnt = _remap_fn(16, 132, None, 1, True)(_i32(np.zeros((0, 32))), _i32(np.zeros(0)),
-                                               _i32([0, 1, 1]), _i32(table))
+  out, cnt = _remap_fn(16, 132, None, 1, True)(i32(np.zeros((0, 32))), i32(np.zeros(0)),
+                                               i32([0, 1, 1]), i32(table))
   assert np.all(np.asarray(out) == -1) and np.all(np.asarray(cnt) == 0)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import oracle as O
+from cases import i32
 from glm5_jax import reference as R
 
 BF16 = O.BF16
@@ -38,10 +39,6 @@ def _compress_fn(scale_format, round_scale):
 _seed_fn = jax.jit(R.kpool_seed_tail)
 
 
-def _i32(x):
-  return jnp.asarray(np.asarray(x, np.int64), jnp.int32)
-
-
 def _tail_equal(ref_tail, orc_tail, label=""):
   r = np.asarray(ref_tail)
   assert r.dtype == BF16, r.dtype
@@ -56,8 +53,8 @@ def _check_update(kv, tail, tslot, key, score, ape, loc, pos, *, scale_format="f
                               scale_format=scale_format, round_scale=round_scale,
                               written=written)
   rkv, rtail = _update_fn(scale_format, round_scale)(
-      jnp.asarray(kv), jnp.asarray(tail), _i32(tslot), jnp.asarray(key),
-      jnp.asarray(score), jnp.asarray(ape), _i32(loc), _i32(pos))
+      jnp.asarray(kv), jnp.asarray(tail), i32(tslot), jnp.asarray(key),
+      jnp.asarray(score), jnp.asarray(ape), i32(loc), i32(pos))
   assert np.asarray(rkv).dtype == np.uint8 and np.asarray(rkv).shape == kv.shape
   bad, n = O.compare_cache(rkv, okv, kv, written, label, STATS)
   _tail_equal(rtail, otail, label)
@@ -253,8 +250,8 @@ def test_update_empty(B, N):
   tslot = np.zeros((B, N), np.int64)
   key = O.random_bf16(rng, (B, N, 128))
   rkv, rtail = _update_fn("fp32", True)(
-      jnp.asarray(kv), jnp.asarray(tail), _i32(tslot), jnp.asarray(key), jnp.asarray(key),
-      jnp.asarray(ape), _i32(tslot), _i32(tslot))
+      jnp.asarray(kv), jnp.asarray(tail), i32(tslot), jnp.asarray(key), jnp.asarray(key),
+      jnp.asarray(ape), i32(tslot), i32(tslot))
   np.testing.assert_array_equal(np.asarray(rkv), kv)
   np.testing.assert_array_equal(np.asarray(rtail).view(np.uint16), tail.view(np.uint16))
 
@@ -280,7 +277,7 @@ def _check_compress(kv, sk, ss, ape, loc, mask, scale_format="fp32", round_scale
   okv = O.kpool_compress(kv, sk, ss, ape, loc, mask, scale_format=scale_format,
                          round_scale=round_scale, written=written)
   rkv = _compress_fn(scale_format, round_scale)(
-      jnp.asarray(kv), jnp.asarray(sk), jnp.asarray(ss), jnp.asarray(ape), _i32(loc),
+      jnp.asarray(kv), jnp.asarray(sk), jnp.asarray(ss), jnp.asarray(ape), i32(loc),
       jnp.asarray(mask))
   bad, n = O.compare_cache(rkv, okv, kv, written, label, STATS)
   return bad, n
@@ -323,7 +320,7 @@ def test_compress_wide_inputs_and_empty():
   # empty batch: unchanged cache
   e = np.zeros((0,), np.int64)
   rkv = _compress_fn("fp32", True)(jnp.asarray(kv), jnp.asarray(sk[:0]), jnp.asarray(ss[:0]),
-                                   jnp.asarray(ape), _i32(e), jnp.asarray(np.zeros(0, bool)))
+                                   jnp.asarray(ape), i32(e), jnp.asarray(np.zeros(0, bool)))
   np.testing.assert_array_equal(np.asarray(rkv), kv)
 
 
@@ -363,7 +360,7 @@ def test_seed_tail(ring):
   key = O.random_bf16(rng, (n, 128))
   score = O.random_bf16(rng, (n, 128), 2.0)
   want = O.kpool_seed_tail(tail, key, score, tslot)
-  got = _seed_fn(jnp.asarray(tail), jnp.asarray(key), jnp.asarray(score), _i32(tslot))
+  got = _seed_fn(jnp.asarray(tail), jnp.asarray(key), jnp.asarray(score), i32(tslot))
   _tail_equal(got, want, "seed")
   # oracle sanity: request 0 (7 tokens) stashed exactly its last 4 tokens 3..6
   changed = np.any(want[0].view(np.uint16) != tail[0].view(np.uint16), axis=(0, 2))
@@ -372,7 +369,7 @@ def test_seed_tail(ring):
     np.testing.assert_array_equal(want[b].view(np.uint16), tail[b].view(np.uint16))
   # empty
   got0 = _seed_fn(jnp.asarray(tail), jnp.asarray(key[:0]), jnp.asarray(score[:0]),
-                  _i32(tslot[:0]))
+                  i32(tslot[:0]))
   _tail_equal(got0, tail, "seed empty")
 
 
@@ -387,7 +384,7 @@ def test_seed_tail_then_decode():
   pk = O.random_bf16(rng, (n, 128))
   ps = O.random_bf16(rng, (n, 128), 2.0)
   tail2 = O.kpool_seed_tail(tail, pk, ps, tslot)
-  _tail_equal(_seed_fn(jnp.asarray(tail), jnp.asarray(pk), jnp.asarray(ps), _i32(tslot)),
+  _tail_equal(_seed_fn(jnp.asarray(tail), jnp.asarray(pk), jnp.asarray(ps), i32(tslot)),
               tail2, "seed")
   B, N = len(lens), 2
   pos = np.array(lens)[:, None] + np.arange(N)

@@ -7,13 +7,10 @@ import numpy as np
 import pytest
 
 import oracle as O
+from cases import i32
 from glm5_jax import reference as R
 
 F32 = np.float32
-
-
-def _i32(x):
-  return jnp.asarray(np.asarray(x, np.int64), jnp.int32)
 
 
 _upcast = jax.jit(R.upcast_logits)
@@ -28,15 +25,15 @@ def test_upcast_logits(rows, width):
   ends = rng.integers(-3, width + 5, rows)
   ends[0], ends[1] = 0, width
   want, valid = O.upcast_logits(logits, ends)
-  got = np.asarray(_upcast(jnp.asarray(logits), _i32(ends)))
+  got = np.asarray(_upcast(jnp.asarray(logits), i32(ends)))
   assert got.dtype == np.float32 and got.shape == (rows, width)
   np.testing.assert_array_equal(got[valid].view(np.uint32), want[valid].view(np.uint32))
   assert valid.sum() > rows * width // 4
 
 
 def test_upcast_logits_empty():
-  assert _upcast(jnp.zeros((0, 16), jnp.bfloat16), _i32(np.zeros(0))).shape == (0, 16)
-  got = _upcast(jnp.zeros((3, 0), jnp.bfloat16), _i32([0, 1, 2]))
+  assert _upcast(jnp.zeros((0, 16), jnp.bfloat16), i32(np.zeros(0))).shape == (0, 16)
+  got = _upcast(jnp.zeros((3, 0), jnp.bfloat16), i32([0, 1, 2]))
   assert got.shape == (3, 0) and got.dtype == jnp.float32
 
 
@@ -84,7 +81,7 @@ def test_mqa_logits(scale_format, H, page):
   want, bound = O.mqa_logits(q, w, kv, table, lens, max_pools=max_pools,
                              scale_format=scale_format)
   got = np.asarray(_mqa_fn(max_pools, scale_format)(
-      jnp.asarray(q), jnp.asarray(w), jnp.asarray(kv), _i32(table), _i32(lens)))
+      jnp.asarray(q), jnp.asarray(w), jnp.asarray(kv), i32(table), i32(lens)))
   assert got.dtype == np.float32 and got.shape == (rows, max_pools)
   none = np.isneginf(want)
   np.testing.assert_array_equal(np.isneginf(got), none)
@@ -101,7 +98,7 @@ def test_mqa_logits_empty():
   kv = _cache_with_entries(rng, 2, 32, "fp32")
   got = _mqa_fn(64, "fp32")(jnp.zeros((0, 32, 128), jnp.float8_e4m3fn),
                             jnp.zeros((0, 32), jnp.float32), jnp.asarray(kv),
-                            _i32(np.zeros((0, 2))), _i32(np.zeros(0)))
+                            i32(np.zeros((0, 2))), i32(np.zeros(0)))
   assert got.shape == (0, 64)
 
 
@@ -114,7 +111,7 @@ def _topk_fn(k):
 
 def _check_topk(logits, lens, k):
   want = O.pool_topk(logits, lens, k=k)
-  got = np.asarray(_topk_fn(k)(jnp.asarray(logits, jnp.float32), _i32(lens)))
+  got = np.asarray(_topk_fn(k)(jnp.asarray(logits, jnp.float32), i32(lens)))
   assert got.dtype == np.int32 and got.shape == want.shape
   np.testing.assert_array_equal(got, want)
   return want
@@ -160,4 +157,4 @@ def test_pool_topk_signed_zeros_tie_by_id():
 
 
 def test_pool_topk_empty():
-  assert _topk_fn(4)(jnp.zeros((0, 10), jnp.float32), _i32(np.zeros(0))).shape == (0, 4)
+  assert _topk_fn(4)(jnp.zeros((0, 10), jnp.float32), i32(np.zeros(0))).shape == (0, 4)

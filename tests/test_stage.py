@@ -10,6 +10,7 @@ import pytest
 import glm5_jax
 from glm5_jax import synthetic
 import oracle
+from graphs import copied_shapes
 
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
                donate_argnames="cache")
@@ -34,11 +35,7 @@ def leaves(tree):
 def cache_copies(step, args, config):
   weights, cache, x, qr, batch = args
   text = step.lower(weights, cache, x, qr, batch, config=config).compile().as_text()
-  shapes = {tuple(cache.kv_cache.shape), tuple(cache.tail.shape)}
-  found = set()
-  for dims in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", text):
-    found |= {tuple(int(d) for d in dims.split(","))} & shapes
-  return found
+  return copied_shapes(text, [cache.kv_cache.shape, cache.tail.shape])
 
 
 def test_donated_step_has_no_cache_copy():
