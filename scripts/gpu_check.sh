@@ -27,7 +27,8 @@ if [ "$tests" = 1 ]; then
 fi
 if [ "$sanitize" = 1 ]; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x \
+    # one process: the sanitizer does not follow pytest-xdist workers (segfaults)
+    PYTEST_ADDOPTS= compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -x \
       -p no:cacheprovider tests/test_upcast_gpu.py tests/test_expand_gpu.py tests/test_kpool_gpu.py \
       tests/test_indexer_gpu.py \
       -k "not random_glm and not grid_stride and not million and not triton and not command_buffer" \
