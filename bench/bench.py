@@ -438,20 +438,124 @@ CASES = {
 assert set(CASES) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench case"
 
 
+# ------------------------------------------------- stock-order Triton variant
+
+@functools.cache
+def triton_oracle():
+  """tests/triton_oracle.py (stock-op-order Triton kernels) when torch + triton
+  with CUDA are importable, else None."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))), "tests"))
+  try:
+    import triton_oracle as t
+  except ImportError:
+    return None
+  return t.load()
+
+
+def _compact(out, counts):
+  """The column-preserving remap layout -> the compacted one (valid slots are >= 0)."""
+  order = jnp.argsort(out < 0, axis=1, stable=True)
+  return jnp.take_along_axis(out, order, 1), counts
+
+
+# op -> call(state, fixed, args) on torch tensors -> (state, outs), as Case.call;
+# the ops' stock kernels: one decode-update kernel, expand, expand + convert
+# (column-preserving, compacted for the check), the bf16 -> f32 convert.
+TRITON_CALLS = {
+    "kpool_update": lambda T, st, f, a: (T.decode_update(
+        st[0], st[1], a[0], a[1], a[2], f[0], a[3], a[4]), ()),
+    "expand_pools": lambda T, st, f, a: (st, (T.expand(*a, seq_offset=1, width=WIDTH),)),
+    "expand_and_remap": lambda T, st, f, a: (st, T.convert(
+        f[0], a[2], T.expand(a[0], a[1], seq_offset=1, width=WIDTH), block_size=BLOCK,
+        stride_rows=BLOCK)),
+    "upcast_logits": lambda T, st, f, a: (st, (T.upcast(*a),)),
+}
+TRITON_CHECK = {"expand_and_remap": _compact}     # outputs -> the kernel's layout
+
+
+def _torch(tree, clone=False):
+  import torch
+  return jax.tree.map(lambda a: (torch.from_dlpack(a).clone() if clone
+                                 else torch.from_dlpack(a)), tree)
+
+
+def triton_single_call(case, state):
+  """Result leaves (as jax arrays) of one Triton call from a copy of `state`."""
+  T = triton_oracle()
+  st, outs = TRITON_CALLS[case.op](T, _torch(state, clone=True), _torch(case.fixed),
+                                   _torch(case.rotated[0]))
+  outs = tuple(jnp.array(jnp.from_dlpack(o)) for o in outs)
+  outs = TRITON_CHECK.get(case.op, lambda *o: o)(*outs)
+  if case.mask is not None:
+    outs = case.mask(case.rotated[0], outs)
+  return [jnp.array(jnp.from_dlpack(t)) for t in jax.tree.leaves(st)] + list(outs)
+
+
+def triton_amortised(case, state, r, sizes):
+  """Seconds per call of the Triton variant: a torch CUDA graph of r calls on the
+  rotated inputs (state: a copy, updated in place), replayed `passes` times per
+  run (passes grows until a run takes >= sizes.run_s); median run over reps.
+  Returns (s, info) as amortised()."""
+  import torch
+  T, call = triton_oracle(), TRITON_CALLS[case.op]
+  st, fixed = _torch(state, clone=True), _torch(case.fixed)
+  rotated = [_torch(a) for a in case.rotated[:r]]
+  t0 = time.perf_counter()
+  for a in rotated:                                     # compile + warm up
+    st, _ = call(T, st, fixed, a)
+  torch.cuda.synchronize()
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    for a in rotated:
+      st, _ = call(T, st, fixed, a)
+  compile_s = time.perf_counter() - t0
+  start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+
+  def run(n):
+    start.record()
+    for _ in range(n):
+      graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+  n = 1
+  for _ in range(4):
+    t = run(n)
+    if t >= sizes.run_s or n >= sizes.max_passes:
+      break
+    n = int(min(sizes.max_passes, np.ceil(n * 1.5 * sizes.run_s / t)))
+  times = [run(n) for _ in range(sizes.warmup + sizes.reps)][sizes.warmup:]
+  del graph, st
+  return statistics.median(times) / (n * r), dict(compile_s=compile_s, temp=None, passes=n)
+
+
 # ----------------------------------------------------------------- timing
 
+KERNEL, NO_PDL, TRITON = "kernel", "kernel, PDL off", "triton"
+JAX_VARIANTS = ("reference", KERNEL, NO_PDL)
+
+
 @contextlib.contextmanager
-def kernels(on):
-  """GLM5_JAX_KERNELS for the lowerings done inside (it is read at lowering time)."""
-  old = os.environ.get("GLM5_JAX_KERNELS")
-  os.environ["GLM5_JAX_KERNELS"] = "1" if on else "0"
+def variant_env(variant):
+  """GLM5_JAX_KERNELS (read at lowering) and GLM5_JAX_PDL (read at each launch,
+  i.e. command-buffer capture) for one JAX variant."""
+  want = {"GLM5_JAX_KERNELS": "0" if variant == "reference" else "1",
+          "GLM5_JAX_PDL": "0" if variant == NO_PDL else None}
+  old = {k: os.environ.get(k) for k in want}
+
+  def apply(env):
+    for k, v in env.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  apply(want)
   try:
     yield
   finally:
-    if old is None:
-      del os.environ["GLM5_JAX_KERNELS"]
-    else:
-      os.environ["GLM5_JAX_KERNELS"] = old
+    apply(old)
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -671,18 +775,20 @@ class Bench:
     except Exception as e:                                 # noqa: BLE001
       self.error_row("calibration", "empty XLA op", "calibration", e)
     if self.has_kernel("upcast_logits"):
-      try:
-        call = lambda st, f, a: (st, (glm5_jax.upcast_logits(f[0], a[0]),))
-        rot = [(i32([8]),) for _ in range(s.empty_r)]
-        with kernels(True):
-          sec, _, _ = amortised(call, None, (jnp.ones((1, 8), BF16),), rot, 0, s)
-        us = sec * 1e6
-        self.row("calibration", f"empty FFI call x{s.empty_r}", "calibration", us, None,
-                 True, notes="upcast_logits kernel on 1x8" + (
-                     " + the dependency fusion" if s.data_dep else ""))
-        self.log(f"calibration: upcast_logits 1x8 kernel call {us:.2f} us")
-      except Exception as e:                               # noqa: BLE001
-        self.error_row("calibration", "empty FFI call", "calibration", e)
+      for variant in (KERNEL, NO_PDL):
+        try:
+          call = lambda st, f, a: (st, (glm5_jax.upcast_logits(f[0], a[0]),))
+          rot = [(i32([8]),) for _ in range(s.empty_r)]
+          with variant_env(variant):
+            sec, _, _ = amortised(call, None, (jnp.ones((1, 8), BF16),), rot, 0, s)
+          us = sec * 1e6
+          name = "empty FFI call" + (", PDL off" if variant == NO_PDL else "")
+          self.row("calibration", f"{name} x{s.empty_r}", "calibration", us, None, True,
+                   notes="upcast_logits kernel on 1x8" + (
+                       " + the dependency fusion" if s.data_dep else ""))
+          self.log(f"calibration: {name} (upcast_logits 1x8) {us:.2f} us")
+        except Exception as e:                             # noqa: BLE001
+          self.error_row("calibration", "empty FFI call", "calibration", e)
 
   def error_row(self, op, shape, variant, e):
     note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -692,10 +798,14 @@ class Bench:
     self.row(op, shape, variant, None, None, False, notes=note)
 
   # ops -----------------------------------------------------------------------
+  def variants(self, op):
+    return (["reference"] + ([KERNEL, NO_PDL] if self.has_kernel(op) else [])
+            + ([TRITON] if self.gpu and op in TRITON_CALLS and triton_oracle() else []))
+
   def run_op(self, op, labels):
     """Measures `op` at the shapes of CASES[op] named in `labels`."""
     builder, shapes = CASES[op]
-    variants = ["reference"] + (["kernel"] if self.has_kernel(op) else [])
+    variants = self.variants(op)
     for shape, kw in shapes(self.s):
       if shape not in labels:
         continue
@@ -723,34 +833,53 @@ class Bench:
     r = min(s.r_max, int(s.chain_s / wall), s.chain_lines // max(1, lines))
     return min(len(case.rotated), max(r, s.r_min, case.r_min))
 
+  def check(self, case, state, variant, results):
+    """(result leaves, R) of one call of `variant` from `state`."""
+    if variant == TRITON:
+      got = triton_single_call(case, state)
+      return got, results["chain_r"]
+    target = _ffi.KERNEL_TARGETS.get(case.op)
+    with variant_env(variant):
+      text, got, wall = single_call(case, state)
+    if (f"@{target}" in text if target else False) != (variant != "reference"):
+      raise RuntimeError(f"the {variant} variant lowered "
+                         f"{'to' if variant == 'reference' else 'without'} {target}")
+    r = self.chain_length(case, wall, text.count("\n"))
+    results.setdefault("chain_r", r)
+    return got, r
+
   def run_case(self, case, variants):
-    """Checks every variant once against the reference (from the same initial
-    state), then times each; the state is threaded from run to run."""
+    """Checks every variant once (from the same initial state): the JAX variants
+    against the reference, the Triton one against the kernel (its stock op order;
+    the reference where there is no kernel). Then times each; the state is
+    threaded from run to run (the Triton variant times on its own copy)."""
     s, state = self.s, case.state
     floor = floor_us(case.nbytes, case.flops, self.bw)
-    target = _ffi.KERNEL_TARGETS.get(case.op)
-    ref, checked = None, {}                                # variant -> (exact, R)
+    results, checked = {}, {}                              # variant -> (exact, R)
     for variant in variants:
       try:
-        with kernels(variant == "kernel"):
-          text, got, wall = single_call(case, state)
-        if (f"@{target}" in text if target else False) != (variant == "kernel"):
-          raise RuntimeError(f"the {variant} variant lowered "
-                             f"{'to' if variant == 'reference' else 'without'} {target}")
+        got, r = self.check(case, state, variant, results)
         if variant == "reference":
-          ref, exact = got, True
+          exact = True
         else:
-          exact = ref is not None and all(bool(_same_bits(a, b)) for a, b in zip(got, ref))
-        checked[variant] = exact, self.chain_length(case, wall, text.count("\n"))
+          want = results.get(KERNEL if variant == TRITON else "reference",
+                             results.get("reference"))
+          exact = want is not None and all(bool(_same_bits(a, b)) for a, b in zip(got, want))
+        if variant in ("reference", KERNEL):
+          results[variant] = got
+        checked[variant] = exact, r
         del got
       except Exception as e:                               # noqa: BLE001
         self.error_row(case.op, case.shape, variant, e)
-    del ref
+    results.clear()
     for variant, (exact, r) in checked.items():
       try:
-        with kernels(variant == "kernel"):
-          sec, state, info = amortised(case.call, state, case.fixed, case.rotated[:r],
-                                       case.dep, s)
+        if variant == TRITON:
+          sec, info = triton_amortised(case, state, r, s)
+        else:
+          with variant_env(variant):
+            sec, state, info = amortised(case.call, state, case.fixed, case.rotated[:r],
+                                         case.dep, s)
         us = sec * 1e6
         self.row(case.op, case.shape, variant, us, floor, exact,
                  gbps=case.nbytes / sec / 1e9, R=r, passes=info["passes"], reps=s.reps,
@@ -793,24 +922,36 @@ def _lookup(rows):
   return {(r["op"], r["shape"], r["variant"]): r for r in rows}
 
 
+def _ratio(num, den):
+  return f"{num / den:.2f}×" if num and den else "—"
+
+
 def tables(rows):
-  """Markdown tables, one per op: shape | reference | kernel | floor | speedup | exact."""
+  """Markdown tables, one per op: shape | µs per variant | floor | speedups | exact."""
   by = _lookup(rows)
   out = []
   for op in dict.fromkeys(r["op"] for r in rows if r["op"] != "calibration"):
-    out += [f"### {op}", "",
-            "| shape | reference µs | kernel µs | floor µs | kernel/reference speedup | exact |",
-            "|---|---|---|---|---|---|"]
+    variants = [v for v in ("reference", KERNEL, NO_PDL, TRITON)
+                if any(r["op"] == op and r["variant"] == v for r in rows)]
+    cols = [f"{v} µs" for v in variants] + ["floor µs"] + (
+        ["reference / kernel"] if KERNEL in variants else []) + (
+        [f"{TRITON} / kernel"] if {KERNEL, TRITON} <= set(variants) else []) + ["exact"]
+    out += [f"### {op}", "", "| shape | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 1) + "|"]
     notes = []
     for shape in dict.fromkeys(r["shape"] for r in rows if r["op"] == op):
-      ref, ker = by.get((op, shape, "reference")), by.get((op, shape, "kernel"))
-      rus = ref and ref["device_us"]
-      kus = ker and ker["device_us"]
-      floor = next((x["floor_us"] for x in (ref, ker) if x and x["floor_us"]), None)
-      speed = f"{rus / kus:.2f}×" if rus and kus else "—"
-      exact = "—" if not kus else "yes" if ker["exact"] else "**NO**"
-      out.append(f"| {shape} | {_fmt(rus)} | {_fmt(kus)} | {_fmt(floor)} | {speed} | {exact} |")
-      notes += [f"- {shape} {x['variant']}: {x['notes']}" for x in (ref, ker)
+      got = {v: by.get((op, shape, v)) for v in variants}
+      us = {v: got[v] and got[v]["device_us"] for v in variants}
+      floor = next((x["floor_us"] for x in got.values() if x and x["floor_us"]), None)
+      cells = [_fmt(us[v]) for v in variants] + [_fmt(floor)]
+      if KERNEL in variants:
+        cells.append(_ratio(us["reference"], us[KERNEL]))
+      if {KERNEL, TRITON} <= set(variants):
+        cells.append(_ratio(us[TRITON], us[KERNEL]))
+      cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else '**NO**'}"
+                             for v in variants[1:] if us[v]) or "—")
+      out.append(f"| {shape} | " + " | ".join(cells) + " |")
+      notes += [f"- {shape} {x['variant']}: {x['notes']}" for x in got.values()
                 if x and x.get("notes")]
     out += [""] + notes + ([""] if notes else [])
   return out
@@ -824,9 +965,9 @@ def markdown(rows, meta, sizes, plot_ref):
            f"copy: not measured, floors use {BW_FALLBACK / 1e12:.1f} TB/s"]
   if calib.get("empty XLA op", {}).get("device_us"):
     parts.append(f"empty XLA op {calib['empty XLA op']['device_us']:.2f} µs")
-  ffi = calib.get("empty FFI call", {})
-  if ffi.get("device_us"):
-    parts.append(f"empty FFI call (upcast_logits kernel on 1x8) {ffi['device_us']:.2f} µs")
+  for name in ("empty FFI call", "empty FFI call, PDL off"):
+    if calib.get(name, {}).get("device_us"):
+      parts.append(f"{name} (upcast_logits kernel on 1x8) {calib[name]['device_us']:.2f} µs")
   lines = [
       "# glm5_jax benchmarks", "",
       f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
@@ -841,10 +982,14 @@ def markdown(rows, meta, sizes, plot_ref):
       + "; XLA command buffers at their defaults;",
       f"- µs = median over {sizes.reps} back-to-back runs of the run time / (passes × R), nothing "
       "subtracted (see the calibration); reference = the op with GLM5_JAX_KERNELS=0 (pure "
-      "JAX under jit), kernel = its CUDA FFI kernel;",
+      "JAX under jit), kernel = its CUDA FFI kernel, `kernel, PDL off` = the same with "
+      "GLM5_JAX_PDL=0; triton = the stock op order as Triton kernels (tests/triton_oracle.py: "
+      "one decode-update kernel, expand, expand + column-preserving convert, convert) in a "
+      "torch CUDA graph of R calls replayed `passes` times;",
       "- floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "
-      "(PERFORMANCE.md §7); exact = kernel output bit-equal to the reference (upcast: "
-      "columns below row_ends).", "",
+      "(PERFORMANCE.md §7); exact = kernel outputs bit-equal to the reference, triton "
+      "outputs bit-equal to the kernel's (the remap compacted first; upcast: columns below "
+      "row_ends).", "",
       "Calibration: " + "; ".join(parts) + ".", ""]
   if plot_ref:
     lines += [f"![µs per call vs shape]({plot_ref})", ""]
@@ -859,17 +1004,23 @@ def routing(rows):
   for op in dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"):
     pairs = [(sh, by.get((op, sh, "reference")), k) for (o, sh, v), k in by.items()
              if o == op and v == "kernel"]
-    slower = [sh for sh, ref, k in pairs if ref and ref.get("device_us") and
-              k.get("device_us") and k["device_us"] > ref["device_us"]]
+    def slower(other):
+      return [sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
+              o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
     default = (f"reference by default ({_ffi.KERNEL_DEFAULT_OFF[op]})"
                if op in _ffi.KERNEL_DEFAULT_OFF else "kernel by default")
-    lines.append(f"- `{op}`: kernel slower at {len(slower)} of {len(pairs)} shapes"
-                 + (f" ({', '.join(slower)})" if slower else "") + f"; {default}.")
+    vs_ref, vs_triton = slower("reference"), slower(TRITON)
+    lines.append(f"- `{op}`: kernel slower than the reference at {len(vs_ref)} of "
+                 f"{len(pairs)} shapes" + (f" ({', '.join(vs_ref)})" if vs_ref else "")
+                 + (f", than Triton at {len(vs_triton)}" + (
+                     f" ({', '.join(vs_triton)})" if vs_triton else "")
+                    if any(by.get((op, sh, TRITON)) for sh, _, _ in pairs) else "")
+                 + f"; {default}.")
   return lines + [""]
 
 
 def plot(rows, path):
-  """One panel per op: µs per call vs shape (log y), reference, kernel, floor."""
+  """One panel per op: µs per call vs shape (log y), every variant, floor."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -885,7 +1036,8 @@ def plot(rows, path):
       vals = [(by.get((op, sh, variant)) or {}).get(key) for sh in shapes]
       return np.array([v if v else np.nan for v in vals], float)
 
-    for variant, style in (("reference", "o-"), ("kernel", "s-")):
+    for variant, style in (("reference", "o-"), (KERNEL, "s-"), (NO_PDL, "x:"),
+                           (TRITON, "^-")):
       y = series(variant)
       if np.isfinite(y).any():
         ax.plot(x, y, style, label=variant)

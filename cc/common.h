@@ -30,13 +30,12 @@ inline bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// GLM5_JAX_PDL=0 turns programmatic dependent launch off for every kernel (debug/bisect aid).
+// GLM5_JAX_PDL=0 turns programmatic dependent launch off for every kernel. Read at
+// each launch (inside a command buffer: when XLA captures it), so the benchmark can
+// compare both in one process; getenv costs far less than the launch itself.
 inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("GLM5_JAX_PDL");
-    return !(v != nullptr && std::string_view(v) == "0");
-  }();
-  return enabled;
+  const char* v = std::getenv("GLM5_JAX_PDL");
+  return !(v != nullptr && std::string_view(v) == "0");
 }
 
 // cudaLaunchKernelEx on `stream`; with `pdl` the kernel may start before its predecessor

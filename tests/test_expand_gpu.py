@@ -10,6 +10,7 @@ import jax
 import pytest
 
 import glm5_jax
+import triton_oracle
 from glm5_jax import reference as ref
 from graphs import run_and_check_graphed
 
@@ -219,6 +220,24 @@ def test_random_glm_batches():
     calls.append(Call("expand_pools", (ids, pos + 1 - off), seq_offset=off, width=GLM_W))
   assert sum(c.args[0].shape[0] for c in calls) >= 100_000
   run_and_compare(calls)
+
+
+def test_triton_index_kernels_match_the_reference():
+  """The stock-order Triton expand and column-preserving convert that bench/bench.py
+  times next to the kernels (tests/triton_oracle.py) equal the reference."""
+  T = triton_oracle.require()
+  import torch
+  rng = np.random.default_rng(6)
+  ids, pos, req, table = glm_batch(rng, 4096, block_size=128)
+  dev = lambda a: torch.from_numpy(i32(a)).cuda()
+  tokens = T.expand(dev(ids), dev(pos), seq_offset=1, width=GLM_W)
+  want = ref.expand_pools(i32(ids), i32(pos), seq_offset=1, width=GLM_W)
+  np.testing.assert_array_equal(tokens.cpu().numpy(), np.asarray(want))
+  out, counts = T.convert(dev(req), dev(table), tokens, block_size=128, stride_rows=128)
+  want = ref.expand_and_remap(i32(ids), i32(pos), i32(req), i32(table), block_size=128,
+                              width=GLM_W, compact=False)
+  np.testing.assert_array_equal(out.cpu().numpy(), np.asarray(want[0]))
+  np.testing.assert_array_equal(counts.cpu().numpy(), np.asarray(want[1]))
 
 
 def test_unsupported_shapes_use_the_reference():

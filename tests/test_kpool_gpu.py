@@ -335,14 +335,19 @@ def test_edge_chains_bit_identical_to_triton(ring):
   for mode in MODES:
     got = _run_chain(True, mode, kv0, tail0, ape, batches)
     kv, tail, ap = _to_torch(kv0), _to_torch(tail0), _to_torch(ape)
+    fkv, ftail = kv.clone(), tail.clone()           # the one-kernel Triton decode update
     for i, (b, (gkv, gtail)) in enumerate(zip(batches, got)):
-      kv, tail, _ = T.decode_expected(kv, tail, *(_to_torch(b[k]) for k in (
-          "tslot", "key", "score")), ap, _to_torch(b["loc"]), _to_torch(b["pos"]),
-          scale_format=mode[0], round_scale=mode[1])
-      np.testing.assert_array_equal(_bits(gtail), _bits(_to_numpy(tail)),
-                                    err_msg=f"ring {ring} {mode} call {i}: tail")
-      diff = _entry_diff(gkv, _to_numpy(kv), PAGE)
-      assert diff.size == 0, f"ring {ring} {mode} call {i}: entries differ: {diff[:20]}"
+      args = [_to_torch(b[k]) for k in ("tslot", "key", "score")] + [ap] + [
+          _to_torch(b[k]) for k in ("loc", "pos")]
+      kv, tail, _ = T.decode_expected(kv, tail, *args, scale_format=mode[0],
+                                      round_scale=mode[1])
+      T.decode_update(fkv, ftail, *args, scale_format=mode[0], round_scale=mode[1])
+      for name, (wkv, wtail) in (("decode_expected", (kv, tail)),
+                                 ("decode_update", (fkv, ftail))):
+        np.testing.assert_array_equal(_bits(gtail), _bits(_to_numpy(wtail)),
+                                      err_msg=f"ring {ring} {mode} call {i}: {name} tail")
+        diff = _entry_diff(gkv, _to_numpy(wkv), PAGE)
+        assert diff.size == 0, f"ring {ring} {mode} call {i}: {name} entries differ: {diff[:20]}"
 
 
 # (ring, next_n, scale mode, wide inputs): 8 decode calls of 2^17 completed pools each.
@@ -385,6 +390,10 @@ def test_million_pools_bit_identical_to_triton():
     want_kv, want_tail, n = T.decode_expected(kv0, tail0, tslot, key, score, ape, loc, pos,
                                               scale_format=fmt, round_scale=rs)
     assert n == POOLS_PER_CALL
+    fused = T.decode_update(kv0.clone(), tail0.clone(), tslot, key, score, ape, loc, pos,
+                            scale_format=fmt, round_scale=rs)
+    assert torch.equal(fused[0], want_kv) and torch.equal(fused[1], want_tail), \
+        f"batch {i}: the one-kernel Triton decode update differs from decode_expected"
     np_args = [_to_numpy(x) for x in (kv0, tail0, tslot, key, score, ape, loc, pos)]
     got_kv, got_tail = jax.jit(functools.partial(glm5_jax.kpool_update, scale_format=fmt,
                                                  round_scale=rs))(*map(jnp.asarray, np_args))

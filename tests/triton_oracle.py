@@ -102,24 +102,30 @@ if triton is not None:
     return (y * 0.08838834764831845).to(tl.bfloat16).to(tl.float32)   # fp32 0x3DB504F3
 
   @triton.jit
-  def _compress_kernel(key_ptr, score_ptr, ape_ptr, q_ptr, scale_ptr,
-                       ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
-    pool = tl.program_id(0).to(tl.int64)
+  def _pool_value(k0, k1, k2, k3, s0, s1, s2, s3, ape_ptr):
+    """Steps 1-5 on the pool's 4 key/score rows (bf16[128] pointers, pool order):
+    softmax over the 4 scores (+ APE), FMA chain in pool order, / den, bf16."""
     d = tl.arange(0, 128)
-    base = pool * (4 * 128)
     mx = tl.full((128,), float("-inf"), tl.float32)
     for s in tl.static_range(4):
-      z = tl.load(score_ptr + base + s * 128 + d).to(tl.float32) + tl.load(ape_ptr + s * 128 + d)
-      mx = tl.maximum(mx, z)
+      sp = s0 if s == 0 else s1 if s == 1 else s2 if s == 2 else s3
+      mx = tl.maximum(mx, tl.load(sp + d).to(tl.float32) + tl.load(ape_ptr + s * 128 + d))
     den = tl.zeros((128,), tl.float32)
     acc = tl.zeros((128,), tl.float32)
     for s in tl.static_range(4):
-      z = tl.load(score_ptr + base + s * 128 + d).to(tl.float32) + tl.load(ape_ptr + s * 128 + d)
-      k = tl.load(key_ptr + base + s * 128 + d).to(tl.float32)
+      sp = s0 if s == 0 else s1 if s == 1 else s2 if s == 2 else s3
+      kp = k0 if s == 0 else k1 if s == 1 else k2 if s == 2 else k3
+      z = tl.load(sp + d).to(tl.float32) + tl.load(ape_ptr + s * 128 + d)
       p = tl.exp(z - mx)
       den = den + p
-      acc = tl.fma(p, k, acc)
-    y = (acc / den).to(tl.bfloat16).to(tl.float32)
+      acc = tl.fma(p, tl.load(kp + d).to(tl.float32), acc)
+    return (acc / den).to(tl.bfloat16).to(tl.float32)
+
+  @triton.jit
+  def _quantize_store(y, q_ptr, word_ptr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
+    """Steps 6-10: Hadamard, amax, scale, fp8 codes -> q_ptr[0:128] (u8), the
+    scale word -> word_ptr[0] (i32)."""
+    d = tl.arange(0, 128)
     y = _rotate(y)
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-4)
     v = amax * 0.002232142857142857                                  # fp32 0x3B124925
@@ -129,13 +135,96 @@ if triton is not None:
     else:
       scale = v
     q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-    tl.store(q_ptr + pool * 128 + d, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+    tl.store(q_ptr + d, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
     if UE8M0:
       word = ((e.to(tl.int32) + 127).to(tl.uint32) * 0x01010101).to(tl.int32, bitcast=True)
     else:
       word = scale.to(tl.int32, bitcast=True)
-    tl.store(scale_ptr + pool, word)
+    tl.store(word_ptr, word)
 
+  @triton.jit
+  def _compress_kernel(key_ptr, score_ptr, ape_ptr, q_ptr, scale_ptr,
+                       ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
+    pool = tl.program_id(0).to(tl.int64)
+    k, sc = key_ptr + pool * 512, score_ptr + pool * 512
+    y = _pool_value(k, k + 128, k + 256, k + 384, sc, sc + 128, sc + 256, sc + 384, ape_ptr)
+    _quantize_store(y, q_ptr + pool * 128, scale_ptr + pool, ROUND_SCALE, UE8M0)
+
+  @triton.jit
+  def _decode_update_kernel(kv_ptr, tail_ptr, tslot_ptr, key_ptr, score_ptr, ape_ptr,
+                            loc_ptr, pos_ptr, cap, blocks, PAGE: tl.constexpr,
+                            RING: tl.constexpr, NEXT_N: tl.constexpr,
+                            ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
+    """SPEC §3 for one request (a program), its tokens in order, as one kernel like
+    the stock decode update: a completing token pools the 3 ring rows before it and
+    itself; every live token with tslot >= 0 is stashed in the ring; a CTA barrier
+    makes the stash visible to the request's next token."""
+    req = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, 128)
+    for t in tl.static_range(NEXT_N):
+      i = req * NEXT_N + t
+      p, ts, slot = tl.load(pos_ptr + i), tl.load(tslot_ptr + i), tl.load(loc_ptr + i)
+      sp = tl.maximum(p, 0).to(tl.int64)
+      blk = (tl.maximum(ts, 0) // RING).to(tl.int64)
+      live = (p >= 0) & (blk < blocks)
+      key, score = key_ptr + i * 128, score_ptr + i * 128
+      if live & (slot >= 0) & (slot < cap) & (sp % 4 == 3):
+        kr = tail_ptr + blk * (2 * RING * 128)
+        sr = kr + RING * 128
+        r0, r1, r2 = (sp - 3) % RING * 128, (sp - 2) % RING * 128, (sp - 1) % RING * 128
+        y = _pool_value(kr + r0, kr + r1, kr + r2, key, sr + r0, sr + r1, sr + r2, score,
+                        ape_ptr)
+        page = kv_ptr + slot.to(tl.int64) // PAGE * (PAGE * 132)
+        e = slot.to(tl.int64) % PAGE
+        _quantize_store(y, page + e * 128,
+                        (page + PAGE * 128 + e * 4).to(tl.pointer_type(tl.int32)),
+                        ROUND_SCALE, UE8M0)
+      if live & (ts >= 0):
+        row = tail_ptr + blk * (2 * RING * 128) + sp % RING * 128
+        tl.store(row + d, tl.load(key + d))
+        tl.store(row + RING * 128 + d, tl.load(score + d))
+      tl.debug_barrier()
+
+  @triton.jit
+  def _expand_kernel(ids_ptr, lens_ptr, out_ptr, groups, width, seq_offset,
+                     TILE: tl.constexpr):
+    """SPEC §6 on one row x TILE columns: pools in rank order, the tail, -1 after."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    hist = c < 4 * groups
+    pid = tl.load(ids_ptr + r * groups + c // 4, mask=hist, other=-1)
+    n = tl.maximum(tl.load(lens_ptr + r) + seq_offset, 0)
+    start = n // 4 * 4
+    j = c - 4 * groups
+    tail = tl.where((j >= 0) & (j < n - start), start + j, -1)
+    out = tl.where(hist, tl.where(pid >= 0, pid * 4 + c % 4, -1), tail)
+    tl.store(out_ptr + r * width + c, out, mask=c < width)
+
+  @triton.jit
+  def _convert_kernel(req_ptr, table_ptr, tok_ptr, out_ptr, counts_ptr, n_req, max_blocks,
+                      width, BLOCK_SIZE: tl.constexpr, STRIDE: tl.constexpr,
+                      TILE: tl.constexpr):
+    """SPEC §7, column-preserving layout with counts (the stored stock): one row x
+    TILE columns, the tile's valid count added atomically."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    req = tl.load(req_ptr + t)
+    tok = tl.load(tok_ptr + t * width + c, mask=c < width, other=-1)
+    blk = tok // BLOCK_SIZE
+    valid = (tok >= 0) & (blk < max_blocks) & (req >= 0) & (req < n_req)
+    base = tl.load(table_ptr + req.to(tl.int64) * max_blocks + blk, mask=valid, other=0)
+    tl.store(out_ptr + t * width + c, tl.where(valid, base * STRIDE + tok % BLOCK_SIZE, -1),
+             mask=c < width)
+    tl.atomic_add(counts_ptr + t, tl.sum(valid.to(tl.int32), axis=0))
+
+  @triton.jit
+  def _upcast_kernel(x_ptr, ends_ptr, out_ptr, width, TILE: tl.constexpr):
+    """SPEC §8: f32(x[r, c]) for c < row_ends[r]; the rest left unwritten."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    keep = c < tl.minimum(tl.load(ends_ptr + r), width)
+    x = tl.load(x_ptr + r * width + c, mask=keep)
+    tl.store(out_ptr + r * width + c, x.to(tl.float32), mask=keep)
 
   @triton.jit
   def _query_kernel(q_ptr, w_ptr, codes_ptr, w_out_ptr, scale):
@@ -193,6 +282,56 @@ def compress(keys, scores, ape, *, scale_format="fp32", round_scale=True):
     _compress_kernel[(n,)](keys, scores, ape, q, words, ROUND_SCALE=bool(round_scale),
                            UE8M0=scale_format == "ue8m0", num_warps=1)
   return q, words.view(torch.uint8).view(n, 4)
+
+
+def decode_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+                  scale_format="fp32", round_scale=True):
+  """SPEC §3 as one Triton kernel (a program per request), in place on kv_cache
+  and tail; the same arguments and results as `decode_expected`, which checks it."""
+  B, N = pos.shape
+  pages, page, _ = kv_cache.shape
+  blocks, _, ring, _ = tail.shape
+  if B * N:
+    _decode_update_kernel[(B,)](kv_cache, tail, tslot, key, score, ape, loc, pos,
+                                pages * page, blocks, PAGE=page, RING=ring, NEXT_N=N,
+                                ROUND_SCALE=bool(round_scale), UE8M0=scale_format == "ue8m0",
+                                num_warps=1)
+  return kv_cache, tail
+
+
+_TILE = 1024
+
+
+def expand(pool_ids, seq_lens, *, seq_offset, width):
+  """SPEC §6: torch i32[rows, G], i32[rows] -> i32[rows, width]."""
+  rows, groups = pool_ids.shape
+  out = torch.empty((rows, width), dtype=torch.int32, device=pool_ids.device)
+  if rows:
+    _expand_kernel[(rows, triton.cdiv(width, _TILE))](pool_ids, seq_lens, out, groups, width,
+                                                      seq_offset, TILE=_TILE, num_warps=4)
+  return out
+
+
+def convert(req_ids, block_table, tokens, *, block_size, stride_rows):
+  """SPEC §7 column-preserving with counts: (out i32[T, W], counts i32[T])."""
+  rows, width = tokens.shape
+  out = torch.empty_like(tokens)
+  counts = torch.zeros((rows,), dtype=torch.int32, device=tokens.device)
+  if rows:
+    _convert_kernel[(rows, triton.cdiv(width, 128))](
+        req_ids, block_table, tokens, out, counts, block_table.shape[0], block_table.shape[1],
+        width, BLOCK_SIZE=block_size, STRIDE=stride_rows, TILE=128, num_warps=4)
+  return out, counts
+
+
+def upcast(logits, row_ends):
+  """SPEC §8: torch bf16[rows, P] -> f32[rows, P], columns >= row_ends unwritten."""
+  rows, width = logits.shape
+  out = torch.empty((rows, width), dtype=torch.float32, device=logits.device)
+  if rows:
+    _upcast_kernel[(rows, triton.cdiv(width, _TILE))](logits, row_ends, out, width,
+                                                      TILE=_TILE, num_warps=4)
+  return out
 
 
 def decode_expected(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
