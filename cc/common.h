@@ -39,21 +39,37 @@ inline bool pdl_enabled() {
 }
 
 // cudaLaunchKernelEx on `stream`; with `pdl` the kernel may start before its predecessor
-// finishes, so it must call pdl_wait() before reading any input.
+// finishes, so it must call pdl_wait() before reading any input. `cluster` > 1 groups
+// `cluster` consecutive CTAs along x into a thread-block cluster (gridDim.x % cluster == 0).
 template <typename... Params, typename... Args>
-cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, bool pdl, Args&&... args) {
-  cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, bool pdl, unsigned cluster, Args&&... args) {
+  cudaLaunchAttribute attr[2] = {};
+  unsigned count = 0;
+  if (pdl && pdl_enabled()) {
+    attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[count].id = cudaLaunchAttributeClusterDimension;
+    attr[count].val.clusterDim.x = cluster;
+    attr[count].val.clusterDim.y = 1;
+    attr[count++].val.clusterDim.z = 1;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, bool pdl, Args&&... args) {
+  return launch_cluster(kernel, grid, block, smem, stream, pdl, 1u, std::forward<Args>(args)...);
 }
 
 // No-ops when not compiled for sm_90+ (griddepcontrol does not exist there).

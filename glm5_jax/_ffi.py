@@ -17,6 +17,7 @@ KERNEL_TARGETS = {
     "expand_pools": "glm5_expand_pools",
     "expand_and_remap": "glm5_expand_and_remap",
     "kpool_update": "glm5_kpool_update",
+    "indexer_projection": "glm5_indexer_projection",
     "indexer_query": "glm5_indexer_query",
     "upcast_logits": "glm5_upcast_logits",
 }
@@ -27,6 +28,7 @@ KERNEL_DEFAULT_OFF = {
     "upcast_logits": "XLA's fused convert is faster at most measured shapes",
     "expand_pools": "XLA's fusion is as fast or faster up to 64 rows",
     "indexer_query": "not yet verified on the H200",
+    "indexer_projection": "not yet verified on the H200",
 }
 
 try:

@@ -38,10 +38,54 @@ def _query_shapes(op, q, weights, norm_weight, norm_bias, m, heads, scale, eps,
           ((m, DIM), BF16)]
 
 
+# The kernel's tiling (cc/projection.cu): 16 weight rows per CTA; a warp holds
+# 1..MAX_BLOCKS blocks of 32 K of its rows in registers; (warps, split) = warps per CTA
+# and CTAs per cluster splitting K.
+TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT = 16, 32, 8, 8, 8
+AUTO_K = 1024           # K % AUTO_K == 0, K <= 8 * AUTO_K: the built-in tactic table tiles K
+
+
+def _check_tactic(op, tactic, k):
+  """An explicit (warps, split) must tile K into 1..MAX_BLOCKS blocks per warp."""
+  if tactic is None:
+    return
+  warps, split = tactic
+  if not (1 <= warps <= MAX_WARPS and 1 <= split <= MAX_SPLIT):
+    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split 1..{MAX_SPLIT}), got {tactic}")
+  blocks, rest = divmod(k, BLOCK_K * warps * split)
+  if rest or not 1 <= blocks <= MAX_BLOCKS:
+    fail(op, "tactic", f"{tactic} does not tile K = {k}: K must be 32 * warps * split * "
+         f"blocks with blocks in 1..{MAX_BLOCKS}")
+
+
+def _projection_op_shapes(x, w_cat, *, heads, tactic):
+  op = "indexer_projection"
+  out = _projection_shapes(op, x, w_cat, heads)
+  _check_tactic(op, tactic, x.shape[1])
+  return out
+
+
+def _projection_kernel_supports(x, w_cat, *, heads, tactic):
+  """Whole 16-row tiles (H % 16 == 0) and a K the tactic tiles (checked at trace time
+  for an explicit tactic)."""
+  k = x.shape[1]
+  return heads % TILE_ROWS == 0 and (
+      tactic is not None or (k % AUTO_K == 0 and AUTO_K <= k <= MAX_BLOCKS * AUTO_K))
+
+
+def _projection_attributes(*, heads, tactic):
+  """The kernel's Attr<int32_t> warps and split (0, 0 = its built-in table); heads
+  comes from the result shapes."""
+  warps, split = tactic or (0, 0)
+  return dict(warps=np.int32(warps), split=np.int32(split))
+
+
 _projection = Op(
-    "indexer_projection", ref.indexer_projection,
-    lambda x, w_cat, *, heads: _projection_shapes("indexer_projection", x, w_cat, heads),
-    rows=((0, None), (0, 0, 0)))
+    "indexer_projection",
+    lambda x, w_cat, *, heads, tactic: ref.indexer_projection(x, w_cat, heads=heads),
+    _projection_op_shapes, rows=((0, None), (0, 0, 0)), attributes=_projection_attributes,
+    kernel_supports=_projection_kernel_supports,
+    kernel_limits="heads % 16 == 0, K % 1024 == 0, K <= 8192")
 
 
 def _query_op_shapes(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps,
@@ -78,10 +122,19 @@ _fused = Op("indexer_projection_fused", ref.indexer_projection_fused, _fused_sha
             rows=((0, None, 0, None, None), (0, 0, 0, 0)))
 
 
-def indexer_projection(x, w_cat, *, heads):
+def indexer_projection(x, w_cat, *, heads, tactic=None):
   """(key bf16[M, 128], head weights f32[M, heads], gate bf16[M, 128]) of
-  x bf16[M, K] against w_cat = [wk; weights_proj; gate] bf16[256 + heads, K]."""
-  return tuple(_projection(x, w_cat, heads=int(heads)))
+  x bf16[M, K] against w_cat = [wk; weights_proj; gate] bf16[256 + heads, K].
+
+  The CUDA kernel takes heads % 16 == 0, K % 1024 == 0, K <= 8192 (other shapes
+  run the reference) and reads w_cat before the preceding kernel has finished
+  (PDL): pass the weights in as model parameters, not as the output of the op
+  just before. tactic: None (the kernel's table by M) or (warps, split), warps
+  per CTA and CTAs per cluster splitting K, for benchmark sweeps; it changes
+  the fp32 summation order, not the result's tolerance; the reference ignores it.
+  """
+  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  return tuple(_projection(x, w_cat, heads=int(heads), tactic=tactic))
 
 
 def _query_params(scale, eps, padded, heads, weights_dtype):

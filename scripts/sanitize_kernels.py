@@ -27,17 +27,17 @@ SEEDS = 3
 
 
 def _variants():
-  """(name, fn, make) for every kernel op: the shared cases plus kernel-only shapes."""
+  """(name, fn, make, valid, exact) for every kernel op: the shared cases plus kernel-only shapes."""
   out = []
   for op in _ffi.KERNEL_TARGETS:
     case = cases.CASES[op]
-    out.append((op, case.fn, case.make, case.valid))
+    out.append((op, case.fn, case.make, case.valid, case.exact))
   remap = cases.CASES["expand_and_remap"]
   out.append(("expand_and_remap compact=False",
-              functools.partial(remap.fn, compact=False), remap.make, None))
+              functools.partial(remap.fn, compact=False), remap.make, None, True))
   query = cases.CASES["indexer_query"]
   out.append(("indexer_query padded=32",
-              functools.partial(query.fn, padded=32), query.make, None))
+              functools.partial(query.fn, padded=32), query.make, None, True))
   return out
 
 
@@ -49,7 +49,7 @@ def main():
   gpu, cpu = jax.devices()[0], jax.devices("cpu")[0]   # gpu is the CPU on a CPU-only smoke run
   print(f"kernels on {gpu.platform}, reference on cpu")
   bad = 0
-  for name, fn, make, valid in _variants():
+  for name, fn, make, valid, exact in _variants():
     for seed in range(SEEDS):
       args = make(np.random.default_rng(seed))
       got = jax.jit(fn)(*jax.device_put(args, gpu))
@@ -57,11 +57,14 @@ def main():
       got, want = (jax.tree.leaves(jax.device_get(t)) for t in (got, want))
       got, want = _masked(valid, args, got), _masked(valid, args, want)
       same = [np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+              if exact else   # GEMMs: summation order differs (SPEC D2), as test_primitives
+              np.allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=2e-2,
+                          atol=1e-3)
               for g, w in zip(got, want)]
       # kpool_update's K cache may differ by SPEC D2 (stock arithmetic vs reference)
       ok = all(same) or (name == "kpool_update" and all(same[1:]))
       bad += not ok
-      print(f"{name:32s} seed {seed}: outputs identical to the CPU reference {same}")
+      print(f"{name:32s} seed {seed}: outputs {'identical to' if exact else 'close to'} the CPU reference {same}")
   print(f"sanitize_kernels: {'FAIL' if bad else 'ok'}")
   sys.exit(1 if bad else 0)
 

@@ -101,8 +101,11 @@ def _norm(rng):
           jnp.asarray(0.1 * rng.standard_normal(128), jnp.float32))
 
 
-def _projection_args(rng):
-  return bf16(rng, 3, 256), bf16(rng, 256 + HEADS, 256)
+PROJECTION_HEADS, PROJECTION_K = 16, 1024    # a shape the projection kernel takes
+
+
+def _projection_args(rng, heads=PROJECTION_HEADS, k=PROJECTION_K):
+  return bf16(rng, 3, k), bf16(rng, 256 + heads, k)
 
 
 def _query_args(rng):
@@ -111,7 +114,7 @@ def _query_args(rng):
 
 
 def _fused_args(rng):
-  return _projection_args(rng) + (bf16(rng, 3, HEADS, 128),) + _norm(rng)
+  return _projection_args(rng, HEADS, 256) + (bf16(rng, 3, HEADS, 128),) + _norm(rng)
 
 
 class Case(NamedTuple):
@@ -140,7 +143,7 @@ CASES = {
     "upcast_logits": Case(glm5_jax.upcast_logits, _upcast_args, valid=_upcast_valid),
     "mqa_logits": Case(P(glm5_jax.mqa_logits, max_pools=24), _mqa_args, exact=False),
     "pool_topk": Case(P(glm5_jax.pool_topk, k=5), _topk_args),
-    "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=HEADS),
+    "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=PROJECTION_HEADS),
                                _projection_args, exact=False),
     "indexer_query": Case(P(glm5_jax.indexer_query, **_query), _query_args),
     "indexer_projection_fused": Case(

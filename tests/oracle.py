@@ -31,6 +31,7 @@ LOG2E = np.array([0x3FB8AA3B], np.uint32).view(F32)[0]
 C_HAD = np.array([0x3DB504F3], np.uint32).view(F32)[0]       # fp32(0.08838834764831845)
 INV448 = np.array([0x3B124925], np.uint32).view(F32)[0]      # fp32(1/448)
 AMAX_FLOOR = F32(1e-4)
+U32 = 2.0 ** -24                 # fp32 unit roundoff
 
 
 # --------------------------------------------------------------------------- numerics
@@ -474,16 +475,41 @@ def indexer_projection(x, w_cat, *, heads):
   [M, 256 + heads] = sum_k |x w|)."""
   x = np.asarray(x).astype(F64)
   wc = np.asarray(w_cat).astype(F64)
-  M = x.shape[0]
-  rows = wc.shape[0]
-  assert rows == 2 * D + heads
-  out = np.zeros((M, rows), F64)
-  bound = np.zeros((M, rows), F64)
-  for m in range(M):
-    for j in range(rows):
-      out[m, j] = float(np.dot(x[m], wc[j]))
-      bound[m, j] = float(np.dot(np.abs(x[m]), np.abs(wc[j])))
+  assert wc.shape[0] == 2 * D + heads
+  out = x @ wc.T
+  bound = np.abs(x) @ np.abs(wc).T
   return out[:, :D], out[:, D:D + heads], out[:, D + heads:], bound
+
+
+def check_projection(x, w_cat, heads, got, label):
+  """Asserts SPEC D2's GEMM bound on got = (key bf16, weights f32, gate bf16): |err| <=
+  (K - 1) u sum_k |x w| (any fp32 summation order, u = 2^-24), plus half a bf16 ulp for
+  the rounded parts. Prints per-part statistics; returns the largest err / bound."""
+  key, wts, gate, bound = indexer_projection(x, w_cat, heads=heads)
+  K = x.shape[1]
+  gk, gw, gg = (np.asarray(a) for a in got)
+  M = x.shape[0]
+  assert gk.dtype == BF16 and gg.dtype == BF16 and gw.dtype == np.float32
+  assert gk.shape == (M, D) and gw.shape == (M, heads) and gg.shape == (M, D)
+  worst = 0.0
+  for name, g, want, b, is_bf16 in (("key", gk, key, bound[:, :D], True),
+                                    ("weights", gw, wts, bound[:, D:D + heads], False),
+                                    ("gate", gg, gate, bound[:, D + heads:], True)):
+    g = g.astype(F64)
+    tol = (K - 1) * U32 * b + 1e-300
+    if is_bf16:
+      tol = tol * (1 + 2.0 ** -8) + np.abs(want) * 2.0 ** -8
+    err = np.abs(g - want)
+    ratio = float(np.max(err / tol)) if err.size else 0.0
+    assert np.all(err <= tol), (label, name, ratio)
+    worst = max(worst, ratio)
+    if is_bf16:
+      diff = float(np.mean(g != to_bf16(want.astype(F32)).astype(F64))) if g.size else 0.0
+      print(f"\n[{label}] {name}: {diff:.2%} differ from bf16(f64 dot), max err/bound {ratio:.3f}")
+    else:
+      print(f"\n[{label}] {name}: max |err| = {float(np.max(err / (U32 * b), initial=0)):.2f} "
+            f"u sum|x w|, max err/bound {ratio:.3f}")
+  return worst
 
 
 # --------------------------------------------------------------------------- test helpers

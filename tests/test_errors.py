@@ -60,7 +60,7 @@ BAD_ARGS = [
     ("mqa_logits", _replace(3, _cut(0)), ValueError, "page_table must have shape"),
     ("pool_topk", _replace(0, _cast(jnp.bfloat16)), TypeError, "logits must be float32"),
     ("pool_topk", _replace(1, _cut(0)), ValueError, "pool_lens must have shape"),
-    ("indexer_projection", _replace(1, _cut(0)), ValueError, r"w_cat must have shape \(260, 256\)"),
+    ("indexer_projection", _replace(1, _cut(0)), ValueError, r"w_cat must have shape \(272, 1024\)"),
     ("indexer_projection", _replace(0, _cast(jnp.float32)), TypeError, "x must be bfloat16"),
     ("indexer_query", _replace(1, _cut(1)), ValueError, "key_raw must have shape"),
     ("indexer_query", _replace(2, _cut(0)), ValueError, "weights must have shape"),
@@ -94,6 +94,9 @@ BAD_PARAMS = [
     ("indexer_query", dict(padded=2), "padded must be >= the head count 4"),
     ("indexer_query", dict(weights_dtype=jnp.float16), "weights_dtype must be float32 or bfloat16"),
     ("indexer_projection_fused", dict(heads=5), "w_cat must have shape"),
+    ("indexer_projection", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
+    ("indexer_projection", dict(tactic=(4, 3)), "tactic .* does not tile K = 1024"),
+    ("indexer_projection", dict(tactic=(1, 1)), "tactic .* does not tile K = 1024"),
 ]
 
 

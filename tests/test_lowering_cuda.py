@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import jax
+import jax.numpy as jnp
 import pytest
 from jax import export
 
@@ -62,6 +63,24 @@ def test_remap_kernel_only_for_supported_shapes(groups, kernel, monkeypatch):
   batched = jax.vmap(fn, in_axes=(0, 0, 0, None))
   stacked = tuple(np.stack([a, a]) for a in args[:3]) + args[3:]
   assert custom_calls(cuda_module(batched, stacked)) == want
+
+
+@pytest.mark.parametrize("heads,k,tactic,kernel", [
+    (16, 1024, None, True), (32, 4096, None, True), (64, 6144, None, True),
+    (32, 8192, None, True), (32, 4096, (4, 4), True), (32, 512, (1, 2), True),
+    (4, 1024, None, False), (24, 4096, None, False), (32, 512, None, False),
+    (32, 1536, None, False), (32, 9216, None, False)])
+def test_projection_kernel_only_for_supported_shapes(heads, k, tactic, kernel, monkeypatch):
+  """indexer_projection's kernel needs H % 16 == 0 and, with the built-in tactic table,
+  K % 1024 == 0, K <= 8192 (an explicit tactic only has to tile K); other shapes lower to
+  the reference (no FFI call), also under vmap."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_projection=1")
+  args = (np.zeros((3, k), jnp.bfloat16), np.zeros((256 + heads, k), jnp.bfloat16))
+  fn = lambda *a: glm5_jax.indexer_projection(*a, heads=heads, tactic=tactic)
+  want = ["glm5_indexer_projection"] if kernel else []
+  assert custom_calls(cuda_module(fn, args)) == want
+  batched = jax.vmap(fn, in_axes=(0, None))
+  assert custom_calls(cuda_module(batched, (np.stack([args[0]] * 2), args[1]))) == want
 
 
 @pytest.mark.parametrize("switch", ["0", "kpool_update=0", "1,kpool_update=0"])
@@ -134,3 +153,18 @@ def test_indexer_query_attributes(wdtype, monkeypatch):
     assert typ == "f32" and np.float32(float(number)) == np.float32(value), parsed
   bf = "bf16" if wdtype == "bfloat16" else "f32"
   assert f"tensor<3x40x{bf}>" in call and "tensor<3x40x128xf8E4M3FN>" in call, call
+
+
+@pytest.mark.parametrize("tactic,warps,split", [(None, 0, 0), ((2, 4), 2, 4), ([8, 1], 8, 1)])
+def test_indexer_projection_attributes(tactic, warps, split, monkeypatch):
+  """The tactic reaches glm5_indexer_projection as the i32 attributes warps and split its
+  handler binds (0, 0 = the kernel's table); heads is only in the result types."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_projection=1")
+  case = CASES["indexer_projection"]
+  fn = lambda *a: glm5_jax.indexer_projection(*a, heads=16, tactic=tactic)
+  text = cuda_module(fn, case.make(np.random.default_rng(0)))
+  call = text[text.index("stablehlo.custom_call @glm5_indexer_projection"):].split("\n")[0]
+  attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
+  assert sorted(a.strip() for a in attrs.split(",")) == [
+      f"split = {split} : i32", f"warps = {warps} : i32"]
+  assert "tensor<3x16xf32>" in call, call

@@ -16,7 +16,6 @@ import oracle as O
 from glm5_jax import reference as R
 
 F32 = np.float32
-U = 2.0 ** -24
 
 
 @functools.cache
@@ -51,7 +50,7 @@ def _key_check(got_key, key64, label):
   want = O.to_bf16(key64.astype(F32))
   d = np.abs(O.bf16_rank(got) - O.bf16_rank(want))
   err = np.abs(got.astype(np.float64) - key64)
-  cancel = err <= np.abs(key64) * 2.0 ** -7 + 16 * U * mag
+  cancel = err <= np.abs(key64) * 2.0 ** -7 + 16 * O.U32 * mag
   rate = float(np.mean(d != 0))
   n_cancel = int(np.sum((d > 1) & cancel))
   print(f"\n[{label}] key LayerNorm: {rate:.3e} of {d.size} elements differ from "
@@ -117,29 +116,6 @@ def test_key_layernorm_many_rows():
 
 # --------------------------------------------------------------------------- §1
 
-def _proj_check(x, w_cat, heads, got, label):
-  key, wts, gate, bound = O.indexer_projection(x, w_cat, heads=heads)
-  K = x.shape[1]
-  gk, gw, gg = (np.asarray(a) for a in got)
-  M = x.shape[0]
-  assert gk.dtype == O.BF16 and gg.dtype == O.BF16 and gw.dtype == np.float32
-  assert gk.shape == (M, 128) and gw.shape == (M, heads) and gg.shape == (M, 128)
-  for name, g, want, b, is_bf16 in (("key", gk, key, bound[:, :128], True),
-                                    ("weights", gw, wts, bound[:, 128:128 + heads], False),
-                                    ("gate", gg, gate, bound[:, 128 + heads:], True)):
-    g = g.astype(np.float64)
-    tol = (K - 1) * U * b + 1e-300                    # any fp32 summation order
-    if is_bf16:
-      tol = tol * (1 + 2.0 ** -8) + np.abs(want) * 2.0 ** -8   # + half a bf16 ulp
-    err = np.abs(g - want)
-    assert np.all(err <= tol), (label, name, float(np.max(err / tol)))
-    if is_bf16:
-      diff = float(np.mean(g != O.to_bf16(want.astype(F32)).astype(np.float64)))
-      print(f"\n[{label}] {name}: {diff:.2%} differ from bf16(f64 dot)")
-    else:
-      print(f"\n[{label}] {name}: max |err| = {float(np.max(err / (U * b))):.2f} u sum|x w|")
-
-
 @pytest.mark.parametrize("heads,M,K", [(32, 6, 1024), (16, 2, 4096)])
 def test_projection(heads, M, K):
   rng = np.random.default_rng(64 + heads)
@@ -147,7 +123,7 @@ def test_projection(heads, M, K):
   w_cat = O.random_bf16(rng, (256 + heads, K), 0.02)
   got = jax.jit(functools.partial(R.indexer_projection, heads=heads))(
       jnp.asarray(x), jnp.asarray(w_cat))
-  _proj_check(x, w_cat, heads, got, f"projection H{heads} K{K}")
+  O.check_projection(x, w_cat, heads, got, f"projection H{heads} K{K}")
 
 
 def test_projection_fused():
@@ -169,7 +145,7 @@ def test_projection_fused():
   # the projection part, checked against float64
   pk, pw, pg = jax.jit(functools.partial(R.indexer_projection, heads=heads))(
       jnp.asarray(x), jnp.asarray(w_cat))
-  _proj_check(x, w_cat, heads, (pk, pw, ggate), "fused projection")
+  O.check_projection(x, w_cat, heads, (pk, pw, ggate), "fused projection")
   # the query part on the projected key / head weights
   oq, ow, okey = O.indexer_query(q, np.asarray(pk), np.asarray(pw), nw, nb, scale=scale,
                                  padded=32)
