@@ -27,7 +27,6 @@ KERNEL_TARGETS = {
 KERNEL_DEFAULT_OFF = {
     "upcast_logits": "XLA's fused convert is faster at most measured shapes",
     "expand_pools": "XLA's fusion is as fast or faster up to 64 rows",
-    "indexer_query": "not yet verified on the H200",
     "indexer_projection": "not yet verified on the H200",
 }
 
