@@ -254,10 +254,10 @@ class Case(NamedTuple):
   r_min: int = 0            # fewest calls per chain (rotated copies), e.g. of W_cat
 
 
-def case_projection(r, s, m):
+def case_projection(r, s, m, tactic=None):
   rot = [(r.normal((m, HIDDEN)), r.normal((W_ROWS, HIDDEN), scale=HIDDEN ** -0.5))
          for _ in range(s.r_max)]
-  call = lambda st, f, a: (st, glm5_jax.indexer_projection(*a, heads=HEADS))
+  call = lambda st, f, a: (st, glm5_jax.indexer_projection(*a, heads=HEADS, tactic=tactic))
   return Case("indexer_projection", "", call, None, (), rot, 0,
               bytes_projection(m), 2 * m * W_ROWS * HIDDEN, r_min=W_CAT_COPIES)
 
@@ -894,6 +894,29 @@ class Bench:
         if any(a.is_deleted() for a in jax.tree.leaves(state)):
           return                                           # the state was donated away
 
+  def sweep_projection(self):
+    """indexer_projection's kernel at every (warps, split) that tiles K = HIDDEN in
+    <= 8 blocks per warp, every M: rows with variant "kernel <warps>x<split>"."""
+    tactics = [(w, sp) for w in (1, 2, 4, 8) for sp in (1, 2, 4, 8)
+               if HIDDEN % (32 * w * sp) == 0 and HIDDEN // (32 * w * sp) <= 8]
+    for shape, kw in _rows(self.s):
+      for w, sp in tactics:
+        if self.over_budget():
+          return
+        variant = f"{KERNEL} {w}x{sp}"
+        case = case_projection(Rand(zlib.crc32(f"indexer_projection {shape}".encode())),
+                               self.s, tactic=(w, sp), **kw)
+        try:
+          with variant_env(KERNEL):
+            sec, _, info = amortised(case.call, None, (), case.rotated, case.dep, self.s)
+          floor = floor_us(case.nbytes, case.flops, self.bw)
+          self.row("indexer_projection", shape, variant, sec * 1e6, floor, None,
+                   R=len(case.rotated), passes=info["passes"])
+          self.log(f"indexer_projection {shape} {variant}: {sec * 1e6:.2f} us")
+        except Exception as e:                             # noqa: BLE001
+          self.error_row("indexer_projection", shape, variant, e)
+      self.write_json()
+
   def sort_rows(self, ops):
     """Calibration first, then ops in `ops` order, shapes in CASES order."""
     order = {(op, shape): (i, j) for i, op in enumerate(ops)
@@ -931,8 +954,9 @@ def tables(rows):
   by = _lookup(rows)
   out = []
   for op in dict.fromkeys(r["op"] for r in rows if r["op"] != "calibration"):
-    variants = [v for v in ("reference", KERNEL, NO_PDL, TRITON)
-                if any(r["op"] == op and r["variant"] == v for r in rows)]
+    present = dict.fromkeys(r["variant"] for r in rows if r["op"] == op)
+    variants = [v for v in ("reference", KERNEL, NO_PDL, TRITON) if v in present] + [
+        v for v in present if v not in ("reference", KERNEL, NO_PDL, TRITON)]
     cols = [f"{v} µs" for v in variants] + ["floor µs"] + (
         ["reference / kernel"] if KERNEL in variants else []) + (
         [f"{TRITON} / kernel"] if {KERNEL, TRITON} <= set(variants) else []) + ["exact"]
@@ -949,7 +973,8 @@ def tables(rows):
       if {KERNEL, TRITON} <= set(variants):
         cells.append(_ratio(us[TRITON], us[KERNEL]))
       cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else '**NO**'}"
-                             for v in variants[1:] if us[v]) or "—")
+                             for v in variants[1:] if us[v] and got[v]["exact"] is not None)
+                   or "—")
       out.append(f"| {shape} | " + " | ".join(cells) + " |")
       notes += [f"- {shape} {x['variant']}: {x['notes']}" for x in got.values()
                 if x and x.get("notes")]
@@ -1079,6 +1104,8 @@ def main():
   p.add_argument("--data-dep", action="store_true",
                  help="also chain stateless calls through a run-time-zero scalar "
                       "(one extra tiny fusion per call)")
+  p.add_argument("--sweep-projection", action="store_true",
+                 help="also time indexer_projection's kernel at every (warps, split) tactic")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
                  help="measure nothing: rebuild --md and --plot from these JSON rows")
@@ -1115,6 +1142,8 @@ def main():
     bench.run_op(op, first[op])
   for op in ops:
     bench.run_op(op, {label for label, _ in CASES[op][1](sizes)} - first[op])
+  if args.sweep_projection and bench.has_kernel("indexer_projection"):
+    bench.sweep_projection()
   bench.sort_rows(ops)
   bench.write_json()
 
