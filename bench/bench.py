@@ -1016,6 +1016,12 @@ def markdown(rows, meta, sizes, plot_ref):
       "outputs bit-equal to the kernel's (the remap compacted first; upcast: columns below "
       "row_ends).", "",
       "Calibration: " + "; ".join(parts) + ".", ""]
+  runs = {}
+  for r in rows:
+    runs.setdefault(r["date"], dict.fromkeys([]))[r["op"]] = None
+  if len(runs) > 1:
+    lines += ["Rows from several runs (same machine and method): " + "; ".join(
+        f"{d}: {', '.join(ops)}" for d, ops in sorted(runs.items())) + ".", ""]
   if plot_ref:
     lines += [f"![µs per call vs shape]({plot_ref})", ""]
   return "\n".join(lines + routing(rows) + tables(rows)) + "\n"

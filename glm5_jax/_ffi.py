@@ -27,7 +27,8 @@ KERNEL_TARGETS = {
 KERNEL_DEFAULT_OFF = {
     "upcast_logits": "XLA's fused convert is faster at most measured shapes",
     "expand_pools": "XLA's fusion is as fast or faster up to 64 rows",
-    "indexer_projection": "not yet verified on the H200",
+    "indexer_projection": ("slower than XLA's GEMM at M = 1 and M = 64; 1.1-1.4x faster "
+                           "only at M 8-16 (H200 tactic sweep, BENCHMARKS.md)"),
 }
 
 try:
