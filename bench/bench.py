@@ -49,6 +49,8 @@ except ImportError:          # run from a checkout without installing
 from glm5_jax import _ffi, synthetic
 from glm5_jax.reference.numerics import DIM, POOL
 
+import pallas_ops  # noqa: E402  (bench/pallas_ops.py)
+
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -473,6 +475,11 @@ TRITON_CALLS = {
 }
 TRITON_CHECK = {"expand_and_remap": _compact}     # outputs -> the kernel's layout
 
+# op -> Case.call of the op written with Pallas (bench/pallas_ops.py).
+PALLAS_CALLS = {
+    "upcast_logits": lambda st, f, a: (st, (pallas_ops.upcast_logits(*a),)),
+}
+
 
 def _torch(tree, clone=False):
   import torch
@@ -533,8 +540,8 @@ def triton_amortised(case, state, r, sizes):
 
 # ----------------------------------------------------------------- timing
 
-KERNEL, NO_PDL, TRITON = "kernel", "kernel, PDL off", "triton"
-JAX_VARIANTS = ("reference", KERNEL, NO_PDL)
+KERNEL, NO_PDL, TRITON, PALLAS = "kernel", "kernel, PDL off", "triton", "pallas"
+VARIANTS = ("reference", KERNEL, NO_PDL, TRITON, PALLAS)
 
 
 @contextlib.contextmanager
@@ -774,6 +781,15 @@ class Bench:
       self.log(f"calibration: empty XLA op {self.empty_us:.2f} us")
     except Exception as e:                                 # noqa: BLE001
       self.error_row("calibration", "empty XLA op", "calibration", e)
+    try:
+      call = lambda st, f, a: (st, (pallas_ops.empty(a[0]),))
+      rot = [(jnp.full(128, i, F32),) for i in range(s.empty_r)]
+      sec, _, _ = amortised(call, None, (), rot, None, s)
+      self.row("calibration", f"empty Pallas call x{s.empty_r}", "calibration", sec * 1e6,
+               None, True, notes="y = x + 1 on f32[128], one Pallas (Triton) kernel per call")
+      self.log(f"calibration: empty Pallas call {sec * 1e6:.2f} us")
+    except Exception as e:                                 # noqa: BLE001
+      self.error_row("calibration", "empty Pallas call", "calibration", e)
     if self.has_kernel("upcast_logits"):
       for variant in (KERNEL, NO_PDL):
         try:
@@ -800,7 +816,8 @@ class Bench:
   # ops -----------------------------------------------------------------------
   def variants(self, op):
     return (["reference"] + ([KERNEL, NO_PDL] if self.has_kernel(op) else [])
-            + ([TRITON] if self.gpu and op in TRITON_CALLS and triton_oracle() else []))
+            + ([TRITON] if self.gpu and op in TRITON_CALLS and triton_oracle() else [])
+            + ([PALLAS] if op in PALLAS_CALLS else []))
 
   def run_op(self, op, labels):
     """Measures `op` at the shapes of CASES[op] named in `labels`."""
@@ -840,13 +857,18 @@ class Bench:
       return got, results["chain_r"]
     target = _ffi.KERNEL_TARGETS.get(case.op)
     with variant_env(variant):
-      text, got, wall = single_call(case, state)
-    if (f"@{target}" in text if target else False) != (variant != "reference"):
+      text, got, wall = single_call(self.with_call(case, variant), state)
+    if (f"@{target}" in text if target else False) != (variant in (KERNEL, NO_PDL)):
       raise RuntimeError(f"the {variant} variant lowered "
-                         f"{'to' if variant == 'reference' else 'without'} {target}")
+                         f"{'without' if variant in (KERNEL, NO_PDL) else 'to'} {target}")
     r = self.chain_length(case, wall, text.count("\n"))
     results.setdefault("chain_r", r)
     return got, r
+
+  @staticmethod
+  def with_call(case, variant):
+    """The case with the Pallas version of its op for the Pallas variant."""
+    return case._replace(call=PALLAS_CALLS[case.op]) if variant == PALLAS else case
 
   def run_case(self, case, variants):
     """Checks every variant once (from the same initial state): the JAX variants
@@ -878,8 +900,8 @@ class Bench:
           sec, info = triton_amortised(case, state, r, s)
         else:
           with variant_env(variant):
-            sec, state, info = amortised(case.call, state, case.fixed, case.rotated[:r],
-                                         case.dep, s)
+            sec, state, info = amortised(self.with_call(case, variant).call, state,
+                                         case.fixed, case.rotated[:r], case.dep, s)
         us = sec * 1e6
         self.row(case.op, case.shape, variant, us, floor, exact,
                  gbps=case.nbytes / sec / 1e9, R=r, passes=info["passes"], reps=s.reps,
@@ -955,8 +977,8 @@ def tables(rows):
   out = []
   for op in dict.fromkeys(r["op"] for r in rows if r["op"] != "calibration"):
     present = dict.fromkeys(r["variant"] for r in rows if r["op"] == op)
-    variants = [v for v in ("reference", KERNEL, NO_PDL, TRITON) if v in present] + [
-        v for v in present if v not in ("reference", KERNEL, NO_PDL, TRITON)]
+    variants = [v for v in VARIANTS if v in present] + [
+        v for v in present if v not in VARIANTS]
     cols = [f"{v} µs" for v in variants] + ["floor µs"] + (
         ["reference / kernel"] if KERNEL in variants else []) + (
         [f"{TRITON} / kernel"] if {KERNEL, TRITON} <= set(variants) else []) + ["exact"]
@@ -990,9 +1012,10 @@ def markdown(rows, meta, sizes, plot_ref):
            f"copy: not measured, floors use {BW_FALLBACK / 1e12:.1f} TB/s"]
   if calib.get("empty XLA op", {}).get("device_us"):
     parts.append(f"empty XLA op {calib['empty XLA op']['device_us']:.2f} µs")
-  for name in ("empty FFI call", "empty FFI call, PDL off"):
+  for name in ("empty Pallas call", "empty FFI call", "empty FFI call, PDL off"):
     if calib.get(name, {}).get("device_us"):
-      parts.append(f"{name} (upcast_logits kernel on 1x8) {calib[name]['device_us']:.2f} µs")
+      what = "f32[128] + 1" if "Pallas" in name else "upcast_logits kernel on 1x8"
+      parts.append(f"{name} ({what}) {calib[name]['device_us']:.2f} µs")
   lines = [
       "# glm5_jax benchmarks", "",
       f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
@@ -1010,7 +1033,8 @@ def markdown(rows, meta, sizes, plot_ref):
       "JAX under jit), kernel = its CUDA FFI kernel, `kernel, PDL off` = the same with "
       "GLM5_JAX_PDL=0; triton = the stock op order as Triton kernels (tests/triton_oracle.py: "
       "one decode-update kernel, expand, expand + column-preserving convert, convert) in a "
-      "torch CUDA graph of R calls replayed `passes` times;",
+      "torch CUDA graph of R calls replayed `passes` times; pallas = the op written with "
+      "Pallas (Triton backend; bench/pallas_ops.py), what a JAX user could write;",
       "- floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "
       "(PERFORMANCE.md §7); exact = kernel outputs bit-equal to the reference, triton "
       "outputs bit-equal to the kernel's (the remap compacted first; upcast: columns below "
@@ -1069,7 +1093,7 @@ def plot(rows, path):
       return np.array([v if v else np.nan for v in vals], float)
 
     for variant, style in (("reference", "o-"), (KERNEL, "s-"), (NO_PDL, "x:"),
-                           (TRITON, "^-")):
+                           (TRITON, "^-"), (PALLAS, "v-")):
       y = series(variant)
       if np.isfinite(y).any():
         ax.plot(x, y, style, label=variant)
