@@ -1178,12 +1178,7 @@ def main():
   bench.sort_rows(ops)
   bench.write_json()
 
-  plot_ref = None
-  try:
-    plot(bench.rows, args.plot)
-    plot_ref = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.md)))
-  except Exception as e:                                   # noqa: BLE001
-    bench.log(f"plot failed: {type(e).__name__}: {e}")
+  plot_ref = plot_or_none(bench.rows, args)
   text = markdown(bench.rows, dict(bench.meta, kernels=bench.kernels), sizes, plot_ref)
   with open(args.md, "w") as f:
     f.write(text)
@@ -1193,16 +1188,25 @@ def main():
   print("\n".join(line for line in text.splitlines() if not line.startswith("![")), flush=True)
 
 
+def plot_or_none(rows, args):
+  """Writes args.plot; its path relative to args.md, or None when plotting fails
+  (e.g. no matplotlib: the report is written without the plot)."""
+  try:
+    plot(rows, args.plot)
+  except Exception as e:                                   # noqa: BLE001
+    print(f"plot failed: {type(e).__name__}: {e}", flush=True)
+    return None
+  return os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.md)))
+
+
 def render(args):
   """BENCHMARKS.md and the plot from the rows of an earlier run."""
   with open(args.render) as f:
     rows = json.load(f)
   meta = {k: rows[0][k] for k in ("gpu", "jax_version", "date")}
   meta["kernels"] = list(dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"))
-  plot(rows, args.plot)
-  plot_ref = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.md)))
   with open(args.md, "w") as f:
-    f.write(markdown(rows, meta, sizes_for(False, False), plot_ref))
+    f.write(markdown(rows, meta, sizes_for(False, False), plot_or_none(rows, args)))
 
 
 if __name__ == "__main__":

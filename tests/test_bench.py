@@ -9,13 +9,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run(cmd, env):
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, f"{cmd[2:4]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
 def test_bench_cpu_smoke(tmp_path):
   out, md = tmp_path / "b.json", tmp_path / "b.md"
   cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--quick", "--cpu-smoke",
          "--ops", "upcast_logits,expand_and_remap", "--cache-dir", "", "--out", str(out),
          "--md", str(md), "--plot", str(tmp_path / "b.png")]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+  _run(cmd, env)
   rows = json.loads(out.read_text())
   assert {r["op"] for r in rows} == {"calibration", "upcast_logits", "expand_and_remap"}
   assert all(r["device_us"] and r["device_us"] > 0 for r in rows), \
@@ -25,7 +30,6 @@ def test_bench_cpu_smoke(tmp_path):
   assert all(r["exact"] for r in rows if r["op"] != "calibration")
   assert "empty Pallas call" in md.read_text()
   md2 = tmp_path / "again.md"
-  subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--render", str(out),
-                  "--md", str(md2), "--plot", str(tmp_path / "again.png")],
-                 check=True, env=env, capture_output=True, timeout=600)
+  _run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--render", str(out),
+        "--md", str(md2), "--plot", str(tmp_path / "again.png")], env)
   assert md2.read_text().split("### ")[1:] == md.read_text().split("### ")[1:]
