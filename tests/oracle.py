@@ -514,6 +514,13 @@ def check_projection(x, w_cat, heads, got, label):
 
 # --------------------------------------------------------------------------- test helpers
 
+def bits(x):
+  """An array's bit patterns (unsigned ints of its item size): exact comparison that
+  tells NaN payloads and -0 apart."""
+  a = np.asarray(x)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
 def e4m3_rank(codes):
   """Signed ordinal of e4m3 codes: adjacent values differ by 1, +0 and -0 are 0."""
   c = np.asarray(codes, np.uint8).astype(np.int32)

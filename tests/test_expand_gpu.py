@@ -226,18 +226,17 @@ def test_triton_index_kernels_match_the_reference():
   """The stock-order Triton expand and column-preserving convert that bench/bench.py
   times next to the kernels (tests/triton_oracle.py) equal the reference."""
   T = triton_oracle.require()
-  import torch
   rng = np.random.default_rng(6)
-  ids, pos, req, table = glm_batch(rng, 4096, block_size=128)
-  dev = lambda a: torch.from_numpy(i32(a)).cuda()
-  tokens = T.expand(dev(ids), dev(pos), seq_offset=1, width=GLM_W)
-  want = ref.expand_pools(i32(ids), i32(pos), seq_offset=1, width=GLM_W)
-  np.testing.assert_array_equal(tokens.cpu().numpy(), np.asarray(want))
-  out, counts = T.convert(dev(req), dev(table), tokens, block_size=128, stride_rows=128)
-  want = ref.expand_and_remap(i32(ids), i32(pos), i32(req), i32(table), block_size=128,
-                              width=GLM_W, compact=False)
-  np.testing.assert_array_equal(out.cpu().numpy(), np.asarray(want[0]))
-  np.testing.assert_array_equal(counts.cpu().numpy(), np.asarray(want[1]))
+  ids, pos, req, table = (i32(a) for a in glm_batch(rng, 4096, block_size=128))
+  tokens = T.expand(T.to_torch(ids), T.to_torch(pos), seq_offset=1, width=GLM_W)
+  want = ref.expand_pools(ids, pos, seq_offset=1, width=GLM_W)
+  np.testing.assert_array_equal(T.to_numpy(tokens), np.asarray(want))
+  out, counts = T.convert(T.to_torch(req), T.to_torch(table), tokens, block_size=128,
+                          stride_rows=128)
+  want = ref.expand_and_remap(ids, pos, req, table, block_size=128, width=GLM_W,
+                              compact=False)
+  np.testing.assert_array_equal(T.to_numpy(out), np.asarray(want[0]))
+  np.testing.assert_array_equal(T.to_numpy(counts), np.asarray(want[1]))
 
 
 def test_unsupported_shapes_use_the_reference():

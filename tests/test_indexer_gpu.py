@@ -65,11 +65,6 @@ def _params(heads, padded, wdtype):
   return dict(scale=_scale(heads), eps=EPS, padded=padded, weights_dtype=wdtype)
 
 
-def _bits(x):
-  a = np.asarray(x)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
 def _compare_key(got, want, label):
   """Within 1 bf16 ulp, NaN where the reference is NaN; returns (mismatches, total)."""
   g, w = np.asarray(got), np.asarray(want)
@@ -105,9 +100,9 @@ def test_kernel_matches_reference(m, heads, padded, wdtype):
     wq8, ww, wkey = want_fn(*c)
     assert q8.shape == (m, padded, 128) and q8.dtype == jnp.float8_e4m3fn
     assert w_out.shape == (m, padded) and w_out.dtype == wdtype
-    np.testing.assert_array_equal(_bits(q8), _bits(wq8), err_msg=f"{label}: q_fp8 bytes")
-    np.testing.assert_array_equal(_bits(w_out), _bits(ww), err_msg=f"{label}: w_out bits")
-    assert not _bits(q8)[:, heads:].any() and not _bits(w_out)[:, heads:].any(), label
+    np.testing.assert_array_equal(O.bits(q8), O.bits(wq8), err_msg=f"{label}: q_fp8 bytes")
+    np.testing.assert_array_equal(O.bits(w_out), O.bits(ww), err_msg=f"{label}: w_out bits")
+    assert not O.bits(q8)[:, heads:].any() and not O.bits(w_out)[:, heads:].any(), label
     b, t = _compare_key(key, wkey, label)
     bad, total = bad + b, total + t
   STATS["key_bad"] += bad
@@ -128,7 +123,7 @@ def test_nan_rows_quantise_to_minus_448():
           jnp.zeros(128, jnp.float32))
   q8, w_out, _ = jax.jit(lambda *a: glm5_jax.indexer_query(
       *a, **_params(32, 32, jnp.float32)))(*args)
-  codes = _bits(q8)
+  codes = O.bits(q8)
   assert (codes[0, 3] == 0xFE).all() and (codes[1, 5] == 0xFE).all()
   floor = 2.0 ** -22 * 2.0 ** -6
   assert float(w_out[0, 3]) == floor and float(w_out[1, 5]) == floor
@@ -144,8 +139,8 @@ def test_vmap_folds_into_rows():
   for i, c in enumerate(calls):
     wq8, ww, wkey = jax.jit(lambda *a: ref.indexer_query(*a, **params))(
         *c[:3], calls[0][3], calls[0][4])
-    np.testing.assert_array_equal(_bits(q8[i]), _bits(wq8))
-    np.testing.assert_array_equal(_bits(w_out[i]), _bits(ww))
+    np.testing.assert_array_equal(O.bits(q8[i]), O.bits(wq8))
+    np.testing.assert_array_equal(O.bits(w_out[i]), O.bits(ww))
     _compare_key(key[i], wkey, f"vmap {i}")
 
 
@@ -163,14 +158,6 @@ def test_empty_batch(heads, padded):
 
 
 
-def _to_torch(a):
-  import torch
-  a = np.asarray(a)
-  if a.dtype == ml_dtypes.bfloat16:
-    return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to("cuda")
-  return torch.from_numpy(np.ascontiguousarray(a)).to("cuda")
-
-
 @pytest.mark.parametrize("heads,padded", [(32, 32), (16, 32), (64, 64)])
 def test_bit_identical_to_triton(heads, padded):
   """q codes and fp32 head weights of the kernel equal the stock-order Triton oracle's
@@ -183,12 +170,12 @@ def test_bit_identical_to_triton(heads, padded):
   for m in (1, 300, 4096):
     args = _inputs(rng, m, heads)
     q8, w_out, _ = fn(*args)
-    codes, tw = T.query(_to_torch(args[0]), _to_torch(args[2]), _scale(heads))
-    np.testing.assert_array_equal(_bits(q8)[:, :heads], codes.cpu().numpy(),
+    codes, tw = T.query(T.to_torch(args[0]), T.to_torch(args[2]), _scale(heads))
+    np.testing.assert_array_equal(O.bits(q8)[:, :heads], codes.cpu().numpy(),
                                   err_msg=f"M {m} H {heads}: q_fp8 vs Triton")
-    np.testing.assert_array_equal(_bits(w_out)[:, :heads], tw.cpu().numpy().view(np.uint32),
+    np.testing.assert_array_equal(O.bits(w_out)[:, :heads], tw.cpu().numpy().view(np.uint32),
                                   err_msg=f"M {m} H {heads}: w_out vs Triton")
-    assert not _bits(q8)[:, heads:].any() and not _bits(w_out)[:, heads:].any()
+    assert not O.bits(q8)[:, heads:].any() and not O.bits(w_out)[:, heads:].any()
     rows += m * heads
   print(f"\n[kernel vs Triton, H {heads}/{padded}] {rows} rows bit-identical")
 

@@ -12,7 +12,6 @@
 """
 import functools
 
-import ml_dtypes
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -143,10 +142,6 @@ def _run_chain(kernel, mode, kv, tail, ape, batches):
   return [(np.asarray(k), np.asarray(t)) for k, t in states]
 
 
-def _bits(tail):
-  return np.asarray(tail).view(np.uint16)
-
-
 # --------------------------------------------------------------------------- (a)
 
 def test_lowers_to_the_kernel():
@@ -175,14 +170,14 @@ def test_edge_chain_matches_reference(ring, mode):
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
     label = f"ring {ring} {mode} call {i}"
-    np.testing.assert_array_equal(_bits(gtail), _bits(rtail), err_msg=f"{label}: tail")
-    np.testing.assert_array_equal(_bits(gtail), _bits(otail), err_msg=f"{label}: tail (oracle)")
+    np.testing.assert_array_equal(O.bits(gtail), O.bits(rtail), err_msg=f"{label}: tail")
+    np.testing.assert_array_equal(O.bits(gtail), O.bits(otail), err_msg=f"{label}: tail (oracle)")
     bad, total = O.compare_cache(gkv, rkv, kv0, written, label, STATS,
                                  plain_scales=not mode[1])
   assert len(written) == len(set(written)) and total == len(written) > 60
   # the edge call's no-op requests: padding (block 4), tslot < 0 (8), block 0 untouched
   for blk in (0, 4, 8):
-    np.testing.assert_array_equal(_bits(got[0][1][blk]), _bits(tail0[blk]))
+    np.testing.assert_array_equal(O.bits(got[0][1][blk]), O.bits(tail0[blk]))
   STATS["bad"] += bad
   STATS["pools"] += total
   print(f"\n[kernel vs reference, ring {ring} {mode}] fp8 mismatch {bad}/{total} pools "
@@ -205,17 +200,17 @@ def test_more_than_32_tokens_per_request():
     okv, otail = O.kpool_update(kv0, tail0, b["tslot"], b["key"], b["score"], ape, b["loc"],
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
-    np.testing.assert_array_equal(_bits(gtail), _bits(otail))
+    np.testing.assert_array_equal(O.bits(gtail), O.bits(otail))
     bad, n = O.compare_cache(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
                              plain_scales=not mode[1])
     assert n > 100 and bad <= max(1, 0.01 * n), (bad, n)
     T = triton_oracle.load()
     if T is not None:
-      kv, tail, _ = T.decode_expected(*(_to_torch(x) for x in (
+      kv, tail, _ = T.decode_expected(*(triton_oracle.to_torch(x) for x in (
           kv0, tail0, b["tslot"], b["key"], b["score"], ape, b["loc"], b["pos"])),
           scale_format=mode[0], round_scale=mode[1])
-      np.testing.assert_array_equal(_bits(gtail), _bits(_to_numpy(tail)))
-      assert _entry_diff(gkv, _to_numpy(kv), PAGE).size == 0
+      np.testing.assert_array_equal(O.bits(gtail), O.bits(triton_oracle.to_numpy(tail)))
+      assert _entry_diff(gkv, triton_oracle.to_numpy(kv), PAGE).size == 0
 
 
 @pytest.mark.parametrize("B,N", [(0, 4), (3, 0), (0, 0)])
@@ -227,7 +222,7 @@ def test_empty_batch_is_a_no_op(B, N):
   gkv, gtail = jax.jit(glm5_jax.kpool_update)(jnp.asarray(kv), jnp.asarray(tail), z, key, key,
                                               jnp.zeros((4, 128), jnp.float32), z, z)
   np.testing.assert_array_equal(np.asarray(gkv), kv)
-  np.testing.assert_array_equal(_bits(gtail), _bits(tail))
+  np.testing.assert_array_equal(O.bits(gtail), O.bits(tail))
 
 
 def test_kernel_runs_inside_a_command_buffer(tmp_path):
@@ -289,33 +284,14 @@ def test_donated_step_updates_in_place_and_continues(mode):
     rkv, rtail = ref.kpool_update(rkv, rtail, b["tslot"], b["key"], b["score"], ape, b["loc"],
                                   b["pos"], scale_format=mode[0], round_scale=mode[1])
   assert len(written) == B                          # one completion per request, in call 2
-  np.testing.assert_array_equal(_bits(tail), _bits(otail))
-  np.testing.assert_array_equal(_bits(tail), _bits(rtail))
+  np.testing.assert_array_equal(O.bits(tail), O.bits(otail))
+  np.testing.assert_array_equal(O.bits(tail), O.bits(rtail))
   bad, n = O.compare_cache(kv, rkv, kv0, written, f"donated {mode}", STATS,
                            plain_scales=not mode[1])
   assert bad <= 1, (bad, n)
 
 
 # --------------------------------------------------------------------------- (b)
-
-TORCH_DEVICE = "cuda"      # where the Triton oracle runs ("cpu" under TRITON_INTERPRET=1)
-
-
-def _to_torch(a):
-  import torch
-  device = TORCH_DEVICE
-  a = np.asarray(a)
-  if a.dtype == ml_dtypes.bfloat16:
-    return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device)
-  return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-
-def _to_numpy(t):
-  import torch
-  if t.dtype == torch.bfloat16:
-    return t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
-  return t.cpu().numpy()
-
 
 def _entry_diff(got, want, page):
   """Flat slots whose 132 bytes differ, with a sample of the differences."""
@@ -334,19 +310,19 @@ def test_edge_chains_bit_identical_to_triton(ring):
   kv0, tail0, ape, batches = _chain(100 + ring, ring)
   for mode in MODES:
     got = _run_chain(True, mode, kv0, tail0, ape, batches)
-    kv, tail, ap = _to_torch(kv0), _to_torch(tail0), _to_torch(ape)
+    kv, tail, ap = triton_oracle.to_torch(kv0), triton_oracle.to_torch(tail0), triton_oracle.to_torch(ape)
     fkv, ftail = kv.clone(), tail.clone()           # the one-kernel Triton decode update
     for i, (b, (gkv, gtail)) in enumerate(zip(batches, got)):
-      args = [_to_torch(b[k]) for k in ("tslot", "key", "score")] + [ap] + [
-          _to_torch(b[k]) for k in ("loc", "pos")]
+      args = [triton_oracle.to_torch(b[k]) for k in ("tslot", "key", "score")] + [ap] + [
+          triton_oracle.to_torch(b[k]) for k in ("loc", "pos")]
       kv, tail, _ = T.decode_expected(kv, tail, *args, scale_format=mode[0],
                                       round_scale=mode[1])
       T.decode_update(fkv, ftail, *args, scale_format=mode[0], round_scale=mode[1])
       for name, (wkv, wtail) in (("decode_expected", (kv, tail)),
                                  ("decode_update", (fkv, ftail))):
-        np.testing.assert_array_equal(_bits(gtail), _bits(_to_numpy(wtail)),
+        np.testing.assert_array_equal(O.bits(gtail), O.bits(triton_oracle.to_numpy(wtail)),
                                       err_msg=f"ring {ring} {mode} call {i}: {name} tail")
-        diff = _entry_diff(gkv, _to_numpy(wkv), PAGE)
+        diff = _entry_diff(gkv, triton_oracle.to_numpy(wkv), PAGE)
         assert diff.size == 0, f"ring {ring} {mode} call {i}: {name} entries differ: {diff[:20]}"
 
 
@@ -362,7 +338,7 @@ def test_million_pools_bit_identical_to_triton():
   Triton oracle's; the mismatch rate against the reference is printed."""
   T = triton_oracle.require()
   import torch
-  dev = TORCH_DEVICE
+  dev = T.device()
   gen = torch.Generator(device=dev).manual_seed(1234)
   rng = np.random.default_rng(1234)
   total = ref_bad = 0
@@ -394,19 +370,19 @@ def test_million_pools_bit_identical_to_triton():
                             scale_format=fmt, round_scale=rs)
     assert torch.equal(fused[0], want_kv) and torch.equal(fused[1], want_tail), \
         f"batch {i}: the one-kernel Triton decode update differs from decode_expected"
-    np_args = [_to_numpy(x) for x in (kv0, tail0, tslot, key, score, ape, loc, pos)]
+    np_args = [triton_oracle.to_numpy(x) for x in (kv0, tail0, tslot, key, score, ape, loc, pos)]
     got_kv, got_tail = jax.jit(functools.partial(glm5_jax.kpool_update, scale_format=fmt,
                                                  round_scale=rs))(*map(jnp.asarray, np_args))
     got_kv, got_tail = np.asarray(got_kv), np.asarray(got_tail)
     label = f"batch {i} (ring {ring}, next_n {N}, {fmt}, round_scale {rs}, wide {wide})"
-    np.testing.assert_array_equal(_bits(got_tail), _bits(_to_numpy(want_tail)),
+    np.testing.assert_array_equal(O.bits(got_tail), O.bits(triton_oracle.to_numpy(want_tail)),
                                   err_msg=f"{label}: tail")
-    diff = _entry_diff(got_kv, _to_numpy(want_kv), page)
+    diff = _entry_diff(got_kv, triton_oracle.to_numpy(want_kv), page)
     assert diff.size == 0, f"{label}: {diff.size} of {n} entries differ, e.g. slots {diff[:20]}"
     # D2: against the reference only the exp/div allowance (report the rate).
     rkv, rtail = jax.jit(functools.partial(ref.kpool_update, scale_format=fmt,
                                            round_scale=rs))(*map(jnp.asarray, np_args))
-    np.testing.assert_array_equal(_bits(got_tail), _bits(rtail), err_msg=f"{label}: ref tail")
+    np.testing.assert_array_equal(O.bits(got_tail), O.bits(rtail), err_msg=f"{label}: ref tail")
     written = np_args[6][np_args[6] >= 0]
     bad, w = O.compare_cache(got_kv, rkv, np_args[0], written, label, STATS,
                              plain_scales=not rs)

@@ -7,7 +7,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from cases import CASES
+from cases import CASES, TOLERANCE
 
 OPS = sorted(CASES)
 
@@ -35,7 +35,7 @@ def assert_same(op, got, want):
     if CASES[op].exact or g.dtype.kind in "iub":
       np.testing.assert_array_equal(g, w)
     else:
-      np.testing.assert_allclose(g, w, rtol=2e-2, atol=1e-3)
+      np.testing.assert_allclose(g, w, **TOLERANCE)
 
 
 def test_every_op_has_a_case():

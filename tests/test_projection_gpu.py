@@ -47,12 +47,8 @@ def _reference_fn(heads):
   return jax.jit(functools.partial(ref.indexer_projection, heads=heads))
 
 
-def _bits(outs):
-  return [np.asarray(o).view(np.uint16 if o.dtype.itemsize == 2 else np.uint32) for o in outs]
-
-
 def _assert_same_bits(a, b, label):
-  for x, y, name in zip(_bits(a), _bits(b), ("key", "weights", "gate")):
+  for x, y, name in zip(map(O.bits, a), map(O.bits, b), ("key", "weights", "gate")):
     np.testing.assert_array_equal(x, y, err_msg=f"{label}: {name} bits")
 
 
@@ -80,7 +76,7 @@ def test_kernel_within_the_gemm_bound(k, heads, m):
     kernel = _check(x, w_cat, heads, got, f"kernel {label}")
     want = _reference_fn(heads)(x, w_cat)
     reference = _check(x, w_cat, heads, want, f"reference {label}")
-    same = np.mean(np.concatenate([(g == w).ravel() for g, w in zip(_bits(got), _bits(want))]))
+    same = np.mean(np.concatenate([(g == w).ravel() for g, w in zip(map(O.bits, got), map(O.bits, want))]))
     print(f"\n[{label}] max err/bound: kernel {kernel:.3f}, reference {reference:.3f}; "
           f"{same:.2%} of outputs bit-equal to the reference")
     _assert_same_bits(got, _kernel_fn(heads)(x, w_cat), f"{label} rerun")

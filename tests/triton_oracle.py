@@ -36,6 +36,7 @@ torch and triton exist on the GPU machine only; import this module through
 """
 import os
 
+import ml_dtypes
 import numpy as np
 
 try:  # GPU machine only
@@ -261,8 +262,24 @@ def query(q, weights, scale):
   return codes, w_out
 
 
-def _device():
+def device():
+  """Where the oracle runs: "cuda", or "cpu" under the Triton interpreter."""
   return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def to_torch(a):
+  """An array (numpy or jax; bf16 included) as a torch tensor on device()."""
+  a = np.asarray(a)
+  if a.dtype == ml_dtypes.bfloat16:
+    return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device())
+  return torch.from_numpy(np.ascontiguousarray(a)).to(device())
+
+
+def to_numpy(t):
+  """A torch tensor as a numpy array (bf16 as ml_dtypes.bfloat16)."""
+  if t.dtype == torch.bfloat16:
+    return t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+  return t.cpu().numpy()
 
 
 def compress(keys, scores, ape, *, scale_format="fp32", round_scale=True):
