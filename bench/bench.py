@@ -527,12 +527,7 @@ def triton_amortised(case, state, r, sizes):
     end.synchronize()
     return start.elapsed_time(end) / 1e3
 
-  n = 1
-  for _ in range(4):
-    t = run(n)
-    if t >= sizes.run_s or n >= sizes.max_passes:
-      break
-    n = int(min(sizes.max_passes, np.ceil(n * 1.5 * sizes.run_s / t)))
+  n = grow_passes(run, sizes)
   times = [run(n) for _ in range(sizes.warmup + sizes.reps)][sizes.warmup:]
   del graph, st
   return statistics.median(times) / (n * r), dict(compile_s=compile_s, temp=None, passes=n)
@@ -640,6 +635,18 @@ def temp_bytes(compiled):
     return None
 
 
+def grow_passes(probe, sizes):
+  """Passes per timed run: from 1 until probe(passes) (seconds of one run) takes
+  >= sizes.run_s, in a few probes (run time is linear in passes)."""
+  n = 1
+  for _ in range(4):
+    t = probe(n)
+    if t >= sizes.run_s or n >= sizes.max_passes:
+      break
+    n = int(min(sizes.max_passes, np.ceil(n * 1.5 * sizes.run_s / t)))
+  return n
+
+
 def amortised(call, state, fixed, rotated, dep, sizes):
   """Seconds per call: one jitted device loop of `passes` passes over a chain
   of len(rotated) calls. passes grows until one run takes >= sizes.run_s, so
@@ -666,12 +673,12 @@ def amortised(call, state, fixed, rotated, dep, sizes):
     stamps.append(time.perf_counter())
     return state, statistics.median(np.diff(stamps)[2:])
 
-  n = 1
-  for _ in range(4):                    # a few probes: run time is linear in n
+  def probe(n):
+    nonlocal state
     state, run = timed(state, n, 3)
-    if run >= sizes.run_s or n >= sizes.max_passes:
-      break
-    n = int(min(sizes.max_passes, np.ceil(n * 1.5 * sizes.run_s / run)))
+    return run
+
+  n = grow_passes(probe, sizes)
   state, run = timed(state, n, sizes.warmup + sizes.reps)
   info = dict(compile_s=seconds, temp=temp_bytes(fn), passes=n)
   return run / (n * len(rotated)), state, info
