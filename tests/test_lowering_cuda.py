@@ -68,6 +68,7 @@ def test_remap_kernel_only_for_supported_shapes(groups, kernel, monkeypatch):
 @pytest.mark.parametrize("heads,k,tactic,kernel", [
     (16, 1024, None, True), (32, 4096, None, True), (64, 6144, None, True),
     (32, 8192, None, True), (32, 4096, (4, 4), True), (32, 512, (1, 2), True),
+    (32, 6144, (8, 1), True),
     (4, 1024, None, False), (24, 4096, None, False), (32, 512, None, False),
     (32, 1536, None, False), (32, 9216, None, False)])
 def test_projection_kernel_only_for_supported_shapes(heads, k, tactic, kernel, monkeypatch):
