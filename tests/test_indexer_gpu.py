@@ -70,16 +70,6 @@ def _bits(x):
   return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def _compare_key(got, want, label):
-  """Within 1 bf16 ulp, NaN where the reference is NaN; returns (mismatches, total)."""
-  g, w = np.asarray(got), np.asarray(want)
-  gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-  np.testing.assert_array_equal(gn, wn, err_msg=f"{label}: key NaN positions")
-  diff = np.abs(O.bf16_rank(g[~gn]) - O.bf16_rank(w[~wn]))
-  assert diff.size == 0 or diff.max() <= 1, f"{label}: key off by {diff.max()} bf16 ulp"
-  return int(np.count_nonzero(diff)), int(diff.size)
-
-
 # --------------------------------------------------------------------------- (a)
 
 def test_lowers_to_the_kernel():
@@ -108,7 +98,7 @@ def test_kernel_matches_reference(m, heads, padded, wdtype):
     np.testing.assert_array_equal(_bits(q8), _bits(wq8), err_msg=f"{label}: q_fp8 bytes")
     np.testing.assert_array_equal(_bits(w_out), _bits(ww), err_msg=f"{label}: w_out bits")
     assert not _bits(q8)[:, heads:].any() and not _bits(w_out)[:, heads:].any(), label
-    b, t = _compare_key(key, wkey, label)
+    b, t = O.compare_key(key, wkey, label)
     bad, total = bad + b, total + t
   STATS["key_bad"] += bad
   STATS["key_total"] += total
@@ -146,7 +136,7 @@ def test_vmap_folds_into_rows():
         *c[:3], calls[0][3], calls[0][4])
     np.testing.assert_array_equal(_bits(q8[i]), _bits(wq8))
     np.testing.assert_array_equal(_bits(w_out[i]), _bits(ww))
-    _compare_key(key[i], wkey, f"vmap {i}")
+    O.compare_key(key[i], wkey, f"vmap {i}")
 
 
 @pytest.mark.parametrize("heads,padded", [(32, 32), (16, 32)])
