@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
 #include <string>
 
 #include "common.h"
@@ -160,22 +159,13 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
   if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
   if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
     return fail("norm_weight and norm_bias must be f32[128]");
-  // e4m3 has no native C++ type in the FFI headers: q_fp8 is bound as an AnyBuffer.
-  const auto od = q_out->dimensions();
-  if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != tokens ||
-      od[1] < heads || od[2] != kDim)
-    return fail("q_fp8 result must be e4m3[M, padded >= H, 128]");
-  const int64_t padded = od[1];
-  const auto wod = w_out->dimensions();
-  const ffi::DataType wtype = w_out->element_type();
-  if (wtype != ffi::DataType::F32 && wtype != ffi::DataType::BF16)
-    return fail("w_out result must be f32 or bf16");
-  if (wod.size() != 2 || wod[0] != tokens || wod[1] != padded)
-    return fail("w_out result must have shape [M, padded]");
+  int64_t padded = 0;
+  const std::string bad = check_query_results(q_out, w_out, tokens, heads, padded);
+  if (!bad.empty()) return fail(bad);
+  const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
   const auto kd = key->dimensions(), gd = gate->dimensions();
   if (kd[0] != tokens || kd[1] != kKeyRows || gd[0] != tokens || gd[1] != kKeyRows)
     return fail("key and gate results must be bf16[M, 128]");
-  if (padded > std::numeric_limits<int32_t>::max() / kLanes) return fail("too many heads");
   if (warps == 0) warps = kAutoWarps;
   if (warps < 1 || warps > kMaxWarps) return fail("attribute warps must be in 0..8 (0: automatic)");
   const gemm::Staging st = gemm::tile_k(k, warps, 1);
@@ -204,7 +194,7 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
   args.scale = scale;
   args.eps = eps;
 
-  const Kernel kernel = wtype == ffi::DataType::BF16
+  const Kernel kernel = bf16_weights
                             ? gemm::pick_blocks<Kernel, Pick<true>::Blocks>(st.blocks)
                             : gemm::pick_blocks<Kernel, Pick<false>::Blocks>(st.blocks);
   const size_t smem = gemm::partial_bytes(args.gemm, warps) +

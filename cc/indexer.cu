@@ -87,8 +87,8 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
                             ffi::Result<ffi::AnyBuffer> q_out,
                             ffi::Result<ffi::AnyBuffer> w_out,
                             ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps) {
-  auto fail = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("glm5_indexer_query: ") + what);
+  auto fail = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("glm5_indexer_query: " + what);
   };
   const auto qd = q.dimensions();
   const int64_t tokens = qd[0], heads = qd[1];
@@ -99,21 +99,12 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
   if (wd[0] != tokens || wd[1] != heads) return fail("weights must be f32[M, H]");
   if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
     return fail("norm_weight and norm_bias must be f32[128]");
-  // e4m3 has no native C++ type in the FFI headers: q_fp8 is bound as an AnyBuffer.
-  const auto od = q_out->dimensions();
-  if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != tokens ||
-      od[1] < heads || od[2] != kDim)
-    return fail("q_fp8 result must be e4m3[M, padded >= H, 128]");
-  const int64_t padded = od[1];
-  const auto wod = w_out->dimensions();
-  const ffi::DataType wtype = w_out->element_type();
-  if (wtype != ffi::DataType::F32 && wtype != ffi::DataType::BF16)
-    return fail("w_out result must be f32 or bf16");
-  if (wod.size() != 2 || wod[0] != tokens || wod[1] != padded)
-    return fail("w_out result must have shape [M, padded]");
+  int64_t padded = 0;
+  const std::string bad = check_query_results(q_out, w_out, tokens, heads, padded);
+  if (!bad.empty()) return fail(bad);
+  const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
   const auto kod = key_out->dimensions();
   if (kod[0] != tokens || kod[1] != kDim) return fail("key result must be bf16[M, 128]");
-  if (padded > std::numeric_limits<int32_t>::max()) return fail("too many heads");
   // Vector accesses (XLA buffers are at least 16 B aligned; checked so that a violation fails
   // here, not as a device fault).
   if (!aligned(q.untyped_data(), 8) || !aligned(key_raw.untyped_data(), 16) ||
@@ -143,8 +134,7 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
   args.scale = scale;
   args.eps = eps;
 
-  auto kernel = wtype == ffi::DataType::BF16 ? indexer_query_kernel<true>
-                                             : indexer_query_kernel<false>;
+  auto kernel = bf16_weights ? indexer_query_kernel<true> : indexer_query_kernel<false>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kLanes), 0,
                            stream, /*pdl=*/true, args);
   return cuda_status("glm5_indexer_query", err);

@@ -24,7 +24,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <limits>
+#include <string>
 
+#include "common.h"
 #include "hadamard_quant.cuh"
 
 namespace glm5 {
@@ -92,7 +95,8 @@ __device__ __forceinline__ uint4 layernorm_group(uint4 raw, const float* norm_we
   // Groups in order 0..15; every lane of the half computes the same sums.
   float mean = __shfl_sync(kFullMask, mean_g, 0, kHalf);
 #pragma unroll
-  for (int j = 1; j < kGroups; ++j) mean = __fadd_rn(mean, __shfl_sync(kFullMask, mean_g, j, kHalf));
+  for (int j = 1; j < kGroups; ++j)
+    mean = __fadd_rn(mean, __shfl_sync(kFullMask, mean_g, j, kHalf));
   mean = __fmul_rn(mean, 1.0f / kGroups);
   const float dm = __fsub_rn(mean_g, mean);
   const float term = __fadd_rn(m2_g, __fmul_rn(static_cast<float>(kGroupDims), __fmul_rn(dm, dm)));
@@ -122,6 +126,27 @@ __device__ __forceinline__ uint4 layernorm_group(uint4 raw, const float* norm_we
     words[i / 2] = *reinterpret_cast<const uint32_t*>(&pair2);
   }
   return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// Checks the results q_fp8 e4m3[M, padded >= H, 128] and w_out f32 | bf16 [M, padded]:
+// sets `padded` and returns "", or says what is wrong.
+inline std::string check_query_results(ffi::Result<ffi::AnyBuffer>& q_out,
+                                       ffi::Result<ffi::AnyBuffer>& w_out, int64_t tokens,
+                                       int64_t heads, int64_t& padded) {
+  // e4m3 has no native C++ type in the FFI headers: q_fp8 is bound as an AnyBuffer.
+  const auto od = q_out->dimensions();
+  if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != tokens ||
+      od[1] < heads || od[2] != kDim)
+    return "q_fp8 result must be e4m3[M, padded >= H, 128]";
+  padded = od[1];
+  const auto wod = w_out->dimensions();
+  const ffi::DataType wtype = w_out->element_type();
+  if (wtype != ffi::DataType::F32 && wtype != ffi::DataType::BF16)
+    return "w_out result must be f32 or bf16";
+  if (wod.size() != 2 || wod[0] != tokens || wod[1] != padded)
+    return "w_out result must have shape [M, padded]";
+  if (padded > std::numeric_limits<int32_t>::max()) return "too many heads";
+  return "";
 }
 
 }  // namespace glm5
