@@ -103,7 +103,7 @@ __device__ __forceinline__ void head_tile(const FusedArgs& a, const float* parti
 }
 
 // Dynamic shared memory: partial f32[warps][chunk_pad][16], then keys bf16[chunk_pad][16].
-template <int kBlocks, bool kBf16>
+template <int kBlocks, bool kStaged, bool kBf16>
 __global__ void __launch_bounds__(kMaxWarps * kLanes)
     indexer_projection_fused_kernel(const FusedArgs a) {
   extern __shared__ float partial[];
@@ -113,8 +113,8 @@ __global__ void __launch_bounds__(kMaxWarps * kLanes)
   const int warps = blockDim.x / kLanes;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
   const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
-  gemm::project<kBlocks>(a.gemm, partial, row0, static_cast<int>(threadIdx.x) / kLanes, chunk0,
-                         chunk);
+  const int warp = threadIdx.x / kLanes;
+  gemm::project<kBlocks, kStaged>(a.gemm, partial, row0, warp, chunk0, chunk);
   __syncthreads();
 
   if (tile < kKeyTiles) {
@@ -134,9 +134,9 @@ using Kernel = void (*)(FusedArgs);
 
 template <bool kBf16>
 struct Pick {
-  template <int kBlocks>
+  template <int kBlocks, bool kStaged>
   struct Blocks {
-    static constexpr Kernel kernel = indexer_projection_fused_kernel<kBlocks, kBf16>;
+    static constexpr Kernel kernel = indexer_projection_fused_kernel<kBlocks, kStaged, kBf16>;
   };
 };
 
@@ -195,8 +195,8 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
   args.eps = eps;
 
   const Kernel kernel = bf16_weights
-                            ? gemm::pick_blocks<Kernel, Pick<true>::Blocks>(st.blocks)
-                            : gemm::pick_blocks<Kernel, Pick<false>::Blocks>(st.blocks);
+                            ? gemm::pick_kernel<Kernel, Pick<true>::Blocks>(st)
+                            : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(st);
   const size_t smem = gemm::partial_bytes(args.gemm, warps) +
                       sizeof(uint16_t) * args.gemm.chunk_pad * kRows;
   if (cudaError_t err = gemm::allow_smem(kernel, smem); err != cudaSuccess)

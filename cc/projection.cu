@@ -48,7 +48,7 @@ __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_
 }
 
 // partial: f32[warps][chunk_pad][16] (token-major, row fastest), in dynamic shared memory.
-template <int kBlocks>
+template <int kBlocks, bool kStaged>
 __global__ void __launch_bounds__(kMaxWarps * kLanes)
     indexer_projection_kernel(const ProjectionArgs a) {
   extern __shared__ float partial[];
@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kMaxWarps * kLanes)
   const int32_t row0 = blockIdx.y * kRows;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
   const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
-  project<kBlocks>(a.gemm, partial, row0, rank * warps + static_cast<int>(threadIdx.x) / kLanes,
-                   chunk0, chunk);
+  const int warp = threadIdx.x / kLanes;
+  project<kBlocks, kStaged>(a.gemm, partial, row0, rank * warps + warp, chunk0, chunk);
   __syncthreads();
 
   // The CTA's sums into warp 0's slab (each element read and written by one thread).
@@ -86,9 +86,9 @@ __global__ void __launch_bounds__(kMaxWarps * kLanes)
 
 using Kernel = void (*)(ProjectionArgs);
 
-template <int kBlocks>
+template <int kBlocks, bool kStaged>
 struct Pick {
-  static constexpr Kernel kernel = indexer_projection_kernel<kBlocks>;
+  static constexpr Kernel kernel = indexer_projection_kernel<kBlocks, kStaged>;
 };
 
 struct Tactic {
@@ -146,7 +146,7 @@ ffi::Error ProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
   args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   args.heads = static_cast<int32_t>(heads);
 
-  const Kernel kernel = pick_blocks<Kernel, Pick>(st.blocks);
+  const Kernel kernel = pick_kernel<Kernel, Pick>(st);
   const size_t smem = partial_bytes(args.gemm, t.warps);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess)
     return cuda_status("glm5_indexer_projection", err);

@@ -77,66 +77,89 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
-// The warp's sums of rows row0 .. row0 + 15 over its K part for tokens chunk0 .. chunk0 +
-// chunk - 1, into its slab of partial f32[warps][chunk_pad][16] (token-major, row fastest).
-// Programmatic dependent launch: the first stage's weights (model parameters, not written by
-// the preceding kernel) are loaded before pdl_wait(); x is read after it.
+// Lane (g, q)'s weights of rows row0 + g and row0 + g + 8 for the kBlocks K blocks from k0.
 template <int kBlocks>
+__device__ __forceinline__ void load_weights(uint4 (&lo)[kBlocks], uint4 (&hi)[kBlocks],
+                                             const Gemm& a, int32_t row0, int64_t k0, int g) {
+  const uint16_t* w_lo = a.w + (row0 + g) * a.k + k0;
+  const uint16_t* w_hi = w_lo + kTile * a.k;
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) {
+    lo[b] = load_weight(w_lo + b * kBlockK);
+    hi[b] = load_weight(w_hi + b * kBlockK);
+  }
+}
+
+// The warp's kBlocks K blocks from k0 for every token step of the chunk, into its slab
+// `mine` f32[chunk_pad][16]; `resume` starts from the sums a previous stage stored there.
+template <int kBlocks>
+__device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uint4 (&lo)[kBlocks],
+                                           const uint4 (&hi)[kBlocks], int64_t k0,
+                                           int64_t chunk0, int chunk, bool resume) {
+  const int lane = threadIdx.x % kLanes, g = lane / 4, q = lane % 4;
+#pragma unroll 1
+  for (int s = 0; s < chunk; s += kStep) {
+    // Tokens past the end repeat the last one; their sums are not stored.
+    uint4 xv[2][kBlocks];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = min(chunk0 + s + h * kTile + g, a.tokens - 1);
+      const uint4* px = reinterpret_cast<const uint4*>(a.x + t * a.k + k0);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
+    }
+    // c[h] = rows (g, g + 8) x tokens (2q, 2q + 1) of tile h.
+    float c[2][4] = {};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float* in = mine + (s + h * kTile + 2 * q) * kRows + g;
+      if (resume) {
+        c[h][0] = in[0];
+        c[h][1] = in[kRows];
+        c[h][2] = in[kTile];
+        c[h][3] = in[kRows + kTile];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+      mma_block(c[0], lo[b], hi[b], xv[0][b]);
+      mma_block(c[1], lo[b], hi[b], xv[1][b]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* const out = mine + (s + h * kTile + 2 * q) * kRows + g;
+      out[0] = c[h][0];
+      out[kRows] = c[h][1];
+      out[kTile] = c[h][2];
+      out[kRows + kTile] = c[h][3];
+    }
+  }
+}
+
+// The warp's sums of rows row0 .. row0 + 15 over its K part `part` for tokens chunk0 ..
+// chunk0 + chunk - 1, into its slab of partial f32[warps][chunk_pad][16] (token-major, row
+// fastest). kStaged: a.stages stages of kBlocks blocks (a separate instantiation, so that the
+// one-stage kernels keep their registers). Programmatic dependent launch: the first stage's
+// weights (model parameters, not written by the preceding kernel) are loaded before
+// pdl_wait(); x is read after it.
+template <int kBlocks, bool kStaged>
 __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t row0, int part,
                                         int64_t chunk0, int chunk) {
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int g = lane / 4, q = lane % 4;
-  const int64_t span = int64_t{a.stages} * kBlocks * kBlockK;
+  const int64_t stage_k = kBlocks * kBlockK;
+  const int64_t k0 = part * (kStaged ? a.stages * stage_k : stage_k) + 8 * q;
   float* const mine = partial + warp * a.chunk_pad * kRows;
+  uint4 lo[kBlocks], hi[kBlocks];
+  load_weights(lo, hi, a, row0, k0, g);
+  pdl_wait();
+  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+  accumulate(a, mine, lo, hi, k0, chunk0, chunk, false);
+  if constexpr (kStaged) {
 #pragma unroll 1
-  for (int stage = 0; stage < a.stages; ++stage) {
-    const int64_t k0 = part * span + stage * (kBlocks * kBlockK) + 8 * q;
-    uint4 lo[kBlocks], hi[kBlocks];
-    const uint16_t* w_lo = a.w + (row0 + g) * a.k + k0;
-    const uint16_t* w_hi = w_lo + kTile * a.k;
-#pragma unroll
-    for (int b = 0; b < kBlocks; ++b) {
-      lo[b] = load_weight(w_lo + b * kBlockK);
-      hi[b] = load_weight(w_hi + b * kBlockK);
-    }
-    if (stage == 0) {
-      pdl_wait();
-      pdl_launch_dependents();  // dependents still wait for this grid's completion to read
-    }
-#pragma unroll 1
-    for (int s = 0; s < chunk; s += kStep) {
-      // Tokens past the end repeat the last one; their sums are not stored.
-      uint4 xv[2][kBlocks];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t t = min(chunk0 + s + h * kTile + g, a.tokens - 1);
-        const uint4* px = reinterpret_cast<const uint4*>(a.x + t * a.k + k0);
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
-      }
-      // c[h] = rows (g, g + 8) x tokens (2q, 2q + 1) of tile h; a later stage resumes the
-      // accumulators this thread stored.
-      float* out[2];
-      float c[2][4] = {};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        out[h] = mine + (s + h * kTile + 2 * q) * kRows + g;
-        if (stage > 0)
-          c[h][0] = out[h][0], c[h][1] = out[h][kRows], c[h][2] = out[h][kTile],
-          c[h][3] = out[h][kRows + kTile];
-      }
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-        mma_block(c[0], lo[b], hi[b], xv[0][b]);
-        mma_block(c[1], lo[b], hi[b], xv[1][b]);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        out[h][0] = c[h][0];
-        out[h][kRows] = c[h][1];
-        out[h][kTile] = c[h][2];
-        out[h][kRows + kTile] = c[h][3];
-      }
+    for (int stage = 1; stage < a.stages; ++stage) {
+      load_weights(lo, hi, a, row0, k0 + stage * stage_k, g);
+      accumulate(a, mine, lo, hi, k0 + stage * stage_k, chunk0, chunk, true);
     }
   }
 }
@@ -198,17 +221,19 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
                               static_cast<int>(smem));
 }
 
-// The kernel template Pick<kBlocks>::kernel for kBlocks in 1..kMaxBlocks.
-template <typename Kernel, template <int> class Pick, int... kBlocks>
-Kernel pick_blocks(int blocks, std::integer_sequence<int, kBlocks...>) {
+// The kernel Pick<kBlocks, kStaged>::kernel for a tiling: one stage of 1..kMaxBlocks blocks,
+// or stages of kMaxBlocks.
+template <typename Kernel, template <int, bool> class Pick, int... kBlocks>
+Kernel pick_kernel(Staging st, std::integer_sequence<int, kBlocks...>) {
+  if (st.stages > 1) return Pick<kMaxBlocks, true>::kernel;
   Kernel kernel = nullptr;
-  ((kernel = blocks == kBlocks + 1 ? Pick<kBlocks + 1>::kernel : kernel), ...);
+  ((kernel = st.blocks == kBlocks + 1 ? Pick<kBlocks + 1, false>::kernel : kernel), ...);
   return kernel;
 }
 
-template <typename Kernel, template <int> class Pick>
-Kernel pick_blocks(int blocks) {
-  return pick_blocks<Kernel, Pick>(blocks, std::make_integer_sequence<int, kMaxBlocks>());
+template <typename Kernel, template <int, bool> class Pick>
+Kernel pick_kernel(Staging st) {
+  return pick_kernel<Kernel, Pick>(st, std::make_integer_sequence<int, kMaxBlocks>());
 }
 
 }  // namespace gemm
