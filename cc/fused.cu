@@ -41,6 +41,7 @@ using gemm::kRows;
 
 constexpr int kKeyTiles = kKeyRows / kRows;    // key row tiles = CTAs per cluster
 constexpr int kAutoWarps = 8;                  // warps per CTA without a tactic
+constexpr int kRowBatch = 4;                   // q rows a warp loads at once
 
 static_assert(kKeyRows == kDim, "the key rows are the head dim");
 static_assert(kRows == 2 * kGroupDims, "a LayerNorm group is half a key row tile");
@@ -83,17 +84,29 @@ __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partia
   cluster.sync();  // keep this CTA's keys alive until the cluster has read them
 }
 
-// Head tile of heads head0 .. head0 + 15: a warp per (token, head) row.
+// Head tile of heads head0 .. head0 + 15: a warp per (token, head) row, kRowBatch rows' q
+// loaded before quantising them (loads in flight together; independent rows interleave).
 template <bool kBf16>
 __device__ __forceinline__ void head_tile(const FusedArgs& a, const float* partial, int32_t head0,
                                           int64_t chunk0, int chunk) {
   const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  for (int e = warp; e < chunk * kRows; e += warps) {
-    const int64_t t = chunk0 + e / kRows;
-    const int32_t h = head0 + e % kRows;
-    const float w = gemm::warp_total(partial, a.gemm, warps, e);
-    query_row<kBf16>(a.q + (t * a.heads + h) * kDim, w, a.q_out, a.w_out, t * a.padded + h,
-                     a.scale, lane);
+  const int rows = chunk * kRows;  // e = (token, head) = (e / 16, e % 16), as in partial
+  for (int e0 = warp * kRowBatch; e0 < rows; e0 += warps * kRowBatch) {
+    uint2 q[kRowBatch];
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) {
+      const int e = e0 + i;
+      if (e < rows)
+        q[i] = load_query(a.q + ((chunk0 + e / kRows) * a.heads + head0 + e % kRows) * kDim, lane);
+    }
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) {
+      const int e = e0 + i;
+      if (e >= rows) break;
+      const float w = gemm::warp_total(partial, a.gemm, warps, e);
+      query_row<kBf16>(q[i], w, a.q_out, a.w_out, (chunk0 + e / kRows) * a.padded + head0 +
+                       e % kRows, a.scale, lane);
+    }
   }
   if (head0 != 0) return;
   const int spare = a.padded - a.heads;

@@ -52,7 +52,7 @@ __device__ __forceinline__ void head_row(const QueryArgs& a, int64_t row, int la
   }
   const int64_t src = t * a.heads + h;
   const float w = lane == 0 ? __ldg(a.weights + src) : 0.0f;
-  query_row<kBf16>(a.q + src * kDim, w, a.q_out, a.w_out, row, a.scale, lane);
+  query_row<kBf16>(load_query(a.q + src * kDim, lane), w, a.q_out, a.w_out, row, a.scale, lane);
 }
 
 // Key LayerNorm of token 2 pair + (lane / 16); a half past the last token loads and stores

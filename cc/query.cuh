@@ -48,13 +48,18 @@ __device__ __forceinline__ void store_weight(void* w_out, int64_t row, float val
     static_cast<float*>(w_out)[row] = value;
 }
 
+// The lane's 8 bytes (dims 4 lane .. 4 lane + 3) of a head's q bf16[128].
+__device__ __forceinline__ uint2 load_query(const uint16_t* q, int lane) {
+  return __ldg(reinterpret_cast<const uint2*>(q) + lane);
+}
+
 // Row `row` of q_fp8 (e4m3[M, padded, 128] as 32 words per row) and w_out from the head's q
-// bf16[128] and weight w (used by lane 0). The whole warp must be converged.
+// (the lane's load_query words) and weight w (used by lane 0). The whole warp must be converged.
 template <bool kBf16>
-__device__ __forceinline__ void query_row(const uint16_t* q, float w, uint32_t* q_out,
-                                          void* w_out, int64_t row, float scale, int lane) {
+__device__ __forceinline__ void query_row(uint2 q, float w, uint32_t* q_out, void* w_out,
+                                          int64_t row, float scale, int lane) {
   float x[kPerLane];
-  widen4(__ldg(reinterpret_cast<const uint2*>(q) + lane), x);
+  widen4(q, x);
   hadamard128(x, lane);
   const float q_scale = pow2_scale(scale_exponent(plain_scale(normalise_amax(x))));
   q_out[row * kLanes + lane] = quantise4(x, q_scale);
