@@ -170,10 +170,9 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
     return fail("q must be bf16[M, H, 128] with H % 16 == 0");
   const auto cd = w_cat.dimensions();
   if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
-  if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
-    return fail("norm_weight and norm_bias must be f32[128]");
   int64_t padded = 0;
-  const std::string bad = check_query_results(q_out, w_out, tokens, heads, padded);
+  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, tokens, heads,
+                                                padded);
   if (!bad.empty()) return fail(bad);
   const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
   const auto kd = key->dimensions(), gd = gate->dimensions();

@@ -97,10 +97,9 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
   if (kd[0] != tokens || kd[1] != kDim) return fail("key_raw must be bf16[M, 128]");
   const auto wd = weights.dimensions();
   if (wd[0] != tokens || wd[1] != heads) return fail("weights must be f32[M, H]");
-  if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
-    return fail("norm_weight and norm_bias must be f32[128]");
   int64_t padded = 0;
-  const std::string bad = check_query_results(q_out, w_out, tokens, heads, padded);
+  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, tokens, heads,
+                                                padded);
   if (!bad.empty()) return fail(bad);
   const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
   const auto kod = key_out->dimensions();

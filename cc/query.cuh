@@ -133,11 +133,15 @@ __device__ __forceinline__ uint4 layernorm_group(uint4 raw, const float* norm_we
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// Checks the results q_fp8 e4m3[M, padded >= H, 128] and w_out f32 | bf16 [M, padded]:
-// sets `padded` and returns "", or says what is wrong.
-inline std::string check_query_results(ffi::Result<ffi::AnyBuffer>& q_out,
+// Checks the LayerNorm parameters f32[128] and the results q_fp8 e4m3[M, padded >= H, 128]
+// and w_out f32 | bf16 [M, padded]: sets `padded` and returns "", or says what is wrong.
+inline std::string check_query_buffers(ffi::BufferR1<ffi::F32>& norm_weight,
+                                       ffi::BufferR1<ffi::F32>& norm_bias,
+                                       ffi::Result<ffi::AnyBuffer>& q_out,
                                        ffi::Result<ffi::AnyBuffer>& w_out, int64_t tokens,
                                        int64_t heads, int64_t& padded) {
+  if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
+    return "norm_weight and norm_bias must be f32[128]";
   // e4m3 has no native C++ type in the FFI headers: q_fp8 is bound as an AnyBuffer.
   const auto od = q_out->dimensions();
   if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != tokens ||
