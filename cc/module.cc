@@ -22,6 +22,7 @@ NB_MODULE(_glm5_cuda, m) {
     targets["glm5_expand_and_remap"] = capsule(Glm5ExpandAndRemap);
     targets["glm5_kpool_update"] = capsule(Glm5KpoolUpdate);
     targets["glm5_indexer_projection"] = capsule(Glm5IndexerProjection);
+    targets["glm5_indexer_projection_fused"] = capsule(Glm5IndexerProjectionFused);
     targets["glm5_indexer_query"] = capsule(Glm5IndexerQuery);
     targets["glm5_upcast_logits"] = capsule(Glm5UpcastLogits);
     return targets;

@@ -19,6 +19,7 @@ KERNEL_TARGETS = {
     "kpool_update": "glm5_kpool_update",
     "indexer_projection": "glm5_indexer_projection",
     "indexer_query": "glm5_indexer_query",
+    "indexer_projection_fused": "glm5_indexer_projection_fused",
     "upcast_logits": "glm5_upcast_logits",
 }
 
@@ -29,6 +30,7 @@ KERNEL_DEFAULT_OFF = {
     "expand_pools": "XLA's fusion is as fast or faster up to 64 rows",
     "indexer_projection": ("slower than XLA's GEMM at M = 1 and M = 64; 1.1-1.4x faster "
                            "only at M 8-16 (H200 tactic sweep, BENCHMARKS.md)"),
+    "indexer_projection_fused": "not yet verified on the H200",
 }
 
 try:

@@ -38,24 +38,30 @@ def _query_shapes(op, q, weights, norm_weight, norm_bias, m, heads, scale, eps,
           ((m, DIM), BF16)]
 
 
-# The kernel's tiling (cc/projection.cu): 16 weight rows per CTA; a warp holds
-# 1..MAX_BLOCKS blocks of 32 K of its rows in registers; (warps, split) = warps per CTA
-# and CTAs per cluster splitting K.
+# The kernels' tiling (cc/projection.cuh): 16 weight rows per CTA; (warps, split) = warps
+# per CTA and CTAs per cluster splitting K; a warp's span of K is 1..MAX_BLOCKS blocks of
+# 32 held in registers, or whole stages of MAX_BLOCKS blocks.
 TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT = 16, 32, 8, 8, 8
 AUTO_K = 1024           # K % AUTO_K == 0, K <= 8 * AUTO_K: the built-in tactic table tiles K
+FUSED_WARPS = 8         # the fused kernel's warps without a tactic (split is always 1)
 
 
-def _check_tactic(op, tactic, k):
-  """An explicit (warps, split) must tile K into 1..MAX_BLOCKS blocks per warp."""
+def _tiles(k, warps, split):
+  """Whether (warps, split) tiles K (cc/projection.cuh tile_k)."""
+  blocks, rest = divmod(k, BLOCK_K * warps * split)
+  return not rest and (1 <= blocks <= MAX_BLOCKS or blocks % MAX_BLOCKS == 0 < blocks)
+
+
+def _check_tactic(op, tactic, k, max_split=MAX_SPLIT):
+  """An explicit (warps, split) must tile K."""
   if tactic is None:
     return
   warps, split = tactic
-  if not (1 <= warps <= MAX_WARPS and 1 <= split <= MAX_SPLIT):
-    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split 1..{MAX_SPLIT}), got {tactic}")
-  blocks, rest = divmod(k, BLOCK_K * warps * split)
-  if rest or not 1 <= blocks <= MAX_BLOCKS:
+  if not (1 <= warps <= MAX_WARPS and 1 <= split <= max_split):
+    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split 1..{max_split}), got {tactic}")
+  if not _tiles(k, warps, split):
     fail(op, "tactic", f"{tactic} does not tile K = {k}: K must be 32 * warps * split * "
-         f"blocks with blocks in 1..{MAX_BLOCKS}")
+         f"blocks with blocks in 1..{MAX_BLOCKS} or a multiple of {MAX_BLOCKS}")
 
 
 def _projection_op_shapes(x, w_cat, *, heads, tactic):
@@ -110,16 +116,34 @@ _query = Op("indexer_query", ref.indexer_query, _query_op_shapes,
 
 
 def _fused_shapes(x, w_cat, q, norm_weight, norm_bias, *, heads, scale, eps, padded,
-                  weights_dtype):
+                  weights_dtype, tactic):
   op = "indexer_projection_fused"
   key, _, gate = _projection_shapes(op, x, w_cat, heads)
   q_fp8, w_out, _ = _query_shapes(op, q, None, norm_weight, norm_bias, x.shape[0],
                                   heads, scale, eps, padded, weights_dtype)
+  _check_tactic(op, tactic, x.shape[1], max_split=1)
   return [q_fp8, w_out, key, gate]
 
 
-_fused = Op("indexer_projection_fused", ref.indexer_projection_fused, _fused_shapes,
-            rows=((0, None, 0, None, None), (0, 0, 0, 0)))
+def _fused_kernel_supports(x, w_cat, q, norm_weight, norm_bias, *, heads, tactic, **params):
+  """Whole 16-row tiles (H % 16 == 0) and a K that (FUSED_WARPS, 1) tiles (an explicit
+  tactic is checked at trace time)."""
+  return heads % TILE_ROWS == 0 and (tactic is not None or _tiles(x.shape[1], FUSED_WARPS, 1))
+
+
+def _fused_attributes(*, heads, tactic, **query_params):
+  """indexer_query's attributes and the kernel's Attr<int32_t> warps (0 = FUSED_WARPS);
+  heads comes from q's shape."""
+  return dict(_query_attributes(**query_params),
+              warps=np.int32(0 if tactic is None else tactic[0]))
+
+
+_fused = Op(
+    "indexer_projection_fused",
+    lambda *args, tactic, **params: ref.indexer_projection_fused(*args, **params),
+    _fused_shapes, rows=((0, None, 0, None, None), (0, 0, 0, 0)),
+    attributes=_fused_attributes, kernel_supports=_fused_kernel_supports,
+    kernel_limits="heads % 16 == 0, K = 256 * blocks with blocks in 1..8 or a multiple of 8")
 
 
 def indexer_projection(x, w_cat, *, heads, tactic=None):
@@ -152,7 +176,17 @@ def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-
 
 
 def indexer_projection_fused(x, w_cat, q, norm_weight, norm_bias, *, heads, scale,
-                             eps=1e-6, padded=None, weights_dtype=jnp.float32):
-  """indexer_projection + indexer_query in one op: (q_fp8, w_out, key, gate)."""
+                             eps=1e-6, padded=None, weights_dtype=jnp.float32, tactic=None):
+  """indexer_projection + indexer_query in one op: (q_fp8 e4m3[M, padded, 128],
+  w_out[M, padded], key bf16[M, 128], gate bf16[M, 128]).
+
+  The CUDA kernel takes heads % 16 == 0 and K = 256 * blocks (blocks 1..8 or a
+  multiple of 8; other shapes run the reference) and splits K over the warps of a
+  CTA only. tactic: None (8 warps) or (warps, 1); its outputs are bit-identical to
+  indexer_projection(tactic=(warps, 1)) followed by indexer_query's kernel. As for
+  indexer_projection, w_cat is read before the preceding kernel has finished (PDL).
+  """
   params = _query_params(scale, eps, padded, heads, weights_dtype)
-  return tuple(_fused(x, w_cat, q, norm_weight, norm_bias, heads=int(heads), **params))
+  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  return tuple(_fused(x, w_cat, q, norm_weight, norm_bias, heads=int(heads), tactic=tactic,
+                      **params))

@@ -114,7 +114,7 @@ def _query_args(rng):
 
 
 def _fused_args(rng):
-  return _projection_args(rng, HEADS, 256) + (bf16(rng, 3, HEADS, 128),) + _norm(rng)
+  return _projection_args(rng) + (bf16(rng, 3, PROJECTION_HEADS, 128),) + _norm(rng)
 
 
 # Tolerance of the non-exact cases against the reference (the GEMM and einsum sum in
@@ -152,6 +152,7 @@ CASES = {
                                _projection_args, exact=False),
     "indexer_query": Case(P(glm5_jax.indexer_query, **_query), _query_args),
     "indexer_projection_fused": Case(
-        P(glm5_jax.indexer_projection_fused, heads=HEADS, **_query), _fused_args,
+        P(glm5_jax.indexer_projection_fused, heads=PROJECTION_HEADS, scale=2.0 ** -6,
+          padded=32), _fused_args,
         exact=False),
 }

@@ -521,6 +521,24 @@ def bits(x):
   return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
+def assert_same_bits(got, want, names, label):
+  """Each output of `got` bit-equal (same shape and dtype) to the same output of `want`."""
+  for g, w, name in zip(got, want, names, strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype, (label, name, g.shape, w.shape)
+    np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{label}: {name} bits")
+
+
+def compare_key(got, want, label):
+  """SPEC D2's key LayerNorm rule: got within 1 bf16 ulp of want, NaN where want is NaN;
+  returns (mismatches, total)."""
+  g, w = np.asarray(got), np.asarray(want)
+  gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+  np.testing.assert_array_equal(gn, wn, err_msg=f"{label}: key NaN positions")
+  diff = np.abs(bf16_rank(g[~gn]) - bf16_rank(w[~wn]))
+  assert diff.size == 0 or diff.max() <= 1, f"{label}: key off by {diff.max()} bf16 ulp"
+  return int(np.count_nonzero(diff)), int(diff.size)
+
+
 def e4m3_rank(codes):
   """Signed ordinal of e4m3 codes: adjacent values differ by 1, +0 and -0 are 0."""
   c = np.asarray(codes, np.uint8).astype(np.int32)

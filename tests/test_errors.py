@@ -96,7 +96,8 @@ BAD_PARAMS = [
     ("indexer_projection_fused", dict(heads=5), "w_cat must have shape"),
     ("indexer_projection", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
     ("indexer_projection", dict(tactic=(4, 3)), "tactic .* does not tile K = 1024"),
-    ("indexer_projection", dict(tactic=(1, 1)), "tactic .* does not tile K = 1024"),
+    ("indexer_projection_fused", dict(tactic=(8, 2)), r"tactic must be \(warps 1..8, split 1..1\)"),
+    ("indexer_projection_fused", dict(tactic=(3, 1)), "tactic .* does not tile K = 1024"),
 ]
 
 

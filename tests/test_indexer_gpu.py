@@ -65,14 +65,6 @@ def _params(heads, padded, wdtype):
   return dict(scale=_scale(heads), eps=EPS, padded=padded, weights_dtype=wdtype)
 
 
-def _compare_key(got, want, label):
-  """Within 1 bf16 ulp, NaN where the reference is NaN; returns (mismatches, total)."""
-  g, w = np.asarray(got), np.asarray(want)
-  gn, wn = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
-  np.testing.assert_array_equal(gn, wn, err_msg=f"{label}: key NaN positions")
-  diff = np.abs(O.bf16_rank(g[~gn]) - O.bf16_rank(w[~wn]))
-  assert diff.size == 0 or diff.max() <= 1, f"{label}: key off by {diff.max()} bf16 ulp"
-  return int(np.count_nonzero(diff)), int(diff.size)
 
 
 # --------------------------------------------------------------------------- (a)
@@ -103,7 +95,7 @@ def test_kernel_matches_reference(m, heads, padded, wdtype):
     np.testing.assert_array_equal(O.bits(q8), O.bits(wq8), err_msg=f"{label}: q_fp8 bytes")
     np.testing.assert_array_equal(O.bits(w_out), O.bits(ww), err_msg=f"{label}: w_out bits")
     assert not O.bits(q8)[:, heads:].any() and not O.bits(w_out)[:, heads:].any(), label
-    b, t = _compare_key(key, wkey, label)
+    b, t = O.compare_key(key, wkey, label)
     bad, total = bad + b, total + t
   STATS["key_bad"] += bad
   STATS["key_total"] += total
@@ -141,7 +133,7 @@ def test_vmap_folds_into_rows():
         *c[:3], calls[0][3], calls[0][4])
     np.testing.assert_array_equal(O.bits(q8[i]), O.bits(wq8))
     np.testing.assert_array_equal(O.bits(w_out[i]), O.bits(ww))
-    _compare_key(key[i], wkey, f"vmap {i}")
+    O.compare_key(key[i], wkey, f"vmap {i}")
 
 
 @pytest.mark.parametrize("heads,padded", [(32, 32), (16, 32)])

@@ -1,6 +1,7 @@
 """The CUDA lowering of every op, checked on any machine with
 jax.export(platforms=["cuda"]): FFI target names, operand/output aliasing of
 the in-place caches, donation, and the GLM5_JAX_KERNELS switch."""
+import functools
 import re
 
 import numpy as np
@@ -65,22 +66,45 @@ def test_remap_kernel_only_for_supported_shapes(groups, kernel, monkeypatch):
   assert custom_calls(cuda_module(batched, stacked)) == want
 
 
-@pytest.mark.parametrize("heads,k,tactic,kernel", [
-    (16, 1024, None, True), (32, 4096, None, True), (64, 6144, None, True),
-    (32, 8192, None, True), (32, 4096, (4, 4), True), (32, 512, (1, 2), True),
-    (4, 1024, None, False), (24, 4096, None, False), (32, 512, None, False),
-    (32, 1536, None, False), (32, 9216, None, False)])
-def test_projection_kernel_only_for_supported_shapes(heads, k, tactic, kernel, monkeypatch):
+def _projection_call(op, heads, k, tactic):
+  """(fn, args, vmap in_axes) of `op` on 3 tokens: indexer_projection or its fused form."""
+  x, w_cat = np.zeros((3, k), jnp.bfloat16), np.zeros((256 + heads, k), jnp.bfloat16)
+  if op == "indexer_projection":
+    return (lambda *a: glm5_jax.indexer_projection(*a, heads=heads, tactic=tactic),
+            (x, w_cat), (0, None))
+  fn = lambda *a: glm5_jax.indexer_projection_fused(*a, heads=heads, scale=0.1, padded=64,
+                                                    tactic=tactic)
+  norm = np.zeros(128, np.float32)
+  return fn, (x, w_cat, np.zeros((3, heads, 128), jnp.bfloat16), norm, norm), (0, None, 0,
+                                                                                None, None)
+
+
+@pytest.mark.parametrize("op,heads,k,tactic,kernel", [
+    ("indexer_projection", 16, 1024, None, True), ("indexer_projection", 32, 4096, None, True),
+    ("indexer_projection", 64, 6144, None, True), ("indexer_projection", 32, 8192, None, True),
+    ("indexer_projection", 32, 4096, (4, 4), True), ("indexer_projection", 32, 512, (1, 2), True),
+    ("indexer_projection", 32, 6144, (8, 1), True), ("indexer_projection", 4, 1024, None, False),
+    ("indexer_projection", 24, 4096, None, False), ("indexer_projection", 32, 512, None, False),
+    ("indexer_projection", 32, 1536, None, False), ("indexer_projection", 32, 9216, None, False),
+    ("indexer_projection_fused", 16, 4096, None, True),
+    ("indexer_projection_fused", 64, 6144, None, True),
+    ("indexer_projection_fused", 32, 512, None, True),
+    ("indexer_projection_fused", 32, 4096, (2, 1), True),
+    ("indexer_projection_fused", 24, 4096, None, False),
+    ("indexer_projection_fused", 32, 1000, None, False),
+    ("indexer_projection_fused", 32, 2304, None, False),
+    ("indexer_projection_fused", 32, 9216, None, False)])
+def test_projection_kernel_only_for_supported_shapes(op, heads, k, tactic, kernel, monkeypatch):
   """indexer_projection's kernel needs H % 16 == 0 and, with the built-in tactic table,
-  K % 1024 == 0, K <= 8192 (an explicit tactic only has to tile K); other shapes lower to
-  the reference (no FFI call), also under vmap."""
-  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_projection=1")
-  args = (np.zeros((3, k), jnp.bfloat16), np.zeros((256 + heads, k), jnp.bfloat16))
-  fn = lambda *a: glm5_jax.indexer_projection(*a, heads=heads, tactic=tactic)
-  want = ["glm5_indexer_projection"] if kernel else []
+  K % 1024 == 0, K <= 8192; the fused kernel H % 16 == 0 and K = 256 * blocks (8 warps,
+  blocks 1..8 or a multiple of 8); an explicit tactic only has to tile K. Other shapes lower
+  to the reference (no FFI call), also under vmap."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", f"{op}=1")
+  fn, args, axes = _projection_call(op, heads, k, tactic)
+  want = [f"glm5_{op}"] if kernel else []
   assert custom_calls(cuda_module(fn, args)) == want
-  batched = jax.vmap(fn, in_axes=(0, None))
-  assert custom_calls(cuda_module(batched, (np.stack([args[0]] * 2), args[1]))) == want
+  stacked = tuple(a if ax is None else np.stack([a] * 2) for a, ax in zip(args, axes))
+  assert custom_calls(cuda_module(jax.vmap(fn, in_axes=axes), stacked)) == want
 
 
 @pytest.mark.parametrize("switch", ["0", "kpool_update=0", "1,kpool_update=0"])
@@ -135,18 +159,22 @@ def test_kpool_update_scale_attributes(scale_format, round_scale, ue8m0, monkeyp
       f"round_scale = {str(round_scale).lower()}", f"ue8m0 = {ue8m0}"]
 
 
+@pytest.mark.parametrize("op", ["indexer_query", "indexer_projection_fused"])
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
-def test_indexer_query_attributes(wdtype, monkeypatch):
-  """scale and eps reach glm5_indexer_query as the f32 attributes its handler binds;
-  padded and the weights dtype are only in the result types."""
-  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_query=1")
-  case = CASES["indexer_query"]
-  fn = lambda *a: glm5_jax.indexer_query(*a, scale=0.1, eps=1e-5, padded=40,
-                                         weights_dtype=wdtype)
+def test_indexer_query_attributes(op, wdtype, monkeypatch):
+  """scale and eps reach glm5_indexer_query (and the fused kernel) as the f32 attributes
+  its handler binds; padded and the weights dtype are only in the result types."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", f"{op}=1")
+  case = CASES[op]
+  params = dict(scale=0.1, eps=1e-5, padded=40, weights_dtype=wdtype)
+  if op == "indexer_projection_fused":
+    params["heads"] = case.fn.keywords["heads"]
+  fn = lambda *a: getattr(glm5_jax, op)(*a, **params)
   text = cuda_module(fn, case.make(np.random.default_rng(0)))
-  call = text[text.index("stablehlo.custom_call @glm5_indexer_query"):].split("\n")[0]
+  call = text[text.index(f"stablehlo.custom_call @glm5_{op}"):].split("\n")[0]
   attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
   parsed = dict(a.strip().split(" = ") for a in attrs.split(","))
+  parsed.pop("warps", None)            # the fused kernel's tactic: test_projection_attributes
   assert set(parsed) == {"eps", "scale"}
   for name, value in (("eps", 1e-5), ("scale", 0.1)):
     number, _, typ = parsed[name].partition(" : ")
@@ -155,16 +183,22 @@ def test_indexer_query_attributes(wdtype, monkeypatch):
   assert f"tensor<3x40x{bf}>" in call and "tensor<3x40x128xf8E4M3FN>" in call, call
 
 
-@pytest.mark.parametrize("tactic,warps,split", [(None, 0, 0), ((2, 4), 2, 4), ([8, 1], 8, 1)])
-def test_indexer_projection_attributes(tactic, warps, split, monkeypatch):
+@pytest.mark.parametrize("op,tactic,expected", [
+    ("indexer_projection", None, dict(warps=0, split=0)),
+    ("indexer_projection", (2, 4), dict(warps=2, split=4)),
+    ("indexer_projection", [8, 1], dict(warps=8, split=1)),
+    ("indexer_projection_fused", None, dict(warps=0)),
+    ("indexer_projection_fused", (4, 1), dict(warps=4))])
+def test_projection_attributes(op, tactic, expected, monkeypatch):
   """The tactic reaches glm5_indexer_projection as the i32 attributes warps and split its
-  handler binds (0, 0 = the kernel's table); heads is only in the result types."""
-  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_projection=1")
-  case = CASES["indexer_projection"]
-  fn = lambda *a: glm5_jax.indexer_projection(*a, heads=16, tactic=tactic)
+  handler binds (0, 0 = the kernel's table), the fused kernel as warps (0 = 8; split is 1);
+  heads is only in the shapes."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", f"{op}=1")
+  case = CASES[op]
+  fn = functools.partial(case.fn, tactic=tactic)
   text = cuda_module(fn, case.make(np.random.default_rng(0)))
-  call = text[text.index("stablehlo.custom_call @glm5_indexer_projection"):].split("\n")[0]
+  call = text[text.index(f"stablehlo.custom_call @glm5_{op}"):].split("\n")[0]
   attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
-  assert sorted(a.strip() for a in attrs.split(",")) == [
-      f"split = {split} : i32", f"warps = {warps} : i32"]
-  assert "tensor<3x16xf32>" in call, call
+  ints = sorted(a.strip() for a in attrs.split(",") if a.strip().endswith(": i32"))
+  assert ints == sorted(f"{name} = {value} : i32" for name, value in expected.items())
+  assert "tensor<3x16x" in call, call

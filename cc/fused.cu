@@ -1,0 +1,242 @@
+// indexer_projection_fused (SPEC §1 + §2, the seed's `fused`): indexer_projection followed by
+// indexer_query in one launch: q_fp8 e4m3[M, padded, 128], w_out f32 | bf16 [M, padded],
+// key bf16[M, 128] (LayerNormed), gate bf16[M, 128].
+//
+// Grid (N / 16 row tiles padded to whole clusters of 8, 1, ceil(M / 128)), CTAs of `warps`
+// warps; tactic (warps, split 1): K is split over the warps only, so that the 8 key row tiles
+// fit one thread-block cluster. The row tiles, the K partition and the GEMM core
+// (projection.cuh) are glm5_indexer_projection's at tactic (warps, 1), so every key, head
+// weight and gate sum is bit-identical to it; the epilogue is indexer_query's arithmetic
+// (query.cuh), so all four outputs equal glm5_indexer_projection + glm5_indexer_query at that
+// tactic bit for bit. Roles by row tile, for the CTA's chunk of tokens:
+//   * tiles 0..7 (key rows 16j..16j+15, the first cluster): the bf16 key sums go to shared
+//     memory; after a cluster barrier, CTA j normalises token pairs j * warps + warp, ..., a
+//     half-warp per token whose lane g reads group g (dims 8g..8g+7) from CTA g / 2 over DSMEM.
+//   * head tiles (rows 128 + 16j ..): a warp per (token, head): its head weight sum, then the
+//     q row's Hadamard + FP8 and w_out; the first head tile also writes the padded heads.
+//   * gate tiles: bf16 gate; tiles past N (cluster padding) exit at once.
+// Programmatic dependent launch as in the projection: weights before pdl_wait(), x, q and the
+// LayerNorm parameters after it.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "handlers.h"
+#include "projection.cuh"
+#include "query.cuh"
+
+namespace glm5 {
+namespace {
+
+namespace cg = cooperative_groups;
+
+using gemm::Gemm;
+using gemm::kChunk;
+using gemm::kKeyRows;
+using gemm::kMaxWarps;
+using gemm::kRows;
+
+constexpr int kKeyTiles = kKeyRows / kRows;    // key row tiles = CTAs per cluster
+constexpr int kAutoWarps = 8;                  // warps per CTA without a tactic
+constexpr int kRowBatch = 4;                   // q rows a warp loads at once
+
+static_assert(kKeyRows == kDim, "the key rows are the head dim");
+static_assert(kRows == 2 * kGroupDims, "a LayerNorm group is half a key row tile");
+
+struct FusedArgs {
+  Gemm gemm;                  // x bf16[M, K], w bf16[256 + H, K]
+  const uint16_t* q;          // bf16[M, H, 128]
+  const float* norm_weight;   // f32[128]
+  const float* norm_bias;     // f32[128]
+  uint32_t* q_out;            // e4m3[M, padded, 128] as 32 words per row
+  void* w_out;                // f32 | bf16 [M, padded]
+  uint16_t* key;              // bf16[M, 128]
+  uint16_t* gate;             // bf16[M, 128]
+  int32_t heads;              // H
+  int32_t padded;             // padded >= H
+  float scale;
+  float eps;
+};
+
+// Key tile `tile` of the first cluster: bf16 sums into keys bf16[chunk_pad][16], then the
+// LayerNorm of the chunk's tokens over the cluster's 8 tiles.
+__device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partial, uint16_t* keys,
+                                         int tile, int64_t chunk0, int chunk) {
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  for (int e = threadIdx.x; e < chunk * kRows; e += blockDim.x)
+    keys[e] = gemm::bf16_bits(gemm::warp_total(partial, a.gemm, warps, e));
+  cluster.sync();
+  const int g = lane % kHalf;
+  for (int pair = tile * warps + warp; 2 * pair < chunk; pair += kKeyTiles * warps) {
+    const int t = 2 * pair + lane / kHalf;
+    const bool live = t < chunk;
+    // Group g = rows 8 (g % 2) .. of key tile g / 2 (cluster rank g / 2).
+    const uint4 raw = live ? *cluster.map_shared_rank(
+                                 reinterpret_cast<const uint4*>(keys + t * kRows) + g % 2, g / 2)
+                           : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
+    if (live) *(reinterpret_cast<uint4*>(a.key + (chunk0 + t) * kDim) + g) = y;
+  }
+  cluster.sync();  // keep this CTA's keys alive until the cluster has read them
+}
+
+// Head tile of heads head0 .. head0 + 15: a warp per (token, head) row, kRowBatch rows' q
+// loaded before quantising them (loads in flight together; independent rows interleave).
+template <bool kBf16>
+__device__ __forceinline__ void head_tile(const FusedArgs& a, const float* partial, int32_t head0,
+                                          int64_t chunk0, int chunk) {
+  const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int rows = chunk * kRows;  // e = (token, head) = (e / 16, e % 16), as in partial
+  for (int e0 = warp * kRowBatch; e0 < rows; e0 += warps * kRowBatch) {
+    uint2 q[kRowBatch];
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) {
+      const int e = e0 + i;
+      if (e < rows)
+        q[i] = load_query(a.q + ((chunk0 + e / kRows) * a.heads + head0 + e % kRows) * kDim, lane);
+    }
+#pragma unroll
+    for (int i = 0; i < kRowBatch; ++i) {
+      const int e = e0 + i;
+      if (e >= rows) break;
+      const float w = gemm::warp_total(partial, a.gemm, warps, e);
+      query_row<kBf16>(q[i], w, a.q_out, a.w_out, (chunk0 + e / kRows) * a.padded + head0 +
+                       e % kRows, a.scale, lane);
+    }
+  }
+  if (head0 != 0) return;
+  const int spare = a.padded - a.heads;
+  for (int64_t i = warp; i < int64_t{chunk} * spare; i += warps)
+    zero_row<kBf16>(a.q_out, a.w_out, (chunk0 + i / spare) * a.padded + a.heads + i % spare,
+                    lane);
+}
+
+// Dynamic shared memory: partial f32[warps][chunk_pad][16], then keys bf16[chunk_pad][16].
+template <int kBlocks, bool kStaged, bool kBf16>
+__global__ void __launch_bounds__(kMaxWarps * kLanes)
+    indexer_projection_fused_kernel(const FusedArgs a) {
+  extern __shared__ float partial[];
+  const int tile = blockIdx.x;
+  const int32_t row0 = tile * kRows;
+  if (row0 >= 2 * kKeyRows + a.heads) return;  // cluster padding (never in the key cluster)
+  const int warps = blockDim.x / kLanes;
+  const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
+  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
+  const int warp = threadIdx.x / kLanes;
+  gemm::project<kBlocks, kStaged>(a.gemm, partial, row0, warp, chunk0, chunk);
+  __syncthreads();
+
+  if (tile < kKeyTiles) {
+    key_tile(a, partial, reinterpret_cast<uint16_t*>(partial + warps * a.gemm.chunk_pad * kRows),
+             tile, chunk0, chunk);
+  } else if (row0 < kKeyRows + a.heads) {
+    head_tile<kBf16>(a, partial, row0 - kKeyRows, chunk0, chunk);
+  } else {
+    const int32_t col0 = row0 - kKeyRows - a.heads;
+    for (int e = threadIdx.x; e < chunk * kRows; e += blockDim.x)
+      a.gate[(chunk0 + e / kRows) * kKeyRows + col0 + e % kRows] =
+          gemm::bf16_bits(gemm::warp_total(partial, a.gemm, warps, e));
+  }
+}
+
+using Kernel = void (*)(FusedArgs);
+
+template <bool kBf16>
+struct Pick {
+  template <int kBlocks, bool kStaged>
+  struct Blocks {
+    static constexpr Kernel kernel = indexer_projection_fused_kernel<kBlocks, kStaged, kBf16>;
+  };
+};
+
+ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
+                     ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR3<ffi::BF16> q,
+                     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+                     ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+                     ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR2<ffi::BF16> gate,
+                     float scale, float eps, int32_t warps) {
+  auto fail = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("glm5_indexer_projection_fused: " + what);
+  };
+  const auto xd = x.dimensions();
+  const int64_t tokens = xd[0], k = xd[1];
+  const auto qd = q.dimensions();
+  const int64_t heads = qd[1];
+  if (qd[0] != tokens || qd[2] != kDim || heads <= 0 || heads % kRows != 0)
+    return fail("q must be bf16[M, H, 128] with H % 16 == 0");
+  const auto cd = w_cat.dimensions();
+  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
+  int64_t padded = 0;
+  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, tokens, heads,
+                                                padded);
+  if (!bad.empty()) return fail(bad);
+  const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
+  const auto kd = key->dimensions(), gd = gate->dimensions();
+  if (kd[0] != tokens || kd[1] != kKeyRows || gd[0] != tokens || gd[1] != kKeyRows)
+    return fail("key and gate results must be bf16[M, 128]");
+  if (warps == 0) warps = kAutoWarps;
+  if (warps < 1 || warps > kMaxWarps) return fail("attribute warps must be in 0..8 (0: automatic)");
+  const gemm::Staging st = gemm::tile_k(k, warps, 1);
+  if (st.blocks == 0) return fail(gemm::tiling_error(k, warps, 1));
+  if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16) ||
+      !aligned(q.untyped_data(), 8) || !aligned(norm_weight.untyped_data(), 16) ||
+      !aligned(norm_bias.untyped_data(), 16) || !aligned(q_out->untyped_data(), 4) ||
+      !aligned(key->untyped_data(), 16))
+    return fail("operand buffers are not aligned (x, w_cat, norm params, key 16 B; q 8 B; "
+                "q_fp8 4 B)");
+  if (tokens == 0) return ffi::Error::Success();
+  const int64_t chunks = (tokens + kChunk - 1) / kChunk;
+  if (chunks > 65535) return fail("too many tokens for one grid");
+
+  FusedArgs args;
+  args.gemm = gemm::make_gemm(x.untyped_data(), w_cat.untyped_data(), tokens, k, st.stages);
+  args.q = reinterpret_cast<const uint16_t*>(q.untyped_data());
+  args.norm_weight = norm_weight.typed_data();
+  args.norm_bias = norm_bias.typed_data();
+  args.q_out = reinterpret_cast<uint32_t*>(q_out->untyped_data());
+  args.w_out = w_out->untyped_data();
+  args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
+  args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
+  args.heads = static_cast<int32_t>(heads);
+  args.padded = static_cast<int32_t>(padded);
+  args.scale = scale;
+  args.eps = eps;
+
+  const Kernel kernel = bf16_weights
+                            ? gemm::pick_kernel<Kernel, Pick<true>::Blocks>(st)
+                            : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(st);
+  const size_t smem = gemm::partial_bytes(args.gemm, warps) +
+                      sizeof(uint16_t) * args.gemm.chunk_pad * kRows;
+  if (cudaError_t err = gemm::allow_smem(kernel, smem); err != cudaSuccess)
+    return cuda_status("glm5_indexer_projection_fused", err);
+  const int64_t tiles = cd[0] / kRows;
+  const dim3 grid(static_cast<unsigned>((tiles + kKeyTiles - 1) / kKeyTiles * kKeyTiles), 1,
+                  static_cast<unsigned>(chunks));
+  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kLanes), smem, stream,
+                                   /*pdl=*/true, static_cast<unsigned>(kKeyTiles), args);
+  return cuda_status("glm5_indexer_projection_fused", err);
+}
+
+}  // namespace
+}  // namespace glm5
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::FusedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::BF16>>()        // x
+                                  .Arg<ffi::BufferR2<ffi::BF16>>()        // w_cat
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()        // q
+                                  .Arg<ffi::BufferR1<ffi::F32>>()         // norm_weight
+                                  .Arg<ffi::BufferR1<ffi::F32>>()         // norm_bias
+                                  .Ret<ffi::AnyBuffer>()                  // q_fp8 (e4m3)
+                                  .Ret<ffi::AnyBuffer>()                  // w_out (f32 | bf16)
+                                  .Ret<ffi::BufferR2<ffi::BF16>>()        // key
+                                  .Ret<ffi::BufferR2<ffi::BF16>>()        // gate
+                                  .Attr<float>("scale")
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("warps"),
+                              {ffi::Traits::kCmdBufferCompatible});
