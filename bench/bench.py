@@ -28,6 +28,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -472,12 +473,79 @@ TRITON_CALLS = {
         f[0], a[2], T.expand(a[0], a[1], seq_offset=1, width=WIDTH), block_size=BLOCK,
         stride_rows=BLOCK)),
     "upcast_logits": lambda T, st, f, a: (st, (T.upcast(*a),)),
+    "indexer_query": lambda T, st, f, a: (st, stock_query(T, *a, *f)),
+    "indexer_projection_fused": lambda T, st, f, a: (st, stock_prologue(T, *a, *f)),
 }
 TRITON_CHECK = {"expand_and_remap": _compact}     # outputs -> the kernel's layout
 
-# op -> Case.call of the op written with Pallas (bench/pallas_ops.py).
-PALLAS_CALLS = {
-    "upcast_logits": lambda st, f, a: (st, (pallas_ops.upcast_logits(*a),)),
+
+def stock_query(T, q, key_raw, weights, norm_weight, norm_bias):
+  """The stock order of indexer_query (H = padded): torch's LayerNorm of the key,
+  the Triton oracle's Hadamard + FP8 (the stock op's own kernel takes 4.9-5.9 µs, SPEC D6)."""
+  import torch.nn.functional as F
+  codes, w_out = T.query(q, weights, CONFIG.scale)
+  key = F.layer_norm(key_raw.float(), (DIM,), norm_weight, norm_bias, CONFIG.eps)
+  return codes, w_out, key.to(key_raw.dtype)
+
+
+def stock_prologue(T, x, w_cat, q, norm_weight, norm_bias):
+  """The stock order of indexer_projection_fused: one cuBLAS GEMM of the concatenated
+  weights (bf16 out, as the stock linear layers), then stock_query."""
+  y = x @ w_cat.T
+  key_raw, weights, gate = y[:, :DIM], y[:, DIM:DIM + HEADS].float(), y[:, DIM + HEADS:]
+  return (*stock_query(T, q, key_raw.contiguous(), weights.contiguous(), norm_weight,
+                       norm_bias), gate.contiguous())
+
+
+# ------------------------------------------------- other ways to write an op in JAX
+
+def three_dots(x, w_cat):
+  """indexer_projection as a JAX user would write it from the model: three dots."""
+  dot = lambda w: jnp.dot(x, w.T, preferred_element_type=F32)
+  key, weights, gate = (dot(w_cat[:DIM]), dot(w_cat[DIM:DIM + HEADS]),
+                        dot(w_cat[DIM + HEADS:]))
+  return key.astype(BF16), weights, gate.astype(BF16)
+
+
+def unfused(x, w_cat, q, norm_weight, norm_bias, projection=None, query=None):
+  """indexer_projection_fused as indexer_projection then indexer_query (the public ops
+  unless given)."""
+  projection = projection or functools.partial(glm5_jax.indexer_projection, heads=HEADS)
+  query = query or glm5_jax.indexer_query
+  key_raw, weights, gate = projection(x, w_cat)
+  return (*query(q, key_raw, weights, norm_weight, norm_bias, scale=CONFIG.scale,
+                 padded=PADDED), gate)
+
+
+class Alternative(NamedTuple):
+  """The op written another way: lowered with GLM5_JAX_KERNELS=`kernels`, it must call
+  exactly the FFI targets `targets`; call as Case.call."""
+  kernels: str
+  targets: tuple
+  call: Callable
+
+
+PALLAS = "pallas"
+THREE_DOTS = "reference, three dots"
+TWO_KERNELS = "projection + query kernels"
+GEMM_QUERY = "XLA GEMM + query kernel"
+_QUERY = _ffi.KERNEL_TARGETS["indexer_query"]
+
+# op -> {variant: Alternative}
+ALTERNATIVES = {
+    "upcast_logits": {
+        PALLAS: Alternative("0", (), lambda st, f, a: (st, (pallas_ops.upcast_logits(*a),)))},
+    "indexer_projection": {
+        THREE_DOTS: Alternative("0", (), lambda st, f, a: (st, three_dots(*a)))},
+    "indexer_projection_fused": {
+        THREE_DOTS: Alternative("0", (), lambda st, f, a: (st, unfused(
+            *a, *f, projection=three_dots, query=glm5_jax.reference.indexer_query))),
+        TWO_KERNELS: Alternative(
+            "0,indexer_projection=1,indexer_query=1",
+            (_ffi.KERNEL_TARGETS["indexer_projection"], _QUERY),
+            lambda st, f, a: (st, unfused(*a, *f))),
+        GEMM_QUERY: Alternative("0,indexer_query=1", (_QUERY,),
+                                lambda st, f, a: (st, unfused(*a, *f)))},
 }
 
 
@@ -535,15 +603,17 @@ def triton_amortised(case, state, r, sizes):
 
 # ----------------------------------------------------------------- timing
 
-KERNEL, NO_PDL, TRITON, PALLAS = "kernel", "kernel, PDL off", "triton", "pallas"
-VARIANTS = ("reference", KERNEL, NO_PDL, TRITON, PALLAS)
+KERNEL, NO_PDL, TRITON = "kernel", "kernel, PDL off", "triton"
+VARIANTS = ("reference", KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY)
 
 
 @contextlib.contextmanager
-def variant_env(variant):
+def variant_env(variant, op=None):
   """GLM5_JAX_KERNELS (read at lowering) and GLM5_JAX_PDL (read at each launch,
-  i.e. command-buffer capture) for one JAX variant."""
-  want = {"GLM5_JAX_KERNELS": "0" if variant == "reference" else "1",
+  i.e. command-buffer capture) for one JAX variant of `op`."""
+  alternative = ALTERNATIVES.get(op, {}).get(variant)
+  kernels = alternative.kernels if alternative else "0" if variant == "reference" else "1"
+  want = {"GLM5_JAX_KERNELS": kernels,
           "GLM5_JAX_PDL": "0" if variant == NO_PDL else None}
   old = {k: os.environ.get(k) for k in want}
 
@@ -743,6 +813,7 @@ class Bench:
     self.gpu = jax.default_backend() == "gpu"
     self.module = self.gpu and _ffi.register_targets()
     self.kernels = [op for op in _ffi.KERNEL_TARGETS if self.has_kernel(op)]
+    self.kernel_targets = {_ffi.KERNEL_TARGETS[op] for op in self.kernels}
 
   def log(self, msg):
     print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
@@ -822,9 +893,13 @@ class Bench:
 
   # ops -----------------------------------------------------------------------
   def variants(self, op):
+    return [v for v in self.all_variants(op) if v not in self.args.skip_variants]
+
+  def all_variants(self, op):
     return (["reference"] + ([KERNEL, NO_PDL] if self.has_kernel(op) else [])
             + ([TRITON] if self.gpu and op in TRITON_CALLS and triton_oracle() else [])
-            + ([PALLAS] if op in PALLAS_CALLS else []))
+            + [v for v, alt in ALTERNATIVES.get(op, {}).items()
+               if set(alt.targets) <= set(self.kernel_targets)])
 
   def run_op(self, op, labels):
     """Measures `op` at the shapes of CASES[op] named in `labels`."""
@@ -862,20 +937,23 @@ class Bench:
     if variant == TRITON:
       got = triton_single_call(case, state)
       return got, results["chain_r"]
-    target = _ffi.KERNEL_TARGETS.get(case.op)
-    with variant_env(variant):
+    alternative = ALTERNATIVES.get(case.op, {}).get(variant)
+    with variant_env(variant, case.op):
       text, got, wall = single_call(self.with_call(case, variant), state)
-    if (f"@{target}" in text if target else False) != (variant in (KERNEL, NO_PDL)):
-      raise RuntimeError(f"the {variant} variant lowered "
-                         f"{'without' if variant in (KERNEL, NO_PDL) else 'to'} {target}")
+    called = set(re.findall(r"custom_call @(glm5_\w+)", text))
+    want = (set(alternative.targets) if alternative else
+            {_ffi.KERNEL_TARGETS[case.op]} if variant in (KERNEL, NO_PDL) else set())
+    if called != want:
+      raise RuntimeError(f"the {variant} variant calls {sorted(called)}, not {sorted(want)}")
     r = self.chain_length(case, wall, text.count("\n"))
     results.setdefault("chain_r", r)
     return got, r
 
   @staticmethod
   def with_call(case, variant):
-    """The case with the Pallas version of its op for the Pallas variant."""
-    return case._replace(call=PALLAS_CALLS[case.op]) if variant == PALLAS else case
+    """The case with its op written another way for an alternative variant."""
+    alternative = ALTERNATIVES.get(case.op, {}).get(variant)
+    return case._replace(call=alternative.call) if alternative else case
 
   def run_case(self, case, variants):
     """Checks every variant once (from the same initial state): the JAX variants
@@ -906,7 +984,7 @@ class Bench:
         if variant == TRITON:
           sec, info = triton_amortised(case, state, r, s)
         else:
-          with variant_env(variant):
+          with variant_env(variant, case.op):
             sec, state, info = amortised(self.with_call(case, variant).call, state,
                                          case.fixed, case.rotated[:r], case.dep, s)
         us = sec * 1e6
@@ -1001,7 +1079,7 @@ def tables(rows):
         cells.append(_ratio(us["reference"], us[KERNEL]))
       if {KERNEL, TRITON} <= set(variants):
         cells.append(_ratio(us[TRITON], us[KERNEL]))
-      cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else '**NO**'}"
+      cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else 'no'}"
                              for v in variants[1:] if us[v] and got[v]["exact"] is not None)
                    or "—")
       out.append(f"| {shape} | " + " | ".join(cells) + " |")
@@ -1040,13 +1118,19 @@ def markdown(rows, meta, sizes, plot_ref):
       "JAX under jit), kernel = its CUDA FFI kernel, `kernel, PDL off` = the same with "
       "GLM5_JAX_PDL=0; triton = the stock op order as Triton kernels (tests/triton_oracle.py: "
       "one decode-update kernel, expand, expand + column-preserving convert, convert) in a "
-      "torch CUDA graph of R calls replayed `passes` times; pallas = the op written with "
-      "Pallas (Triton backend; bench/pallas_ops.py), what a JAX user could write;",
+      "torch CUDA graph of R calls replayed `passes` times (indexer_query: torch's LayerNorm "
+      "+ the Triton Hadamard + FP8; indexer_projection_fused: a cuBLAS GEMM of W_cat, bf16 "
+      "out, then the same); pallas = the op written with Pallas (Triton backend; "
+      "bench/pallas_ops.py), what a JAX user could write; `reference, three dots` = the "
+      "projection as three jitted dots (wk, weights_proj, gate) instead of one of W_cat; "
+      f"`{TWO_KERNELS}` and `{GEMM_QUERY}` = indexer_projection then indexer_query, both "
+      "kernels or XLA's GEMM and the query kernel;",
       "- floor = max(minimum bytes / measured copy bandwidth, FLOPs / 790 TFLOP/s) "
       "(PERFORMANCE.md §7); exact = kernel outputs bit-equal to the reference, triton "
       "outputs bit-equal to the kernel's (the remap compacted first; upcast: columns below "
-      "row_ends); GEMM kernels (indexer_projection) sum in another order than XLA, so they "
-      "are not bit-equal: their SPEC D2 bound is checked by the GPU tests.", "",
+      "row_ends); the GEMMs (projection kernels, cuBLAS, three dots) sum in another order "
+      "than XLA's one dot, and torch's LayerNorm rounds differently, so those variants are "
+      "not bit-equal: the kernels' SPEC D2 bounds are checked by the GPU tests.", "",
       "Calibration: " + "; ".join(parts) + ".", ""]
   runs = {}
   for r in rows:
@@ -1099,8 +1183,7 @@ def plot(rows, path):
       vals = [(by.get((op, sh, variant)) or {}).get(key) for sh in shapes]
       return np.array([v if v else np.nan for v in vals], float)
 
-    for variant, style in (("reference", "o-"), (KERNEL, "s-"), (NO_PDL, "x:"),
-                           (TRITON, "^-"), (PALLAS, "v-")):
+    for variant, style in zip(VARIANTS, ("o-", "s-", "x:", "^-", "v-", "d--", "P-", "*-")):
       y = series(variant)
       if np.isfinite(y).any():
         ax.plot(x, y, style, label=variant)
@@ -1132,6 +1215,10 @@ def main():
   p.add_argument("--quick", action="store_true",
                  help="M (B, n, rows) in {1, 64} and the first of the other sizes")
   p.add_argument("--ops", default="", help="comma-separated ops (default: all)")
+  p.add_argument("--rows", default="",
+                 help="comma-separated M (B, n, rows) instead of 1,8,16,64")
+  p.add_argument("--skip-variants", nargs="+", default=[], metavar="VARIANT",
+                 help=f"variants not to run, each one argument (of: {'; '.join(VARIANTS[1:])})")
   p.add_argument("--cpu-smoke", action=argparse.BooleanOptionalAction, default=None,
                  help="tiny caches, contexts, R and N (default: on for the CPU backend)")
   p.add_argument("--budget-s", type=float, default=230,
@@ -1166,6 +1253,8 @@ def main():
   for path in (args.out, args.md):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep)
+  if args.rows:
+    sizes = dataclasses.replace(sizes, rows=tuple(int(m) for m in args.rows.split(",")))
   bench = Bench(sizes, args)
   bench.log(f"{bench.meta['gpu']} ({jax.default_backend()}), jax {jax.__version__}, "
             f"CUDA module {'built' if bench.module else 'absent'}, kernel variants: "
