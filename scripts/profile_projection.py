@@ -75,6 +75,11 @@ def run_calls(tokens, tactics):
   jax.block_until_ready(marker(*marker_args))
 
 
+def _number(text):
+  """An ncu CSV value ("3,936": thousands separated)."""
+  return float(text.replace(",", ""))
+
+
 def report(rows, labels):
   """Kernels between consecutive markers, attributed to the calls in order."""
   groups, current = [], None
@@ -89,8 +94,8 @@ def report(rows, labels):
     sys.exit(f"{len(groups)} kernel groups for {len(labels)} calls")
   print(f"{'call':34} {'µs':>7} {'DRAM MB':>8}  kernels (µs)")
   for label, kernels in zip(labels, groups):
-    us = [float(k["gpu__time_duration.sum"]) / 1e3 for k in kernels]
-    mb = sum(float(k["dram__bytes_read.sum"]) for k in kernels) / 1e6
+    us = [_number(k["gpu__time_duration.sum"]) / 1e3 for k in kernels]
+    mb = sum(_number(k["dram__bytes_read.sum"]) for k in kernels) / 1e6
     names = ", ".join(f"{k['Kernel Name'][:40]} grid{k.get('Grid Size')} "
                       f"block{k.get('Block Size')} {u:.2f}" for k, u in zip(kernels, us))
     print(f"{label:34} {sum(us):7.2f} {mb:8.3f}  {names}")
