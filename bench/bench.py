@@ -48,6 +48,7 @@ except ImportError:          # run from a checkout without installing
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import glm5_jax
 from glm5_jax import _ffi, synthetic
+from glm5_jax._primitive import Op
 from glm5_jax.reference.numerics import DIM, POOL
 
 import pallas_ops  # noqa: E402  (bench/pallas_ops.py)
@@ -1154,8 +1155,11 @@ def routing(rows):
     def slower(other):
       return [sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
               o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
+    note = Op.registry[op].kernel_default_note
     default = (f"reference by default ({_ffi.KERNEL_DEFAULT_OFF[op]})"
-               if op in _ffi.KERNEL_DEFAULT_OFF else "kernel by default")
+               if op in _ffi.KERNEL_DEFAULT_OFF else
+               f"kernel by default at {note}, reference elsewhere" if note else
+               "kernel by default")
     vs_ref, vs_triton = slower("reference"), slower(TRITON)
     lines.append(f"- `{op}`: kernel slower than the reference at {len(vs_ref)} of "
                  f"{len(pairs)} shapes" + (f" ({', '.join(vs_ref)})" if vs_ref else "")

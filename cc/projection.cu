@@ -95,13 +95,12 @@ struct Tactic {
   int warps, split;
 };
 
-// (warps, split) by token count. Every CTA cluster of 8 splits K so that the N / 16 row tiles
-// make >= 136 CTAs (N >= 272) with all weights in flight at once; past 32 tokens 8 warps
-// overlap more of the x reads (L2 latency) when K allows. The H200 sweep (BENCHMARKS.md,
-// K 4096) found (8, 4) fastest at M 8-16 and (8, 8) at M 64: adopting it needs a GPU re-run.
+// (warps, split) by token count, from the H200 sweep (BENCHMARKS.md, K 4096, H 32): 8 warps
+// and a cluster of 4 up to 32 tokens (fastest at M 1-16), a cluster of 8 past that (fastest
+// at M 64: more CTAs to overlap the x reads) when K allows.
 Tactic auto_tactic(int64_t tokens, int64_t k) {
   if (tokens > 32 && k % (kBlockK * 8 * kMaxSplit) == 0) return {8, kMaxSplit};
-  return {4, kMaxSplit};
+  return {8, 4};
 }
 
 ffi::Error ProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,

@@ -2,8 +2,11 @@
 
 Runs `glm5_jax.indexer_stage` for a few decode steps with the caches donated
 (updated in place), prints what it computed, and checks every step against
-the same stage composed from the pure-JAX reference. CPU by default; on a GPU
-the ops with CUDA kernels run them (see `python -m glm5_jax.info`).
+the same stage composed from the pure-JAX reference: bit for bit on the CPU.
+On a GPU the ops with CUDA kernels run them (see `python -m glm5_jax.info`);
+the projection GEMM and the fp8 K-cache rounding may then differ within SPEC D2,
+which can swap near-tied pools in the top-k, so there the check is that the
+selected-token counts agree and >= 99% of the selected slots do.
 
   python examples/decode_step.py [--steps 3] [--contexts 300,2500,9001,20000]
 """
@@ -44,10 +47,15 @@ def main():
     same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
                for a, b in zip(jax.tree.leaves((got, cache)), jax.tree.leaves((want, want_cache))))
     counts = np.asarray(got.counts)
+    slots = np.asarray(got.slots)
+    agree = np.mean([np.isin(slots[r, :n], np.asarray(want.slots)[r, :n]).mean()
+                     for r, n in enumerate(counts) if n]) if counts.any() else 1.0
     print(f"step {s}: positions {pos.tolist()} -> selected tokens {counts.tolist()}, "
-          f"first slots {np.asarray(got.slots)[:, :4].tolist()}, "
-          f"pools written {int(((pos + 1) % 4 == 0).sum())}, matches reference: {same}")
-    if not same:
+          f"first slots {slots[:, :4].tolist()}, pools written "
+          f"{int(((pos + 1) % 4 == 0).sum())}, bit-equal to the reference: {same}, "
+          f"selected slots in the reference's selection: {agree:.2%}")
+    close = np.array_equal(counts, np.asarray(want.counts)) and agree >= 0.99
+    if not (same or (jax.default_backend() == "gpu" and close)):
       raise SystemExit("mismatch against the pure-JAX reference")
   print("ok")
 

@@ -2,7 +2,9 @@
 
 `GLM5_JAX_KERNELS` routes ops to their CUDA kernel or to the pure-JAX
 reference on GPU: unset = every kernel on except those slower than XLA's own
-code (KERNEL_DEFAULT_OFF), "1" = every kernel on, "0" = all off, and
+code (KERNEL_DEFAULT_OFF; an op can also limit its default to the shapes where
+its kernel is faster: Op.kernel_default), "1" = every kernel on wherever it
+supports the shapes, "0" = all off, and
 comma-separated "op=0" / "op=1" entries override (e.g. "0,kpool_update=1").
 It is read when a function is lowered (first jit call), not per call.
 """
@@ -28,9 +30,8 @@ KERNEL_TARGETS = {
 KERNEL_DEFAULT_OFF = {
     "upcast_logits": "XLA's fused convert is faster at most measured shapes",
     "expand_pools": "XLA's fusion is as fast or faster up to 64 rows",
-    "indexer_projection": ("slower than XLA's GEMM at M = 1 and M = 64; 1.1-1.4x faster "
-                           "only at M 8-16 (H200 tactic sweep, BENCHMARKS.md)"),
-    "indexer_projection_fused": "not yet verified on the H200",
+    "indexer_projection_fused": ("slower than the indexer_projection and indexer_query "
+                                 "kernels at every measured M (1-64)"),
 }
 
 try:
@@ -54,17 +55,25 @@ def ffi_api_version():
   return None if _glm5_cuda is None else tuple(_glm5_cuda.ffi_api_version())
 
 
-def kernels_enabled(op):
-  """Whether GLM5_JAX_KERNELS lets `op` use its kernel."""
+def kernel_switch(op):
+  """GLM5_JAX_KERNELS's word on `op`: True or False where an entry names it (or every
+  op), None where none does (the op's default applies)."""
   from . import OPS
-  enabled = op not in KERNEL_DEFAULT_OFF
+  switch = None
   for entry in filter(None, os.environ.get("GLM5_JAX_KERNELS", "").replace(" ", "").split(",")):
     name, _, value = entry.rpartition("=")
     if value not in ("0", "1") or name not in ("", "all", *OPS):
       _warn_once(f"GLM5_JAX_KERNELS: ignoring entry {entry!r} (want 0, 1 or <op>=0|1)")
     elif name in ("", "all", op):
-      enabled = value == "1"
-  return enabled
+      switch = value == "1"
+  return switch
+
+
+def kernels_enabled(op):
+  """Whether GLM5_JAX_KERNELS lets `op` use its kernel (by default only at the shapes
+  where it is faster: Op.kernel_default)."""
+  switch = kernel_switch(op)
+  return op not in KERNEL_DEFAULT_OFF if switch is None else switch
 
 
 @functools.cache

@@ -27,19 +27,25 @@ class Op:
   vmap maps the op over the examples); attributes: static params -> FFI
   attributes with exact C++ types; kernel_supports: (avals, params) -> whether
   the kernel handles these shapes (like `shapes`; otherwise the CUDA lowering
-  uses the reference), described for diagnostics by kernel_limits.
+  uses the reference), described for diagnostics by kernel_limits;
+  kernel_default: (avals, params) -> whether the kernel runs at these shapes when
+  GLM5_JAX_KERNELS does not name the op (where the H200 measured it faster than
+  the reference), described by kernel_default_note.
   """
 
   registry = {}     # name -> Op
 
   def __init__(self, name, reference, shapes, *, aliases=None, rows=None,
-               attributes=None, kernel_supports=None, kernel_limits=None):
+               attributes=None, kernel_supports=None, kernel_limits=None,
+               kernel_default=None, kernel_default_note=None):
     self.name, self.reference, self.shapes = name, reference, shapes
     self.aliases = aliases or {}
     self.rows = rows
     self.attributes = attributes or (lambda **params: {})
     self.kernel_supports = kernel_supports or (lambda *avals, **params: True)
     self.kernel_limits = kernel_limits
+    self.kernel_default = kernel_default or (lambda *avals, **params: True)
+    self.kernel_default_note = kernel_default_note
     Op.registry[name] = self
     prim = self.primitive = Primitive(f"glm5_{name}")
     prim.multiple_results = True
@@ -64,7 +70,9 @@ class Op:
   def _cuda_lowering(self, lower_ref):
     def lowering(ctx, *args, **params):
       target = _ffi.kernel_target(self.name)
-      if target is None or not self.kernel_supports(*ctx.avals_in, **params):
+      if (target is None or not self.kernel_supports(*ctx.avals_in, **params)
+          or (_ffi.kernel_switch(self.name) is None
+              and not self.kernel_default(*ctx.avals_in, **params))):
         return lower_ref(ctx, *args, **params)
       rule = jax.ffi.ffi_lowering(target, operand_output_aliases=self.aliases)
       return rule(ctx, *args, **self.attributes(**params))

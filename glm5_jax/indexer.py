@@ -44,6 +44,9 @@ def _query_shapes(op, q, weights, norm_weight, norm_bias, m, heads, scale, eps,
 TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT = 16, 32, 8, 8, 8
 AUTO_K = 1024           # K % AUTO_K == 0, K <= 8 * AUTO_K: the built-in tactic table tiles K
 FUSED_WARPS = 8         # the fused kernel's warps without a tactic (split is always 1)
+# M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
+# its default; XLA's GEMM elsewhere.
+PROJECTION_KERNEL_ROWS = (2, 16)
 
 
 def _tiles(k, warps, split):
@@ -91,7 +94,10 @@ _projection = Op(
     lambda x, w_cat, *, heads, tactic: ref.indexer_projection(x, w_cat, heads=heads),
     _projection_op_shapes, rows=((0, None), (0, 0, 0)), attributes=_projection_attributes,
     kernel_supports=_projection_kernel_supports,
-    kernel_limits="heads % 16 == 0, K % 1024 == 0, K <= 8192")
+    kernel_limits="heads % 16 == 0, K % 1024 == 0, K <= 8192",
+    kernel_default=lambda x, w_cat, **params: (
+        PROJECTION_KERNEL_ROWS[0] <= x.shape[0] <= PROJECTION_KERNEL_ROWS[1]),
+    kernel_default_note="M {} to {}, where it beats XLA's GEMM".format(*PROJECTION_KERNEL_ROWS))
 
 
 def _query_op_shapes(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps,

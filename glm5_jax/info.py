@@ -31,8 +31,11 @@ def report():
           else "GLM5_JAX_KERNELS"
       how = f"reference ({why}; kernel {target} with GLM5_JAX_KERNELS={op}=1)"
     else:
-      limits = Op.registry[op].kernel_limits
-      how = f"kernel {target}" + (f" ({limits}; otherwise reference)" if limits else "")
+      spec = Op.registry[op]
+      where = [spec.kernel_limits] + (
+          [spec.kernel_default_note] if _ffi.kernel_switch(op) is None else [])
+      where = "; ".join(filter(None, where))
+      how = f"kernel {target}" + (f" ({where}; otherwise reference)" if where else "")
     lines.append(f"  {op:26s} {how}")
   return lines
 

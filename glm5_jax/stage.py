@@ -19,7 +19,9 @@ class IndexerConfig:
   """Static configuration; defaults are GLM-5.3-Flash's (SPEC §9).
 
   max_pools: width of the logits (max_model_len // 4); block_size: MLA tokens
-  per block (block_table); fused: None picks by token count as the seed does.
+  per block (block_table); fused: indexer_projection_fused instead of
+  indexer_projection + indexer_query (off: on the H200 the two kernels are faster at
+  every measured token count, BENCHMARKS.md; the outputs agree within SPEC D2).
   """
   heads: int = 32
   topk_tokens: int = 2048
@@ -29,7 +31,7 @@ class IndexerConfig:
   block_size: int = 128
   scale_format: str = "fp32"
   weights_dtype: str = "float32"
-  fused: bool | None = None
+  fused: bool = False
 
   @property
   def padded(self):
@@ -44,11 +46,6 @@ class IndexerConfig:
     """Logical top-k width: roundup(topk + 3, 128) (2176)."""
     return math.ceil((self.topk_tokens + POOL - 1) / 128) * 128
 
-  def fuse(self, tokens):
-    """Seed rule: the fused kernel for tokens <= 2, or heads >= 32 and tokens <= 16."""
-    if self.fused is not None:
-      return self.fused
-    return tokens <= 2 or (self.heads >= 32 and tokens <= 16)
 
 
 @jax.tree_util.register_dataclass
@@ -129,7 +126,7 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
   q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                weights_dtype=np.dtype(config.weights_dtype))
-  if config.fuse(rows):
+  if config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
         heads=config.heads, **query)

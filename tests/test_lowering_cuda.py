@@ -12,6 +12,8 @@ from jax import export
 
 import glm5_jax
 from glm5_jax import _ffi
+from glm5_jax._primitive import Op
+from glm5_jax.indexer import PROJECTION_KERNEL_ROWS
 from cases import CASES
 
 OPS = sorted(CASES)
@@ -34,16 +36,18 @@ def custom_calls(text):
 @pytest.mark.parametrize("switch", [None, "1"])
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_lowering_uses_kernel_where_one_exists(op, switch, monkeypatch):
-  """By default every kernel but those slower than XLA (KERNEL_DEFAULT_OFF); all
-  of them with GLM5_JAX_KERNELS=1."""
+  """By default every kernel but those slower than XLA (KERNEL_DEFAULT_OFF), at the
+  shapes of its kernel_default; all of them with GLM5_JAX_KERNELS=1."""
   if switch is None:
     monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   else:
     monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
   case = CASES[op]
-  calls = custom_calls(cuda_module(case.fn, case.make(np.random.default_rng(0))))
+  args = case.make(np.random.default_rng(0))
+  calls = custom_calls(cuda_module(case.fn, args))
   target = _ffi.KERNEL_TARGETS.get(op)
-  if switch is None and op in _ffi.KERNEL_DEFAULT_OFF:
+  if switch is None and (op in _ffi.KERNEL_DEFAULT_OFF
+                         or not Op.registry[op].kernel_default(*args)):
     target = None
   assert [c for c in calls if c.startswith("glm5_")] == ([target] if target else [])
 
@@ -107,6 +111,24 @@ def test_projection_kernel_only_for_supported_shapes(op, heads, k, tactic, kerne
   assert custom_calls(cuda_module(jax.vmap(fn, in_axes=axes), stacked)) == want
 
 
+@pytest.mark.parametrize("m", [0, 1, 2, 8, 16, 17, 64])
+def test_projection_kernel_by_default_where_it_is_faster(m, monkeypatch):
+  """Unset GLM5_JAX_KERNELS: the projection kernel at PROJECTION_KERNEL_ROWS (2..16, the M
+  where it beat XLA's GEMM on the H200), XLA's GEMM at other M, counted after vmap folds
+  the examples into the rows; naming the op turns it on at every M."""
+  lo, hi = PROJECTION_KERNEL_ROWS
+  fn = lambda x, w: glm5_jax.indexer_projection(x, w, heads=32)
+  x, w_cat = np.zeros((m, 4096), jnp.bfloat16), np.zeros((288, 4096), jnp.bfloat16)
+  kernel = ["glm5_indexer_projection"]
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  assert custom_calls(cuda_module(fn, (x, w_cat))) == (kernel if lo <= m <= hi else [])
+  folded = jax.vmap(fn, in_axes=(0, None))
+  assert custom_calls(cuda_module(folded, (np.stack([x] * 2), w_cat))) == (
+      kernel if lo <= 2 * m <= hi else [])
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_projection=1")
+  assert custom_calls(cuda_module(fn, (x, w_cat))) == kernel
+
+
 @pytest.mark.parametrize("switch", ["0", "kpool_update=0", "1,kpool_update=0"])
 def test_kill_switch_routes_to_reference(switch, monkeypatch):
   monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
@@ -122,9 +144,12 @@ def test_kill_switch_routes_to_reference(switch, monkeypatch):
     ("upcast_logits", "", False), ("upcast_logits", "1", True),
     ("upcast_logits", "upcast_logits=1", True), ("upcast_logits", "all=1,upcast_logits=0", False)])
 def test_kill_switch_parsing(op, switch, expected, monkeypatch):
-  """Unset/empty: each kernel's default (off for KERNEL_DEFAULT_OFF); later entries win."""
+  """Unset/empty: each kernel's default (off for KERNEL_DEFAULT_OFF, kernel_switch None);
+  later entries win."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
   assert _ffi.kernels_enabled(op) is expected
+  named = any(e.rpartition("=")[0] in ("", "all", op) for e in switch.split(",") if e)
+  assert _ffi.kernel_switch(op) is (expected if named else None)
 
 
 @pytest.mark.parametrize("op", OPS)
