@@ -21,7 +21,8 @@ class IndexerConfig:
   max_pools: width of the logits (max_model_len // 4); block_size: MLA tokens
   per block (block_table); fused: indexer_projection_fused instead of
   indexer_projection + indexer_query (off: on the H200 the two kernels are faster at
-  every measured token count, BENCHMARKS.md; the outputs agree within SPEC D2).
+  every measured token count, BENCHMARKS.md; the outputs agree within SPEC D2);
+  rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
   topk_tokens: int = 2048
@@ -32,6 +33,12 @@ class IndexerConfig:
   scale_format: str = "fp32"
   weights_dtype: str = "float32"
   fused: bool = False
+  rope_dim: int = 0
+
+  def __post_init__(self):
+    if self.rope_dim != 0:
+      raise ValueError(f"glm5_jax.IndexerConfig: rope_dim must be 0 (the kpool indexer is "
+                       f"NoPE only, SPEC §9), got {self.rope_dim}")
 
   @property
   def padded(self):

@@ -113,3 +113,11 @@ def test_bad_static_option(op, params, message):
 def test_fp32_logits_pass_through():
   logits = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
   assert glm5_jax.upcast_logits(logits, jnp.array([1, 2], jnp.int32)) is logits
+
+
+def test_rope_indexer_is_refused():
+  """The indexer is NoPE only (SPEC §9): a config with rope_dim != 0 is an error that
+  names the class and the argument."""
+  with pytest.raises(ValueError, match=r"IndexerConfig: rope_dim must be 0 .* got 64"):
+    glm5_jax.IndexerConfig(rope_dim=64)
+  assert glm5_jax.IndexerConfig(rope_dim=0).rope_dim == 0
