@@ -550,6 +550,11 @@ ALTERNATIVES = {
 }
 
 
+def alternative(op, variant):
+  """The Alternative that `variant` of `op` runs, or None (the public op itself)."""
+  return ALTERNATIVES.get(op, {}).get(variant)
+
+
 def _torch(tree, clone=False):
   import torch
   return jax.tree.map(lambda a: (torch.from_dlpack(a).clone() if clone
@@ -612,8 +617,8 @@ VARIANTS = ("reference", KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS
 def variant_env(variant, op=None):
   """GLM5_JAX_KERNELS (read at lowering) and GLM5_JAX_PDL (read at each launch,
   i.e. command-buffer capture) for one JAX variant of `op`."""
-  alternative = ALTERNATIVES.get(op, {}).get(variant)
-  kernels = alternative.kernels if alternative else "0" if variant == "reference" else "1"
+  alt = alternative(op, variant)
+  kernels = alt.kernels if alt else "0" if variant == "reference" else "1"
   want = {"GLM5_JAX_KERNELS": kernels,
           "GLM5_JAX_PDL": "0" if variant == NO_PDL else None}
   old = {k: os.environ.get(k) for k in want}
@@ -900,7 +905,7 @@ class Bench:
     return (["reference"] + ([KERNEL, NO_PDL] if self.has_kernel(op) else [])
             + ([TRITON] if self.gpu and op in TRITON_CALLS and triton_oracle() else [])
             + [v for v, alt in ALTERNATIVES.get(op, {}).items()
-               if set(alt.targets) <= set(self.kernel_targets)])
+               if set(alt.targets) <= self.kernel_targets])
 
   def run_op(self, op, labels):
     """Measures `op` at the shapes of CASES[op] named in `labels`."""
@@ -938,11 +943,11 @@ class Bench:
     if variant == TRITON:
       got = triton_single_call(case, state)
       return got, results["chain_r"]
-    alternative = ALTERNATIVES.get(case.op, {}).get(variant)
+    alt = alternative(case.op, variant)
     with variant_env(variant, case.op):
       text, got, wall = single_call(self.with_call(case, variant), state)
     called = set(re.findall(r"custom_call @(glm5_\w+)", text))
-    want = (set(alternative.targets) if alternative else
+    want = (set(alt.targets) if alt else
             {_ffi.KERNEL_TARGETS[case.op]} if variant in (KERNEL, NO_PDL) else set())
     if called != want:
       raise RuntimeError(f"the {variant} variant calls {sorted(called)}, not {sorted(want)}")
@@ -953,8 +958,8 @@ class Bench:
   @staticmethod
   def with_call(case, variant):
     """The case with its op written another way for an alternative variant."""
-    alternative = ALTERNATIVES.get(case.op, {}).get(variant)
-    return case._replace(call=alternative.call) if alternative else case
+    alt = alternative(case.op, variant)
+    return case._replace(call=alt.call) if alt else case
 
   def run_case(self, case, variants):
     """Checks every variant once (from the same initial state): the JAX variants

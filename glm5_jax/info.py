@@ -1,7 +1,5 @@
 """Diagnostics: `python -m glm5_jax.info` prints versions, platforms and which
 ops run a CUDA kernel."""
-import os
-
 import jax
 import jaxlib
 
@@ -27,8 +25,8 @@ def report():
     elif not built:
       how = "reference (CUDA module not built)"
     elif not _ffi.kernels_enabled(op):
-      why = _ffi.KERNEL_DEFAULT_OFF.get(op, "off") if "GLM5_JAX_KERNELS" not in os.environ \
-          else "GLM5_JAX_KERNELS"
+      why = ("GLM5_JAX_KERNELS" if _ffi.kernel_switch(op) is not None
+             else _ffi.KERNEL_DEFAULT_OFF[op])
       how = f"reference ({why}; kernel {target} with GLM5_JAX_KERNELS={op}=1)"
     else:
       spec = Op.registry[op]

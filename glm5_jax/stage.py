@@ -54,7 +54,6 @@ class IndexerConfig:
     return math.ceil((self.topk_tokens + POOL - 1) / 128) * 128
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class IndexerWeights:
