@@ -446,12 +446,10 @@ assert set(CASES) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench 
 
 @functools.cache
 def triton_oracle():
-  """tests/triton_oracle.py (stock-op-order Triton kernels) when torch + triton
+  """glm5_jax/testing/triton_oracle.py (stock-op-order Triton kernels) when torch + triton
   with CUDA are importable, else None."""
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__))), "tests"))
   try:
-    import triton_oracle as t
+    from glm5_jax.testing import triton_oracle as t
   except ImportError:
     return None
   return t.load()
@@ -1122,7 +1120,7 @@ def markdown(rows, meta, sizes, plot_ref):
       f"- µs = median over {sizes.reps} back-to-back runs of the run time / (passes × R), nothing "
       "subtracted (see the calibration); reference = the op with GLM5_JAX_KERNELS=0 (pure "
       "JAX under jit), kernel = its CUDA FFI kernel, `kernel, PDL off` = the same with "
-      "GLM5_JAX_PDL=0; triton = the stock op order as Triton kernels (tests/triton_oracle.py: "
+      "GLM5_JAX_PDL=0; triton = the stock op order as Triton kernels (glm5_jax/testing/triton_oracle.py: "
       "one decode-update kernel, expand, expand + column-preserving convert, convert) in a "
       "torch CUDA graph of R calls replayed `passes` times (indexer_query: torch's LayerNorm "
       "+ the Triton Hadamard + FP8; indexer_projection_fused: a cuBLAS GEMM of W_cat, bf16 "

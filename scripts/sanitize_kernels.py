@@ -6,7 +6,7 @@
 The GPU runs only the kernels and the jit's glue (no reference programs there:
 compute-sanitizer crashes on some of XLA's own kernels inside the test suite);
 each output is checked against the reference run on the CPU backend. Inputs:
-tests/cases.py (padding, negative and out-of-range indices, ragged rows) plus
+glm5_jax/testing/cases.py (padding, negative and out-of-range indices, ragged rows) plus
 kernel-sized variants, several seeds each. Exit status 1 on a mismatch.
 """
 import functools
@@ -14,13 +14,12 @@ import os
 import sys
 
 os.environ["GLM5_JAX_KERNELS"] = "1"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
 
-import cases  # noqa: E402  (tests/cases.py)
 import glm5_jax  # noqa: E402
+from glm5_jax.testing import cases  # noqa: E402
 from glm5_jax import _ffi  # noqa: E402
 
 SEEDS = 3

@@ -5,7 +5,7 @@
     tail rows bit-identical, K-cache bytes within SPEC D2's allowance
     (oracle.compare_cache; the mismatch rate is printed).
 (b) Bit-identical fp8 bytes, scale bytes and tail rows against the Triton
-    oracle (tests/triton_oracle.py, the stock op order) over 2^20 pools, and on
+    oracle (glm5_jax/testing/triton_oracle.py, the stock op order) over 2^20 pools, and on
     the edge-case chains of (a).
 (c) A jitted step with donated caches updates them in place and a second call
     continues from the first.
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-import oracle as O
-import triton_oracle
+from glm5_jax.testing import oracle as O
+from glm5_jax.testing import triton_oracle
 from glm5_jax import reference as ref
 from graphs import copied_shapes, run_and_check_graphed
 

@@ -14,7 +14,7 @@ import glm5_jax
 from glm5_jax import _ffi
 from glm5_jax._primitive import Op
 from glm5_jax.indexer import PROJECTION_KERNEL_ROWS
-from cases import CASES
+from glm5_jax.testing.cases import CASES
 
 OPS = sorted(CASES)
 # In-place ops: operand -> result aliasing their FFI calls must declare.

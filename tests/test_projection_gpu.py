@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-import oracle as O
+from glm5_jax.testing import oracle as O
 from glm5_jax import reference as ref
 from graphs import run_and_check_graphed
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle as O
+from glm5_jax.testing import oracle as O
 from glm5_jax import reference as R
 
 F32 = np.float32

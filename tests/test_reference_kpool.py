@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle as O
-from cases import i32
+from glm5_jax.testing import oracle as O
+from glm5_jax.testing.cases import i32
 from glm5_jax import reference as R
 
 BF16 = O.BF16

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle as O
-from cases import i32
+from glm5_jax.testing import oracle as O
+from glm5_jax.testing.cases import i32
 from glm5_jax import reference as R
 
 F32 = np.float32

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import oracle as O
+from glm5_jax.testing import oracle as O
 from glm5_jax.reference import numerics as N
 
 F32 = np.float32

@@ -9,7 +9,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import synthetic
-import oracle
+from glm5_jax.testing import oracle
 from graphs import copied_shapes
 
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
