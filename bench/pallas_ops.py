@@ -1,11 +1,12 @@
 """What a JAX user could write with Pallas (Triton backend on the GPU, the
-interpreter on the CPU), timed by bench/bench.py next to the CUDA kernels.
+interpreter on the CPU), timed by the bench (bench/variants.py) next to the CUDA kernels.
 
 A Pallas-Triton call is compiled by XLA into an ordinary kernel (on the H200 an
 empty one costs what an empty XLA fusion does, 0.86 µs, against 1.5-1.75 µs for
-an empty FFI call: BENCHMARKS.md calibration); `empty` measures that per-call
-cost, `upcast_logits` a whole op (SPEC §8: f32(logits) below each row end; the
-columns past it are 0 here, unspecified in the op).
+an empty FFI call, both measured in the earlier device loop: BENCHMARKS.md
+calibration); `empty` measures that per-call cost, `upcast_logits` a whole op
+(docs/semantics.md §8: f32(logits) below each row end; the columns past it are 0
+here, unspecified in the op).
 """
 import jax
 import jax.numpy as jnp

@@ -35,7 +35,7 @@ if [ "$sanitize" = 1 ]; then
   done
 fi
 if [ "$bench" = 1 ]; then
-  python3 bench/bench.py --out BENCHMARKS.json --md BENCHMARKS.md "$@" 2>&1 \
+  python3 -m bench --out BENCHMARKS.json --md BENCHMARKS.md "$@" 2>&1 \
     | tee "$out/bench.log" | tail -60
   cp BENCHMARKS.json BENCHMARKS.md bench/benchmarks.png "$out"/ 2>/dev/null
 fi

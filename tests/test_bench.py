@@ -1,4 +1,4 @@
-"""bench/bench.py end to end at --cpu-smoke sizes (on the CPU backend): every row is
+"""`python -m bench` end to end at --cpu-smoke sizes (on the CPU backend): every row is
 measured (no error rows), the variants it can run here are exact, and the report and
 --render agree. The GPU numbers themselves come from the H200 runs, never from tests."""
 import json
@@ -10,13 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(cmd, env):
-  done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, f"{cmd[2:4]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
 def test_bench_cpu_smoke(tmp_path):
   out, md = tmp_path / "b.json", tmp_path / "b.md"
-  cmd = [sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--quick", "--cpu-smoke",
+  cmd = [sys.executable, "-m", "bench", "--quick", "--cpu-smoke",
          "--ops", "upcast_logits,expand_and_remap,indexer_projection_fused", "--cache-dir", "",
          "--out", str(out),
          "--md", str(md), "--plot", str(tmp_path / "b.png")]
@@ -27,6 +27,8 @@ def test_bench_cpu_smoke(tmp_path):
                                      "indexer_projection_fused"}
   assert all(r["device_us"] and r["device_us"] > 0 for r in rows), \
       [r for r in rows if not r["device_us"]]
+  # every op row comes from an unrolled chain of >= R calls (no device loop)
+  assert all(r["calls"] >= r["R"] >= 1 for r in rows if r["op"] != "calibration"), rows
   variants = {(r["op"], r["variant"]) for r in rows}
   assert {("upcast_logits", "pallas"),
           ("indexer_projection_fused", "reference, three dots")} <= variants
@@ -35,6 +37,22 @@ def test_bench_cpu_smoke(tmp_path):
              if r["op"] != "calibration" and r["variant"] != "reference, three dots")
   assert "empty Pallas call" in md.read_text()
   md2 = tmp_path / "again.md"
-  _run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--render", str(out),
+  _run([sys.executable, "-m", "bench", "--render", str(out),
         "--md", str(md2), "--plot", str(tmp_path / "again.png")], env)
   assert md2.read_text().split("### ")[1:] == md.read_text().split("### ")[1:]
+
+
+def test_time_step_threads_state():
+  """harness.time_step times a whole jitted step (state donated and threaded from run
+  to run) and divides by its units: the timer the stage groups use."""
+  import jax.numpy as jnp
+
+  from bench.harness import time_step
+  from bench.sizes import sizes_for
+
+  sizes = sizes_for(True, True)
+  step = lambda state, x: (state + x, (state.sum(),))
+  sec, state, info = time_step(step, jnp.zeros(1024), (jnp.ones(1024),), sizes, units=11)
+  runs = 1 + sizes.warmup + sizes.reps
+  assert float(state[0]) == runs
+  assert 0 < sec * 11 <= info["run_us"] * 1e-6 * 1.0001 and info["dispatch_us"] > 0

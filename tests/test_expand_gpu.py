@@ -223,7 +223,7 @@ def test_random_glm_batches():
 
 
 def test_triton_index_kernels_match_the_reference():
-  """The stock-order Triton expand and column-preserving convert that bench/bench.py
+  """The stock-order Triton expand and column-preserving convert that `python -m bench`
   times next to the kernels (glm5_jax/testing/triton_oracle.py) equal the reference."""
   T = triton_oracle.require()
   rng = np.random.default_rng(6)

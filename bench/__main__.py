@@ -1,0 +1,97 @@
+"""`python -m bench`: the command line (see bench/__init__.py)."""
+import argparse
+import dataclasses
+import os
+
+import jax
+
+import glm5_jax
+from glm5_jax import _ffi
+
+from . import __doc__ as DOC
+from .driver import Bench
+from .groups import GROUPS
+from .report import markdown, plot_or_none, render
+from .sizes import sizes_for
+from .variants import VARIANTS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parser():
+  p = argparse.ArgumentParser(prog="python -m bench", description=DOC.split("\n")[0])
+  p.add_argument("--out", default="BENCHMARKS.json", help="JSON rows")
+  p.add_argument("--md", default="BENCHMARKS.md", help="markdown report")
+  p.add_argument("--plot", default=os.path.join(HERE, "benchmarks.png"), help="PNG plot")
+  p.add_argument("--quick", action="store_true",
+                 help="M (B, n, rows) in {1, 64} and the first of the other sizes")
+  p.add_argument("--ops", default="", help="comma-separated ops (default: all)")
+  p.add_argument("--rows", default="",
+                 help="comma-separated M (B, n, rows) instead of 1,8,16,64")
+  p.add_argument("--skip-variants", nargs="+", default=[], metavar="VARIANT",
+                 help=f"variants not to run, each one argument (of: {'; '.join(VARIANTS[1:])})")
+  p.add_argument("--cpu-smoke", action=argparse.BooleanOptionalAction, default=None,
+                 help="tiny caches, contexts, R and N (default: on for the CPU backend)")
+  p.add_argument("--budget-s", type=float, default=230,
+                 help="skip the remaining shapes after this many seconds")
+  p.add_argument("--cache-dir", default=os.path.join(HERE, ".jax_cache"),
+                 help="persistent XLA compilation cache ('' = off); reruns skip "
+                      "the unchanged compiles")
+  p.add_argument("--data-dep", action="store_true",
+                 help="also chain stateless calls through a run-time-zero scalar "
+                      "(one extra tiny fusion per call)")
+  p.add_argument("--verbose", action="store_true", help="print tracebacks")
+  p.add_argument("--render", metavar="JSON",
+                 help="measure nothing: rebuild --md and --plot from these JSON rows")
+  for group in GROUPS:
+    if hasattr(group, "add_arguments"):
+      group.add_arguments(p)
+  return p
+
+
+def main():
+  p = parser()
+  args = p.parse_args()
+  if args.render:
+    render(args)
+    return
+  if args.cpu_smoke is None:
+    args.cpu_smoke = jax.default_backend() == "cpu"
+  if args.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  ops = [o for o in args.ops.replace(" ", "").split(",") if o] or list(glm5_jax.OPS)
+  unknown = set(ops) - set(glm5_jax.OPS)
+  if unknown:
+    p.error(f"unknown ops {sorted(unknown)}; choose from {', '.join(glm5_jax.OPS)}")
+  # Ops with a kernel first: they matter most if the budget runs out.
+  ops = sorted(ops, key=lambda o: (o not in _ffi.KERNEL_TARGETS, glm5_jax.OPS.index(o)))
+
+  for path in (args.out, args.md):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep)
+  if args.rows:
+    sizes = dataclasses.replace(sizes, rows=tuple(int(m) for m in args.rows.split(",")))
+  bench = Bench(sizes, args, ops)
+  bench.log(f"{bench.meta['gpu']} ({jax.default_backend()}), jax {jax.__version__}, "
+            f"CUDA module {'built' if bench.module else 'absent'}, kernel variants: "
+            f"{bench.kernels}, compilation cache: {args.cache_dir or 'off'}"
+            + (", --cpu-smoke sizes" if args.cpu_smoke else ""))
+  for group in GROUPS:
+    group.run(bench)
+    bench.write_json()
+  bench.sort_rows()
+  bench.write_json()
+
+  plot_ref = plot_or_none(bench.rows, args)
+  text = markdown(bench.rows, dict(bench.meta, kernels=bench.kernels), sizes, plot_ref)
+  with open(args.md, "w") as f:
+    f.write(text)
+  compile_s = sum(r.get("compile_s", 0) for r in bench.rows)
+  bench.log(f"wrote {args.out}, {args.md}" + (f", {args.plot}" if plot_ref else "")
+            + f"; chain compiles took {compile_s:.0f}s")
+  print("\n".join(line for line in text.splitlines() if not line.startswith("![")), flush=True)
+
+
+if __name__ == "__main__":
+  main()
