@@ -12,8 +12,16 @@ from glm5_jax import _ffi
 
 from . import harness, stock
 from .sizes import BW_FALLBACK
-from .variants import (ALTERNATIVES, KERNEL, NO_PDL, REFERENCE, TRITON, expected_targets,
-                       variant_env, with_call)
+from .variants import (
+  ALTERNATIVES,
+  KERNEL,
+  NO_PDL,
+  REFERENCE,
+  TRITON,
+  expected_targets,
+  variant_env,
+  with_call,
+)
 from .workloads import WORKLOADS, floor_us
 
 

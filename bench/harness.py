@@ -10,9 +10,9 @@ import functools
 import statistics
 import time
 
+import numpy as np
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .sizes import size_text

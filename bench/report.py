@@ -134,9 +134,9 @@ def routing(rows):
   for op in dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"):
     pairs = [(sh, by.get((op, sh, REFERENCE)), k) for (o, sh, v), k in by.items()
              if o == op and v == "kernel"]
-    def slower(other):
-      return [sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
-              o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
+    slower = lambda other, op=op, pairs=pairs: [
+        sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
+        o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
     note = Op.registry[op].kernel_default_note
     default = (f"reference by default ({_ffi.KERNEL_DEFAULT_OFF[op]})"
                if op in _ffi.KERNEL_DEFAULT_OFF else
@@ -165,7 +165,7 @@ def plot(rows, path):
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r["op"] == op))
     x = np.arange(len(shapes))
 
-    def series(variant, key="device_us"):
+    def series(variant, key="device_us", op=op, shapes=shapes):
       vals = [(by.get((op, sh, variant)) or {}).get(key) for sh in shapes]
       return np.array([v if v else np.nan for v in vals], float)
 

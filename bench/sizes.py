@@ -2,9 +2,9 @@
 import dataclasses
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import glm5_jax
 from glm5_jax import synthetic

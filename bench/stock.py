@@ -114,6 +114,5 @@ def triton_amortised(work, state, r, calls, sizes):
 
   n = grow_passes(run, sizes)
   times = [run(n) for _ in range(sizes.warmup + sizes.reps)][sizes.warmup:]
-  del graph, st
   return statistics.median(times) / (n * calls), dict(
       compile_s=compile_s, temp=None, passes=n, calls=calls, R=r)

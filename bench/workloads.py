@@ -7,15 +7,30 @@ tests): a Workload is sized like the model, with >= 1 GB caches and inputs rotat
 """
 from typing import Callable, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
+import jax.numpy as jnp
 
 import glm5_jax
 from glm5_jax import synthetic
 from glm5_jax.reference.numerics import DIM, POOL
 
-from .sizes import (BLOCK, CONFIG, CONTEXT, ENTRY, F32, GROUPS, HEADS, HIDDEN, PADDED, PAGE,
-                    PEAK_BF16, W_CAT_COPIES, W_ROWS, WIDTH, i32)
+from .sizes import (
+  BLOCK,
+  CONFIG,
+  CONTEXT,
+  ENTRY,
+  F32,
+  GROUPS,
+  HEADS,
+  HIDDEN,
+  PADDED,
+  PAGE,
+  PEAK_BF16,
+  W_CAT_COPIES,
+  W_ROWS,
+  WIDTH,
+  i32,
+)
 
 # ---------------------------------------------------------------- floors
 

@@ -124,7 +124,7 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
   select every pool (causal fill); otherwise MQA logits over the pooled cache
   and a top-k. use_reference=True composes glm5_jax.reference directly.
   """
-  import glm5_jax        # the package namespace: the ops as primitives
+  import glm5_jax  # the package namespace: the ops as primitives
   ops = reference if use_reference else glm5_jax
   rows = x.shape[0]
   b, n = batch.positions.shape

@@ -29,6 +29,7 @@ def main():
   import jax
   import jax.ffi
   import jaxlib
+
   from glm5_jax._ffi import KERNEL_TARGETS
 
   targets = _glm5_cuda.registrations()

@@ -26,9 +26,9 @@ KERNELS = "glm5|indexer|upcast|gemm|Gemm|dot|fusion|cutlass|xmma|nvjet|triton"
 
 
 def run_calls(tokens, tactics):
+  import numpy as np
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   import glm5_jax
   from glm5_jax import reference as ref
@@ -56,7 +56,7 @@ def run_calls(tokens, tactics):
            ("reference, three dots", three_dots)]
     fns += [(f"kernel {w}x{s}", projection((w, s))) for w, s in tactics
             if K % (32 * w * s) == 0]
-    fns.append(("fused", lambda x, w: glm5_jax.indexer_projection_fused(
+    fns.append(("fused", lambda x, w, q=q: glm5_jax.indexer_projection_fused(
         x, w, q, nw, nb, heads=HEADS, **query)))
     calls += [(f"M={m} {name}", jax.jit(fn).lower(x, w_cat).compile(), (x, w_cat))
               for name, fn in fns]

@@ -18,15 +18,15 @@ os.environ["GLM5_JAX_KERNELS"] = "1"
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
 
-import glm5_jax  # noqa: E402
-from glm5_jax.testing import cases  # noqa: E402
 from glm5_jax import _ffi  # noqa: E402
+from glm5_jax.testing import cases  # noqa: E402
 
 SEEDS = 3
 
 
 def _variants():
-  """(name, fn, make, valid, exact) for every kernel op: the shared cases plus kernel-only shapes."""
+  """(name, fn, make, valid, exact) for every kernel op: the shared cases plus kernel-only
+  shapes."""
   out = []
   for op in _ffi.KERNEL_TARGETS:
     case = cases.CASES[op]
@@ -63,7 +63,8 @@ def main():
       # kpool_update's K cache may differ by SPEC D2 (stock arithmetic vs reference)
       ok = all(same) or (name == "kpool_update" and all(same[1:]))
       bad += not ok
-      print(f"{name:32s} seed {seed}: outputs {'identical to' if exact else 'close to'} the CPU reference {same}")
+      how = "identical to" if exact else "close to"
+      print(f"{name:32s} seed {seed}: outputs {how} the CPU reference {same}")
   print(f"sanitize_kernels: {'FAIL' if bad else 'ok'}")
   sys.exit(1 if bad else 0)
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -14,6 +16,7 @@ def _run(cmd, env):
   assert done.returncode == 0, f"{cmd[2:4]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_bench_cpu_smoke(tmp_path):
   out, md = tmp_path / "b.json", tmp_path / "b.md"
   cmd = [sys.executable, "-m", "bench", "--quick", "--cpu-smoke",

@@ -10,8 +10,9 @@ import jax
 import pytest
 
 import glm5_jax
-from glm5_jax.testing import triton_oracle
 from glm5_jax import reference as ref
+from glm5_jax.testing import triton_oracle
+
 from graphs import run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]

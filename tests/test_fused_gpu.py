@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax.testing import oracle as O
 from glm5_jax import reference as ref
 from glm5_jax.indexer import FUSED_WARPS
+from glm5_jax.testing import oracle as O
+
 from graphs import run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]

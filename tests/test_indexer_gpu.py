@@ -11,16 +11,17 @@
 (c) The FFI call is in the optimised HLO and runs inside a command buffer.
 """
 
-import ml_dtypes
 import numpy as np
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import pytest
 
 import glm5_jax
+from glm5_jax import reference as ref
 from glm5_jax.testing import oracle as O
 from glm5_jax.testing import triton_oracle
-from glm5_jax import reference as ref
+
 from graphs import run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]

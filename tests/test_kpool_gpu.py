@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
+from glm5_jax import reference as ref
 from glm5_jax.testing import oracle as O
 from glm5_jax.testing import triton_oracle
-from glm5_jax import reference as ref
+
 from graphs import copied_shapes, run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -310,7 +311,7 @@ def test_edge_chains_bit_identical_to_triton(ring):
   kv0, tail0, ape, batches = _chain(100 + ring, ring)
   for mode in MODES:
     got = _run_chain(True, mode, kv0, tail0, ape, batches)
-    kv, tail, ap = triton_oracle.to_torch(kv0), triton_oracle.to_torch(tail0), triton_oracle.to_torch(ape)
+    kv, tail, ap = (triton_oracle.to_torch(a) for a in (kv0, tail0, ape))
     fkv, ftail = kv.clone(), tail.clone()           # the one-kernel Triton decode update
     for i, (b, (gkv, gtail)) in enumerate(zip(batches, got)):
       args = [triton_oracle.to_torch(b[k]) for k in ("tslot", "key", "score")] + [ap] + [

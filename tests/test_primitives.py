@@ -71,7 +71,9 @@ def test_eager_matches_jit(op):
 def _vmap_cases():
   for op in OPS:
     for which in ["all"] + list(range(len(CASES[op].make(np.random.default_rng(0))))):
-      yield op, which
+      # kpool_update's vmap maps the op over the examples: seconds per operand
+      slow = op == "kpool_update" and which != "all"
+      yield pytest.param(op, which, marks=[pytest.mark.slow] if slow else [])
 
 
 @pytest.mark.parametrize("op,which", list(_vmap_cases()))

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax.testing import oracle as O
 from glm5_jax import reference as ref
+from glm5_jax.testing import oracle as O
+
 from graphs import run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -75,7 +76,8 @@ def test_kernel_within_the_gemm_bound(k, heads, m):
     kernel = _check(x, w_cat, heads, got, f"kernel {label}")
     want = _reference_fn(heads)(x, w_cat)
     reference = _check(x, w_cat, heads, want, f"reference {label}")
-    same = np.mean(np.concatenate([(g == w).ravel() for g, w in zip(map(O.bits, got), map(O.bits, want))]))
+    same = np.mean(np.concatenate([(g == w).ravel()
+                                   for g, w in zip(map(O.bits, got), map(O.bits, want))]))
     print(f"\n[{label}] max err/bound: kernel {kernel:.3f}, reference {reference:.3f}; "
           f"{same:.2%} of outputs bit-equal to the reference")
     _assert_same_bits(got, _kernel_fn(heads)(x, w_cat), f"{label} rerun")

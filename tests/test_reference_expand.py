@@ -2,13 +2,13 @@
 independent oracle. Integer ops: exact equality everywhere."""
 import functools
 
-import jax
 import numpy as np
+import jax
 import pytest
 
+from glm5_jax import reference as R
 from glm5_jax.testing import oracle as O
 from glm5_jax.testing.cases import i32
-from glm5_jax import reference as R
 
 
 @functools.cache

@@ -7,13 +7,13 @@ float64 dot product with the worst-case fp32 summation bound (any order).
 """
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from glm5_jax.testing import oracle as O
 from glm5_jax import reference as R
+from glm5_jax.testing import oracle as O
 
 F32 = np.float32
 

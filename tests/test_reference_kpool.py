@@ -11,14 +11,14 @@ every entry not written, must be bit-identical.
 """
 import functools
 
+import numpy as np
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
+from glm5_jax import reference as R
 from glm5_jax.testing import oracle as O
 from glm5_jax.testing.cases import i32
-from glm5_jax import reference as R
 
 BF16 = O.BF16
 STATS = {"multi": 0}     # entries whose fp8 codes differ by > 1 code (see compare_cache)
@@ -87,6 +87,7 @@ def _report(label, bad, n):
   assert bad <= max(1, 0.01 * n), (bad, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_format,round_scale,page", [
     ("fp32", True, 64), ("ue8m0", True, 32), ("fp32", False, 64)])
 def test_update_random_many_pools(scale_format, round_scale, page):
@@ -167,6 +168,7 @@ def _edge_batch(rng, ring, blocks, pages, page):
   return tslot, pos, loc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ring", [4, 8])
 def test_update_edge_cases(ring):
   rng = np.random.default_rng(12 + ring)
@@ -223,6 +225,7 @@ def test_update_completion_with_negative_tslot_reads_block_zero():
   np.testing.assert_array_equal(okv.reshape(pages, -1)[0, 5 * 128:6 * 128], q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ring,N", [(8, 5), (8, 8)])
 def test_update_next_n_completions_mid_call(ring, N):
   rng = np.random.default_rng(14 + N)
@@ -283,6 +286,7 @@ def _check_compress(kv, sk, ss, ape, loc, mask, scale_format="fp32", round_scale
   return bad, n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_format,round_scale,page", [
     ("fp32", True, 64), ("ue8m0", True, 64), ("fp32", False, 32)])
 def test_compress_thousands_of_pools(scale_format, round_scale, page):

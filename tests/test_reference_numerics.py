@@ -1,14 +1,14 @@
 """glm5_jax.reference.numerics against the independent oracle (SPEC §2b, §3, §11.1)."""
 from fractions import Fraction
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import numpy as np
 import pytest
 
-from glm5_jax.testing import oracle as O
 from glm5_jax.reference import numerics as N
+from glm5_jax.testing import oracle as O
 
 F32 = np.float32
 

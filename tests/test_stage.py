@@ -10,6 +10,7 @@ import pytest
 import glm5_jax
 from glm5_jax import synthetic
 from glm5_jax.testing import oracle
+
 from graphs import copied_shapes
 
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
@@ -38,6 +39,7 @@ def cache_copies(step, args, config):
   return copied_shapes(text, [cache.kv_cache.shape, cache.tail.shape])
 
 
+@pytest.mark.slow
 def test_donated_step_has_no_cache_copy():
   """No copy of the paged K cache; on GPU none of the tail ring either (the
   CPU backend materialises the tail's bf16 <-> u16 bitcasts, B x 4 KB)."""
@@ -61,6 +63,7 @@ def test_donated_cache_is_reused():
   assert new.kv_cache.unsafe_buffer_pointer() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([3, 2046], 1),
                                              ([40, 2999, 514], 4)])
 @pytest.mark.parametrize("fused", [True, False])

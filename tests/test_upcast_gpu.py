@@ -7,6 +7,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
+
 from graphs import run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -53,7 +54,8 @@ def test_kernel_runs_inside_a_command_buffer(tmp_path):
   script = (
       "import jax, jax.numpy as jnp, glm5_jax\n"
       "x = jnp.ones((4, 64), jnp.bfloat16); e = jnp.array([1, 64, 9, 0], jnp.int32)\n"
-      f"f = jax.jit(lambda x, e: [glm5_jax.upcast_logits(x * (i + 1), e) for i in range({CALLS})])\n"
+      "f = jax.jit(lambda x, e: [glm5_jax.upcast_logits(x * (i + 1), e)\n"
+      f"                         for i in range({CALLS})])\n"
       "print(float(f(x, e)[-1][1, 5]))\n")
   out = run_and_check_graphed(script, ["glm5_upcast_logits"], tmp_path)
   assert out.strip() == str(float(CALLS))

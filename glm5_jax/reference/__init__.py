@@ -5,8 +5,7 @@ its primitive, the GPU fallback (GLM5_JAX_KERNELS) and the oracle the CUDA
 kernels are tested against.
 """
 from .expand import expand_and_remap, expand_pools
-from .indexer import (indexer_projection, indexer_projection_fused,
-                      indexer_query, key_layernorm)
+from .indexer import indexer_projection, indexer_projection_fused, indexer_query, key_layernorm
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update
 from .logits import mqa_logits, pool_topk, upcast_logits
 

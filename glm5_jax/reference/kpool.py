@@ -10,8 +10,7 @@ Out-of-range slots and tail blocks never write (SPEC D4).
 import jax.numpy as jnp
 from jax import lax
 
-from .numerics import (DIM, LOG2E, POOL, exp2, fma_bf16, rotate_quant,
-                       round_bf16, scale_bytes)
+from .numerics import DIM, LOG2E, POOL, exp2, fma_bf16, rotate_quant, round_bf16, scale_bytes
 
 
 def compress_pools(keys, scores, ape, *, scale_format="fp32", round_scale=True):

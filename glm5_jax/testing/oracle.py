@@ -16,8 +16,8 @@ computed in float64 and compared with a tolerance by the tests.
 """
 import math
 
-import ml_dtypes
 import numpy as np
+import ml_dtypes
 
 F32 = np.float32
 F64 = np.float64

@@ -36,8 +36,8 @@ torch and triton exist on the GPU machine only; import this module through
 """
 import os
 
-import ml_dtypes
 import numpy as np
+import ml_dtypes
 
 try:  # GPU machine only
   import torch
