@@ -40,10 +40,28 @@ except ImportError:
   _glm5_cuda = None
 
 
+# The kernels are built for sm_90a only (CMakeLists.txt): other GPUs run the reference.
+SUPPORTED_CAPABILITY = "9.0"
+
+
+@functools.cache
+def _supported_gpu():
+  """Whether every local CUDA device has compute capability SUPPORTED_CAPABILITY;
+  warns once (naming the devices' capabilities) when one does not."""
+  caps = {str(getattr(d, "compute_capability", "unknown")) for d in jax.devices("cuda")}
+  if caps == {SUPPORTED_CAPABILITY}:
+    return True
+  _warn_once(f"glm5_jax: the CUDA kernels need compute capability {SUPPORTED_CAPABILITY} "
+             f"(H100/H200), this machine has {', '.join(sorted(caps))}; every op runs its "
+             "pure-JAX reference")
+  return False
+
+
 @functools.cache
 def register_targets():
-  """Registers the module's CUDA handlers with XLA once; False without the module."""
-  if _glm5_cuda is None:
+  """Registers the module's CUDA handlers with XLA once; False without the module or
+  on a GPU the kernels are not built for (_supported_gpu)."""
+  if _glm5_cuda is None or (local_cuda() and not _supported_gpu()):
     return False
   for name, capsule in _glm5_cuda.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
@@ -101,7 +119,8 @@ def kernel_target(op):
   if target is None or not kernels_enabled(op):
     return None
   if not register_targets() and local_cuda():
-    _warn_once("glm5_jax: the CUDA module is not built (rebuild with "
-               "GLM5_JAX_ENABLE_CUDA=ON); every op runs its pure-JAX reference")
+    if _glm5_cuda is None:      # (a refused GPU has warned in _supported_gpu)
+      _warn_once("glm5_jax: the CUDA module is not built (rebuild with "
+                 "GLM5_JAX_ENABLE_CUDA=ON); every op runs its pure-JAX reference")
     return None
   return target
