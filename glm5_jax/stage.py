@@ -1,5 +1,5 @@
 """The indexer of one DSA layer for a decode step, composed of the ops
-(seed `IndexerStage`; SPEC data flow: §1 -> §2 -> §3 -> §5 -> §6 + §7)."""
+(the data flow of docs/semantics.md: §1 -> §2 -> §3 -> §5 -> §6 + §7)."""
 import dataclasses
 import math
 
