@@ -5,7 +5,7 @@
 
 Variants per shape: "reference" = the public op with GLM5_JAX_KERNELS=0 (pure
 JAX under jit) and "kernel" = the public op with its CUDA kernel, for every op
-in glm5_jax._ffi.KERNEL_TARGETS (GPU with the CUDA module only). Method
+in glm5_jax.KERNEL_TARGETS (GPU with the CUDA module only). Method
 (PERFORMANCE.md §8): one jitted function runs a device loop of `passes` passes
 over R calls, each on its own rotated inputs (W_cat and logits rotated past
 the 60 MB L2; caches >= 1 GB donated and threaded through the calls; stateless
@@ -49,6 +49,7 @@ except ImportError:          # run from a checkout without installing
   import glm5_jax
 from glm5_jax import _ffi, synthetic
 from glm5_jax._primitive import Op
+from glm5_jax.indexer import projection_tactics, tile_k
 from glm5_jax.reference.numerics import DIM, POOL
 
 import pallas_ops  # noqa: E402  (bench/pallas_ops.py)
@@ -528,7 +529,7 @@ PALLAS = "pallas"
 THREE_DOTS = "reference, three dots"
 TWO_KERNELS = "projection + query kernels"
 GEMM_QUERY = "XLA GEMM + query kernel"
-_QUERY = _ffi.KERNEL_TARGETS["indexer_query"]
+_QUERY = glm5_jax.KERNEL_TARGETS["indexer_query"]
 
 # op -> {variant: Alternative}
 ALTERNATIVES = {
@@ -541,7 +542,7 @@ ALTERNATIVES = {
             *a, *f, projection=three_dots, query=glm5_jax.reference.indexer_query))),
         TWO_KERNELS: Alternative(
             "0,indexer_projection=1,indexer_query=1",
-            (_ffi.KERNEL_TARGETS["indexer_projection"], _QUERY),
+            (glm5_jax.KERNEL_TARGETS["indexer_projection"], _QUERY),
             lambda st, f, a: (st, unfused(*a, *f))),
         GEMM_QUERY: Alternative("0,indexer_query=1", (_QUERY,),
                                 lambda st, f, a: (st, unfused(*a, *f)))},
@@ -613,8 +614,8 @@ VARIANTS = ("reference", KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS
 
 @contextlib.contextmanager
 def variant_env(variant, op=None):
-  """GLM5_JAX_KERNELS (read at lowering) and GLM5_JAX_PDL (read at each launch,
-  i.e. command-buffer capture) for one JAX variant of `op`."""
+  """GLM5_JAX_KERNELS and GLM5_JAX_PDL (both read when the op is traced: the
+  Routing) for one JAX variant of `op`."""
   alt = alternative(op, variant)
   kernels = alt.kernels if alt else "0" if variant == "reference" else "1"
   want = {"GLM5_JAX_KERNELS": kernels,
@@ -816,8 +817,8 @@ class Bench:
                          timespec="seconds"))
     self.gpu = jax.default_backend() == "gpu"
     self.module = self.gpu and _ffi.register_targets()
-    self.kernels = [op for op in _ffi.KERNEL_TARGETS if self.has_kernel(op)]
-    self.kernel_targets = {_ffi.KERNEL_TARGETS[op] for op in self.kernels}
+    self.kernels = [op for op in glm5_jax.KERNEL_TARGETS if self.has_kernel(op)]
+    self.kernel_targets = {glm5_jax.KERNEL_TARGETS[op] for op in self.kernels}
 
   def log(self, msg):
     print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
@@ -829,7 +830,7 @@ class Bench:
     return row
 
   def has_kernel(self, op):
-    return self.module and op in _ffi.KERNEL_TARGETS
+    return self.module and op in glm5_jax.KERNEL_TARGETS
 
   def over_budget(self):
     return time.monotonic() - self.t0 > self.args.budget_s
@@ -946,7 +947,7 @@ class Bench:
       text, got, wall = single_call(self.with_call(case, variant), state)
     called = set(re.findall(r"custom_call @(glm5_\w+)", text))
     want = (set(alt.targets) if alt else
-            {_ffi.KERNEL_TARGETS[case.op]} if variant in (KERNEL, NO_PDL) else set())
+            {glm5_jax.KERNEL_TARGETS[case.op]} if variant in (KERNEL, NO_PDL) else set())
     if called != want:
       raise RuntimeError(f"the {variant} variant calls {sorted(called)}, not {sorted(want)}")
     r = self.chain_length(case, wall, text.count("\n"))
@@ -1008,8 +1009,7 @@ class Bench:
   def sweep_projection(self):
     """indexer_projection's kernel at every (warps, split) that tiles K = HIDDEN in
     <= 8 blocks per warp, every M: rows with variant "kernel <warps>x<split>"."""
-    tactics = [(w, sp) for w in (1, 2, 4, 8) for sp in (1, 2, 4, 8)
-               if HIDDEN % (32 * w * sp) == 0 and HIDDEN // (32 * w * sp) <= 8]
+    tactics = [t for t in projection_tactics(HIDDEN) if tile_k(HIDDEN, *t)[1] == 1]
     for shape, kw in _rows(self.s):
       for w, sp in tactics:
         if self.over_budget():
@@ -1149,7 +1149,7 @@ def markdown(rows, meta, sizes, plot_ref):
 
 def routing(rows):
   """Where each kernel loses to the jitted reference, and what the op runs by
-  default (glm5_jax._ffi.KERNEL_DEFAULT_OFF)."""
+  default (Op.kernel_off)."""
   by = _lookup(rows)
   lines = ["Routing (kernel vs jitted reference, same run):", ""]
   for op in dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"):
@@ -1159,8 +1159,8 @@ def routing(rows):
       return [sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
               o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
     note = Op.registry[op].kernel_default_note
-    default = (f"reference by default ({_ffi.KERNEL_DEFAULT_OFF[op]})"
-               if op in _ffi.KERNEL_DEFAULT_OFF else
+    default = (f"reference by default ({Op.registry[op].kernel_off})"
+               if Op.registry[op].kernel_off else
                f"kernel by default at {note}, reference elsewhere" if note else
                "kernel by default")
     vs_ref, vs_triton = slower("reference"), slower(TRITON)
@@ -1255,7 +1255,7 @@ def main():
   if unknown:
     p.error(f"unknown ops {sorted(unknown)}; choose from {', '.join(glm5_jax.OPS)}")
   # Ops with a kernel first: they matter most if the budget runs out.
-  ops = sorted(ops, key=lambda o: (o not in _ffi.KERNEL_TARGETS, glm5_jax.OPS.index(o)))
+  ops = sorted(ops, key=lambda o: (o not in glm5_jax.KERNEL_TARGETS, glm5_jax.OPS.index(o)))
 
   for path in (args.out, args.md):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
