@@ -89,6 +89,9 @@ BAD_PARAMS = [
     ("expand_and_remap", dict(seq_offset=-2**31 - 1), "seq_offset must fit in int32"),
     ("expand_and_remap", dict(block_size=2**32), "block_size must fit in int32"),
     ("expand_and_remap", dict(stride_rows=2**31), "stride_rows must fit in int32"),
+    ("expand_and_remap", dict(stride_rows=0), "stride_rows must be > 0, got 0"),
+    ("expand_pools", dict(width=0), r"width must be >= 4 \* G \+ 3 = 35, got 0"),
+    ("indexer_query", dict(padded=0), "padded must be >= the head count 4, got 0"),
     ("pool_topk", dict(k=0), "k must be > 0"),
     ("mqa_logits", dict(scale_format="bf16"), "scale_format must be one of"),
     ("indexer_query", dict(padded=2), "padded must be >= the head count 4"),
@@ -108,6 +111,45 @@ def test_bad_static_option(op, params, message):
   args = CASES[op].make(np.random.default_rng(0))
   with pytest.raises((ValueError, TypeError), match=f"glm5_jax.{op}: {message}"):
     jax.jit(fn)(*args)
+
+
+# Zero-valued params the reference and the op normalise by one rule (None = the default,
+# anything else is checked): the reference raises what the op raises.
+SHARED_RULES = [
+    ("expand_pools", dict(width=0), r"width must be >= 4 \* G \+ 3 = 35, got 0"),
+    ("expand_pools", dict(width=10), r"width must be >= 4 \* G \+ 3 = 35, got 10"),
+    ("expand_and_remap", dict(stride_rows=0), "stride_rows must be > 0, got 0"),
+    ("expand_and_remap", dict(stride_rows=-4), "stride_rows must be > 0, got -4"),
+    ("expand_and_remap", dict(width=100), r"width must be >= 4 \* G \+ 3 = 131, got 100"),
+    ("indexer_query", dict(padded=0), "padded must be >= the head count 4, got 0"),
+]
+
+
+@pytest.mark.parametrize("op,params,message", SHARED_RULES,
+                         ids=[f"{b[0]}-{b[1]}" for b in SHARED_RULES])
+def test_reference_shares_the_op_rule(op, params, message):
+  fn = CASES[op].fn
+  static = {**getattr(fn, "keywords", {}), **params}
+  args = CASES[op].make(np.random.default_rng(0))
+  for impl in (getattr(glm5_jax, op), getattr(glm5_jax.reference, op)):
+    with pytest.raises(ValueError, match=f"glm5_jax.{op}: {message}"):
+      jax.jit(functools.partial(impl, **static))(*args)
+
+
+@pytest.mark.parametrize("op,params,default", [
+    ("expand_pools", dict(width=None), dict(width=35)),
+    ("expand_and_remap", dict(stride_rows=None), dict(stride_rows=16)),
+    ("indexer_query", dict(padded=None), dict(padded=4))])
+def test_none_is_the_default(op, params, default):
+  """None means the documented default, for the op and the reference alike."""
+  fn = CASES[op].fn
+  static = getattr(fn, "keywords", {})
+  args = CASES[op].make(np.random.default_rng(0))
+  for impl in (getattr(glm5_jax, op), getattr(glm5_jax.reference, op)):
+    got = jax.jit(functools.partial(impl, **{**static, **params}))(*args)
+    want = jax.jit(functools.partial(impl, **{**static, **default}))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_fp32_logits_pass_through():
