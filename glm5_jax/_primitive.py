@@ -106,7 +106,7 @@ class Op:
 
   # Routing ----------------------------------------------------------------------------
 
-  def kernel_on(self, routing):
+  def kernel_on(self, routing: "Routing") -> bool:
     """Whether `routing` lets the kernel run at shapes it supports: the routing's word on
     the op, or else the op's default (every kernel but those with kernel_off)."""
     if self.kernel is None:
@@ -114,7 +114,7 @@ class Op:
     word = routing.word(self.name)
     return self.kernel_off is None if word is None else word
 
-  def runs_kernel(self, routing, avals, params):
+  def runs_kernel(self, routing: "Routing", avals, params) -> bool:
     """Whether the CUDA lowering at these avals and static params calls the kernel."""
     if not (self.kernel_on(routing) and self.kernel_supports(*avals, **params)):
       return False
@@ -231,13 +231,13 @@ class Routing:
         raise TypeError(f"glm5_jax.Routing: ops[{name!r}] must be a bool, got {on!r}")
     object.__setattr__(self, "ops", tuple(sorted(ops.items())))
 
-  def word(self, op):
+  def word(self, op: str) -> bool | None:
     """The routing's word on `op`: True or False where it names the op (or every op),
     None where it does not (the op's default applies)."""
     return dict(self.ops).get(op, self.kernels)
 
   @classmethod
-  def from_env(cls, environ=None):
+  def from_env(cls, environ: Mapping[str, str] | None = None) -> "Routing":
     """The routing GLM5_JAX_KERNELS and GLM5_JAX_PDL ask for (unset: Routing()).
 
     GLM5_JAX_KERNELS: "0" every op on its reference, "1" every kernel wherever it

@@ -107,7 +107,7 @@ class IndexerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeBatch:
-  """Decode metadata, B requests x N tokens (rows = B*N, request-major).
+  """Decode metadata of B requests x N (next_n) rows each (rows = B*N, request-major).
 
   positions, loc, tslot i32[B, N] (-1 pads); req_ids i32[B*N];
   page_table i32[R, MP] (indexer K-cache pages per request);
