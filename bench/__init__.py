@@ -7,7 +7,7 @@
 Run from the repository root (it imports glm5_jax from the checkout, or the installed
 package). Variants per shape: "reference" = the public op with GLM5_JAX_KERNELS=0
 (pure JAX under jit), "kernel" = the public op with its CUDA kernel for every op in
-glm5_jax._ffi.KERNEL_TARGETS (GPU with the CUDA module only), plus the stock op order
+glm5_jax.KERNEL_TARGETS (GPU with the CUDA module only), plus the stock op order
 as Triton kernels and other ways to write an op (bench/variants.py, bench/stock.py).
 
 Method (bench/harness.py). One jitted function holds an unrolled chain of N calls of

@@ -8,6 +8,7 @@ import traceback
 
 import jax
 
+import glm5_jax
 from glm5_jax import _ffi
 
 from . import harness, stock
@@ -39,8 +40,8 @@ class Bench:
                          timespec="seconds"))
     self.gpu = jax.default_backend() == "gpu"
     self.module = self.gpu and _ffi.register_targets()
-    self.kernels = [op for op in _ffi.KERNEL_TARGETS if self.has_kernel(op)]
-    self.kernel_targets = {_ffi.KERNEL_TARGETS[op] for op in self.kernels}
+    self.kernels = [op for op in glm5_jax.KERNEL_TARGETS if self.has_kernel(op)]
+    self.kernel_targets = {glm5_jax.KERNEL_TARGETS[op] for op in self.kernels}
 
   def log(self, msg):
     print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
@@ -59,7 +60,7 @@ class Bench:
     self.row(op, shape, variant, None, None, False, notes=note)
 
   def has_kernel(self, op):
-    return self.module and op in _ffi.KERNEL_TARGETS
+    return self.module and op in glm5_jax.KERNEL_TARGETS
 
   def over_budget(self):
     return time.monotonic() - self.t0 > self.args.budget_s

@@ -7,7 +7,6 @@ import os
 import numpy as np
 
 import glm5_jax
-from glm5_jax import _ffi
 from glm5_jax._primitive import Op
 
 from .sizes import BW_FALLBACK, sizes_for
@@ -128,7 +127,7 @@ def markdown(rows, meta, sizes, plot_ref):
 
 def routing(rows):
   """Where each kernel loses to the jitted reference, and what the op runs by
-  default (glm5_jax._ffi.KERNEL_DEFAULT_OFF)."""
+  default (Op.kernel_off)."""
   by = _lookup(rows)
   lines = ["Routing (kernel vs jitted reference, same run):", ""]
   for op in dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"):
@@ -138,8 +137,8 @@ def routing(rows):
         sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
         o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
     note = Op.registry[op].kernel_default_note
-    default = (f"reference by default ({_ffi.KERNEL_DEFAULT_OFF[op]})"
-               if op in _ffi.KERNEL_DEFAULT_OFF else
+    default = (f"reference by default ({Op.registry[op].kernel_off})"
+               if Op.registry[op].kernel_off else
                f"kernel by default at {note}, reference elsewhere" if note else
                "kernel by default")
     vs_ref, vs_triton = slower(REFERENCE), slower(TRITON)

@@ -1,7 +1,7 @@
 """Group "sweep" (--sweep-projection): indexer_projection's kernel at every (warps,
 split) tactic whose warp span of K = HIDDEN stays in registers, every M: rows with
 variant "kernel <warps>x<split>"."""
-from glm5_jax.indexer import BLOCK_K, MAX_BLOCKS, MAX_SPLIT, MAX_WARPS
+from glm5_jax.indexer import projection_tactics, tile_k
 
 from .harness import amortised
 from .per_op import workload
@@ -19,15 +19,11 @@ def add_arguments(parser):
                            "tactic")
 
 
-def _pow2(n):
-  return [1 << i for i in range(n.bit_length()) if 1 << i <= n]
-
-
 def run(bench):
   if not (bench.args.sweep_projection and bench.has_kernel(OP)):
     return
-  tactics = [(w, sp) for w in _pow2(MAX_WARPS) for sp in _pow2(MAX_SPLIT)
-             if HIDDEN % (BLOCK_K * w * sp) == 0 and HIDDEN // (BLOCK_K * w * sp) <= MAX_BLOCKS]
+  # One-stage tactics only (each warp's span of K held in registers).
+  tactics = [t for t in projection_tactics(HIDDEN) if tile_k(HIDDEN, *t)[1] == 1]
   for shape, kw in WORKLOADS[OP][1](bench.s):
     for w, sp in tactics:
       if bench.over_budget():

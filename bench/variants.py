@@ -9,7 +9,6 @@ from typing import Callable, NamedTuple
 import jax.numpy as jnp
 
 import glm5_jax
-from glm5_jax import _ffi
 from glm5_jax.reference.numerics import DIM
 
 from . import pallas_ops
@@ -49,7 +48,7 @@ class Alternative(NamedTuple):
   call: Callable
 
 
-_QUERY = _ffi.KERNEL_TARGETS["indexer_query"]
+_QUERY = glm5_jax.KERNEL_TARGETS["indexer_query"]
 
 # op -> {variant: Alternative}
 ALTERNATIVES = {
@@ -62,7 +61,7 @@ ALTERNATIVES = {
             *a, *f, projection=three_dots, query=glm5_jax.reference.indexer_query))),
         TWO_KERNELS: Alternative(
             "0,indexer_projection=1,indexer_query=1",
-            (_ffi.KERNEL_TARGETS["indexer_projection"], _QUERY),
+            (glm5_jax.KERNEL_TARGETS["indexer_projection"], _QUERY),
             lambda st, f, a: (st, unfused(*a, *f))),
         GEMM_QUERY: Alternative("0,indexer_query=1", (_QUERY,),
                                 lambda st, f, a: (st, unfused(*a, *f)))},
@@ -85,7 +84,7 @@ def expected_targets(op, variant):
   alt = alternative(op, variant)
   if alt:
     return set(alt.targets)
-  return {_ffi.KERNEL_TARGETS[op]} if variant in (KERNEL, NO_PDL) else set()
+  return {glm5_jax.KERNEL_TARGETS[op]} if variant in (KERNEL, NO_PDL) else set()
 
 
 @contextlib.contextmanager

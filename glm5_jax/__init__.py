@@ -1,25 +1,41 @@
 """glm5_jax: the GLM-5.3-Flash (GLM-5-Next) DSA kpool indexer decode ops for JAX.
 
 Every op is a JAX primitive (jit, vmap, export) with a CUDA kernel where one is
-built and the pure-JAX reference (`glm5_jax.reference`) everywhere else.
+built and the pure-JAX reference (`glm5_jax.reference`) everywhere else; a
+`Routing` value chooses between them.
 """
+from jax import export as _export
+
 from . import reference
-from ._ffi import KERNEL_TARGETS, kernels_enabled
-from .expand import expand_and_remap, expand_pools
-from .indexer import indexer_projection, indexer_projection_fused, indexer_query
-from .kpool import kpool_compress, kpool_seed_tail, kpool_update
-from .logits import mqa_logits, pool_topk, upcast_logits
+from ._primitive import Op as _Op
+from ._primitive import Routing
+# isort: off
+# Import order = declaration order = OPS order (the data flow of a decode step); the ops
+# are re-exported through __all__, which derives from OPS.
+from .indexer import indexer_projection, indexer_query, indexer_projection_fused  # noqa: F401
+from .kpool import kpool_update, kpool_compress, kpool_seed_tail  # noqa: F401
+from .expand import expand_pools, expand_and_remap  # noqa: F401
+from .logits import upcast_logits, mqa_logits, pool_topk  # noqa: F401
+# isort: on
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)
 
 __version__ = "0.1.0"
 
-OPS = ("indexer_projection", "indexer_query", "indexer_projection_fused",
-       "kpool_update", "kpool_compress", "kpool_seed_tail", "expand_pools",
-       "expand_and_remap", "upcast_logits", "mqa_logits", "pool_topk")
+# Derived from the op declarations (glm5_jax._primitive.Op): never written out by hand.
+OPS = tuple(_Op.registry)
+KERNEL_TARGETS = {name: op.kernel for name, op in _Op.registry.items() if op.kernel}
+
+
+def export_checks() -> list[_export.DisabledSafetyCheck]:
+  """The `disabled_checks` jax.export needs for the glm5_ custom calls (FFI targets are
+  not on jax's list of stable custom calls): pass them to
+  jax.export.export(..., platforms=["cuda"], disabled_checks=glm5_jax.export_checks())."""
+  return [_export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_TARGETS.values()]
+
 
 __all__ = list(OPS) + [
     "DecodeBatch", "IndexerCache", "IndexerConfig", "IndexerOutput",
-    "IndexerWeights", "KERNEL_TARGETS", "OPS", "indexer_stage",
-    "kernels_enabled", "prepare_weights", "reference",
+    "IndexerWeights", "KERNEL_TARGETS", "OPS", "Routing", "export_checks",
+    "indexer_stage", "prepare_weights", "reference",
 ]

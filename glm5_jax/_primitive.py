@@ -1,12 +1,19 @@
-"""One helper that turns an op description into a JAX primitive.
+"""The op declaration (`Op`) that turns into a JAX primitive, and the routing value
+(`Routing`) that decides, when a primitive is lowered for CUDA, whether it runs its
+kernel.
 
 Each op gets: abstract evaluation that validates shapes and dtypes at trace
 time, a CPU (default) lowering through the pure-JAX reference, a CUDA lowering
-to its FFI target (operand/output aliasing for in-place caches) or to the
-reference when it has no kernel, the kernel does not support the shapes or
-GLM5_JAX_KERNELS turns it off, a batching rule, and an error under
-differentiation.
+to its FFI target (operand/output aliasing for in-place caches, attributes cast to
+their declared types) or to the reference when it has no kernel, the kernel does
+not support the shapes or the routing turns it off, a batching rule, and an error
+under differentiation.
 """
+import dataclasses
+import os
+from collections.abc import Mapping
+
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -15,35 +22,61 @@ from jax.interpreters import ad, batching, mlir, xla
 
 from . import _ffi
 
+KERNELS_ENV, PDL_ENV = "GLM5_JAX_KERNELS", "GLM5_JAX_PDL"
+# The numpy scalar types an FFI attribute may have: the C++ handler binds bool, int32_t,
+# int64_t or float of the same name.
+ATTRIBUTE_TYPES = (np.bool_, np.int32, np.int64, np.float32)
+
 
 class Op:
-  """A glm5_jax primitive.
+  """A glm5_jax primitive, declared once: everything about the op, its kernel and
+  where that kernel runs is here (OPS, KERNEL_TARGETS, `python -m glm5_jax.info`
+  and the tests derive from `Op.registry`).
 
-  name: the op (FFI target glm5_<name>); reference: pure-JAX function of the
-  operands and static params returning a tuple; shapes: validates avals and
-  params, returns [(shape, dtype)] of the results; aliases: {operand: result}
-  updated in place; rows: per-operand row axis (None = shared) and per-result
-  row axis, when examples can be folded into the rows under vmap (otherwise
-  vmap maps the op over the examples); attributes: static params -> FFI
-  attributes with exact C++ types; kernel_supports: (avals, params) -> whether
-  the kernel handles these shapes (like `shapes`; otherwise the CUDA lowering
-  uses the reference), described for diagnostics by kernel_limits;
-  kernel_default: (avals, params) -> whether the kernel runs at these shapes when
-  GLM5_JAX_KERNELS does not name the op (where the H200 measured it faster than
-  the reference), described by kernel_default_note.
+  name: the op; reference: pure-JAX function of the operands and static params
+  returning a tuple; shapes: validates avals and params, returns [(shape, dtype)] of
+  the results; aliases: {operand: result} updated in place; rows: per-operand row
+  axis (None = shared) and per-result row axis, when examples can be folded into
+  the rows under vmap (otherwise vmap maps the op over the examples).
+
+  The CUDA kernel: kernel: its FFI target (glm5_<name>; None = no kernel, the
+  reference everywhere); attributes: {name: numpy scalar type}, the FFI attributes
+  its handler binds besides `pdl` (np.bool_, which every kernel takes from the
+  Routing); attribute_values: (avals, params) -> {name: value} for attributes that
+  are not a static param of the same name (derived from shapes or other params);
+  kernel_supports: (avals, params) -> whether the kernel handles these shapes (like
+  `shapes`; otherwise the reference), described by kernel_limits; kernel_off: why the
+  kernel is off unless the routing names it (it lost to the reference on the H200);
+  kernel_default: (avals, params) -> whether it runs at these shapes when the routing
+  does not name the op (where the H200 measured it faster), described by
+  kernel_default_note.
   """
 
-  registry = {}     # name -> Op
+  registry = {}     # name -> Op, in declaration order
 
-  def __init__(self, name, reference, shapes, *, aliases=None, rows=None,
-               attributes=None, kernel_supports=None, kernel_limits=None,
-               kernel_default=None, kernel_default_note=None):
+  def __init__(self, name, reference, shapes, *, aliases=None, rows=None, kernel=None,
+               attributes=None, attribute_values=None, kernel_supports=None,
+               kernel_limits=None, kernel_off=None, kernel_default=None,
+               kernel_default_note=None):
+    if name in Op.registry:
+      raise ValueError(f"glm5_jax: op {name!r} is declared twice")
+    attributes = dict(attributes or {})
+    if kernel is None and (attributes or attribute_values or kernel_supports or kernel_off
+                           or kernel_default):
+      raise ValueError(f"glm5_jax: op {name!r} describes a kernel but declares none")
+    for attr, typ in attributes.items():
+      if typ not in ATTRIBUTE_TYPES or attr == "pdl":
+        raise ValueError(f"glm5_jax: op {name!r} attribute {attr!r}: want one of "
+                         f"{[t.__name__ for t in ATTRIBUTE_TYPES]} (pdl is implicit)")
     self.name, self.reference, self.shapes = name, reference, shapes
     self.aliases = aliases or {}
     self.rows = rows
-    self.attributes = attributes or (lambda **params: {})
+    self.kernel = kernel
+    self._attributes = attributes
+    self.attribute_values = attribute_values or (lambda *avals, **params: {})
     self.kernel_supports = kernel_supports or (lambda *avals, **params: True)
     self.kernel_limits = kernel_limits
+    self.kernel_off = kernel_off
     self.kernel_default = kernel_default or (lambda *avals, **params: True)
     self.kernel_default_note = kernel_default_note
     Op.registry[name] = self
@@ -57,25 +90,65 @@ class Op:
     batching.primitive_batchers[prim] = self._batch
     ad.primitive_jvps[prim] = self._jvp
 
-  def __call__(self, *args, **params):
-    return self.primitive.bind(*args, **params)
+  def __call__(self, *args, routing=None, **params):
+    """Binds the primitive; routing None = Routing.from_env() (at trace time)."""
+    if routing is None:
+      routing = Routing.from_env()
+    elif not isinstance(routing, Routing):
+      raise TypeError(f"glm5_jax.{self.name}: routing must be a glm5_jax.Routing or None, "
+                      f"got {type(routing).__name__}")
+    return self.primitive.bind(*args, routing=routing, **params)
 
-  def _reference(self, *args, **params):
+  @property
+  def attributes(self):
+    """{name: numpy type} of every FFI attribute of a kernel call, pdl included."""
+    return {**self._attributes, "pdl": np.bool_} if self.kernel else {}
+
+  # Routing ----------------------------------------------------------------------------
+
+  def kernel_on(self, routing: "Routing") -> bool:
+    """Whether `routing` lets the kernel run at shapes it supports: the routing's word on
+    the op, or else the op's default (every kernel but those with kernel_off)."""
+    if self.kernel is None:
+      return False
+    word = routing.word(self.name)
+    return self.kernel_off is None if word is None else word
+
+  def runs_kernel(self, routing: "Routing", avals, params) -> bool:
+    """Whether the CUDA lowering at these avals and static params calls the kernel."""
+    if not (self.kernel_on(routing) and self.kernel_supports(*avals, **params)):
+      return False
+    if routing.word(self.name) is None and not self.kernel_default(*avals, **params):
+      return False
+    # Without the built module the target is still used when lowering for a GPU this
+    # process does not have (jax.export); on a real GPU the op falls back to the reference.
+    if not _ffi.register_targets() and _ffi.local_cuda():
+      if _ffi._glm5_cuda is None:     # (a refused GPU has warned in _supported_gpu)
+        _ffi.warn_once("glm5_jax: the CUDA module is not built (rebuild with "
+                       "GLM5_JAX_ENABLE_CUDA=ON); every op runs its pure-JAX reference")
+      return False
+    return True
+
+  def kernel_attributes(self, routing, avals, params):
+    """The FFI attributes of a kernel call, each cast to its declared numpy type."""
+    values = {**params, **self.attribute_values(*avals, **params), "pdl": routing.pdl}
+    return {name: typ(values[name]) for name, typ in self.attributes.items()}
+
+  # Primitive rules --------------------------------------------------------------------
+
+  def _reference(self, *args, routing, **params):
     out = self.reference(*args, **params)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-  def _abstract_eval(self, *avals, **params):
+  def _abstract_eval(self, *avals, routing, **params):
     return [jax.core.ShapedArray(s, d) for s, d in self.shapes(*avals, **params)]
 
   def _cuda_lowering(self, lower_ref):
-    def lowering(ctx, *args, **params):
-      target = _ffi.kernel_target(self.name)
-      if (target is None or not self.kernel_supports(*ctx.avals_in, **params)
-          or (_ffi.kernel_switch(self.name) is None
-              and not self.kernel_default(*ctx.avals_in, **params))):
-        return lower_ref(ctx, *args, **params)
-      rule = jax.ffi.ffi_lowering(target, operand_output_aliases=self.aliases)
-      return rule(ctx, *args, **self.attributes(**params))
+    def lowering(ctx, *args, routing, **params):
+      if not self.runs_kernel(routing, ctx.avals_in, params):
+        return lower_ref(ctx, *args, routing=routing, **params)
+      rule = jax.ffi.ffi_lowering(self.kernel, operand_output_aliases=self.aliases)
+      return rule(ctx, *args, **self.kernel_attributes(routing, ctx.avals_in, params))
     return lowering
 
   def _jvp(self, primals, tangents, **params):
@@ -120,3 +193,73 @@ class Op:
     outs = self.primitive.bind(*full, **params)
     return ([o.reshape(o.shape[:r] + (size, n) + o.shape[r + 1:])
              for o, r in zip(outs, out_rows)], list(out_rows))
+
+
+_KERNELS_FORMS = "0, 1, all=0, all=1, <op>=0, <op>=1 (comma-separated; later entries win)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Where the ops run on CUDA: one hashable value, a static param of every primitive
+  (so a jit cache entry never outlives the routing it was lowered with).
+
+  kernels: True = every kernel at every shape it supports, False = every op runs its
+  pure-JAX reference, None = each op's default (Op.kernel_off, Op.kernel_default).
+  ops: {op: bool} overriding `kernels` for single ops (stored as sorted pairs).
+  pdl: programmatic dependent launch, the FFI attribute `pdl` of every kernel call.
+
+  Routing() is the built-in default. Routing.from_env() reads GLM5_JAX_KERNELS and
+  GLM5_JAX_PDL; it is what a public op (routing=None) and IndexerConfig use when not
+  given one. Routing only chooses among implementations with the same outputs (within
+  the tolerances SPEC D2 allows the kernels).
+  """
+  kernels: bool | None = None
+  ops: Mapping[str, bool] | tuple[tuple[str, bool], ...] = ()
+  pdl: bool = True
+
+  def __post_init__(self):
+    if self.kernels is not None and not isinstance(self.kernels, bool):
+      raise TypeError(f"glm5_jax.Routing: kernels must be True, False or None, "
+                      f"got {self.kernels!r}")
+    if not isinstance(self.pdl, bool):
+      raise TypeError(f"glm5_jax.Routing: pdl must be a bool, got {self.pdl!r}")
+    ops = dict(self.ops)
+    for name, on in ops.items():
+      if name not in Op.registry:
+        raise ValueError(f"glm5_jax.Routing: unknown op {name!r}; ops: "
+                         f"{', '.join(Op.registry)}")
+      if not isinstance(on, bool):
+        raise TypeError(f"glm5_jax.Routing: ops[{name!r}] must be a bool, got {on!r}")
+    object.__setattr__(self, "ops", tuple(sorted(ops.items())))
+
+  def word(self, op: str) -> bool | None:
+    """The routing's word on `op`: True or False where it names the op (or every op),
+    None where it does not (the op's default applies)."""
+    return dict(self.ops).get(op, self.kernels)
+
+  @classmethod
+  def from_env(cls, environ: Mapping[str, str] | None = None) -> "Routing":
+    """The routing GLM5_JAX_KERNELS and GLM5_JAX_PDL ask for (unset: Routing()).
+
+    GLM5_JAX_KERNELS: "0" every op on its reference, "1" every kernel wherever it
+    supports the shapes, "<op>=0" / "<op>=1" one op ("all=" every op), comma-separated,
+    later entries win (e.g. "0,kpool_update=1"). GLM5_JAX_PDL: "1" (default) or "0".
+    Anything else raises ValueError: a misspelt kill switch must not leave kernels on.
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(KERNELS_ENV, "")
+    kernels, ops = None, {}
+    for entry in filter(None, raw.replace(" ", "").split(",")):
+      name, eq, value = entry.rpartition("=")
+      if value not in ("0", "1") or (eq and name not in ("all", *Op.registry)):
+        raise ValueError(f"{KERNELS_ENV}={raw!r}: bad entry {entry!r}; valid forms: "
+                         f"{_KERNELS_FORMS}, <op> one of {', '.join(Op.registry)}")
+      if name in ("", "all"):
+        kernels, ops = value == "1", {}
+      else:
+        ops[name] = value == "1"
+    pdl = environ.get(PDL_ENV, "").strip()
+    if pdl not in ("", "0", "1"):
+      raise ValueError(f"{PDL_ENV}={pdl!r}: valid forms: 1 (default) or 0")
+    return cls(kernels=kernels, ops=ops, pdl=pdl != "0")
+

@@ -1,14 +1,19 @@
 """Pool expansion and the fused expand + sparse-MLA remap (SPEC §6, §7).
 Shapes and dtypes: see glm5_jax.reference.expand."""
 import numpy as np
+import jax
 
 from . import reference as ref
 from ._checks import expect, fail
-from ._primitive import Op
+from ._primitive import Op, Routing
+from .reference.expand import expand_width, remap_stride
 from .reference.numerics import POOL
 
 I32 = np.int32
 I32_MAX = int(np.iinfo(I32).max)
+# expand_and_remap's kernel: one CTA per row with a thread per pool, in whole warps for the
+# ballot (cc/expand.cu sizes its shared memory for REMAP_GROUPS[1] and only validates).
+WARP, REMAP_GROUPS = 32, (32, 1024)
 
 
 def _check_int32(op, arg, value):
@@ -21,23 +26,25 @@ def _expand_shapes(pool_ids, seq_lens, *, seq_offset, width):
   expect("expand_pools", "pool_ids", pool_ids, I32, (None, None))
   rows, groups = pool_ids.shape
   expect("expand_pools", "seq_lens", seq_lens, I32, (rows,))
-  if width < groups * POOL + POOL - 1:
-    fail("expand_pools", "width", f"must be >= 4 * G + 3 = {groups * POOL + POOL - 1}, got {width}")
+  expand_width("expand_pools", groups, width)
   _check_int32("expand_pools", "seq_offset", seq_offset)
   return [((rows, width), I32)]
 
 
 # Kernel: any G (width is the result's shape, not an attribute).
 _expand = Op("expand_pools", ref.expand_pools, _expand_shapes, rows=((0, 0), (0,)),
-             attributes=lambda *, seq_offset, width: {"seq_offset": np.int64(seq_offset)})
+             kernel="glm5_expand_pools", attributes=dict(seq_offset=np.int64),
+             kernel_off="XLA's fusion is as fast or faster up to 64 rows")
 
 
-def expand_pools(pool_ids, seq_lens, *, seq_offset=0, width=None):
+def expand_pools(pool_ids: jax.Array, seq_lens: jax.Array, *, seq_offset: int = 0,
+                 width: int | None = None, routing: Routing | None = None) -> jax.Array:
   """Token ids i32[rows, width] of pool ids i32[rows, G] plus each row's
   trailing incomplete pool (n = seq_lens + seq_offset); width >= 4G + 3
-  (default), extra columns -1. SPEC §6."""
-  width = pool_ids.shape[1] * POOL + POOL - 1 if width is None else int(width)
-  return _expand(pool_ids, seq_lens, seq_offset=int(seq_offset), width=width)[0]
+  (None: 4G + 3), extra columns -1. SPEC §6. routing: None = Routing.from_env()."""
+  width = expand_width("expand_pools", pool_ids.shape[1], None if width is None else int(width))
+  return _expand(pool_ids, seq_lens, seq_offset=int(seq_offset), width=width,
+                 routing=routing)[0]
 
 
 def _remap_shapes(pool_ids, positions, req_ids, block_table, *, block_size, width,
@@ -51,45 +58,43 @@ def _remap_shapes(pool_ids, positions, req_ids, block_table, *, block_size, widt
     fail(op, "block_table", f"must not be empty, got {tuple(block_table.shape)}")
   if block_size <= 0 or block_size % POOL:
     fail(op, "block_size", f"must be a positive multiple of 4, got {block_size}")
-  if stride_rows <= 0:
-    fail(op, "stride_rows", f"must be > 0, got {stride_rows}")
+  remap_stride(block_size, stride_rows)
   for arg, value in [("block_size", block_size), ("stride_rows", stride_rows),
                      ("seq_offset", seq_offset)]:
     _check_int32(op, arg, value)
-  need = pool_ids.shape[1] * POOL + POOL - 1
-  if width < need:
-    fail(op, "width", f"must be >= 4 * G + 3 = {need}, got {width}")
+  expand_width(op, pool_ids.shape[1], width)
   rows = req_ids.shape[0]
   return [((rows, width), I32), ((rows,), I32)]
 
 
-def _remap_attributes(*, block_size, width, stride_rows, seq_offset, compact):
-  return {"block_size": np.int64(block_size), "stride_rows": np.int64(stride_rows),
-          "seq_offset": np.int64(seq_offset), "compact": np.bool_(compact)}
-
-
 def _remap_kernel_supports(pool_ids, positions, req_ids, block_table, **params):
-  """One CTA per row with a thread per pool and whole warps for the ballot
-  (width >= 4G + 3 is checked at trace time)."""
+  """A whole number of warps of pools within one CTA (width >= 4G + 3 is checked at
+  trace time)."""
   groups = pool_ids.shape[1]
-  return groups % 32 == 0 and 32 <= groups <= 1024
+  return groups % WARP == 0 and REMAP_GROUPS[0] <= groups <= REMAP_GROUPS[1]
 
 
 _remap = Op("expand_and_remap", ref.expand_and_remap, _remap_shapes,
-            rows=((0, 0, 0, None), (0, 0)), attributes=_remap_attributes,
+            rows=((0, 0, 0, None), (0, 0)), kernel="glm5_expand_and_remap",
+            attributes=dict(block_size=np.int64, stride_rows=np.int64, seq_offset=np.int64,
+                            compact=np.bool_),
             kernel_supports=_remap_kernel_supports,
-            kernel_limits="G % 32 == 0, 32 <= G <= 1024")
+            kernel_limits="G % {} == 0, {} <= G <= {}".format(WARP, *REMAP_GROUPS))
 
 
-def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size,
-                     width, stride_rows=None, seq_offset=1, compact=True):
+def expand_and_remap(pool_ids: jax.Array, positions: jax.Array, req_ids: jax.Array,
+                     block_table: jax.Array, *, block_size: int, width: int,
+                     stride_rows: int | None = None, seq_offset: int = 1,
+                     compact: bool = True, routing: Routing | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
   """Expand + block-table remap + compaction + counts in one op (SPEC §6, §7).
 
   Returns (out i32[rows, width], counts i32[rows]), rows = len(req_ids);
-  see glm5_jax.reference.expand_and_remap. The CUDA kernel takes
-  G % 32 == 0, 32 <= G <= 1024; other G run the reference on GPU too.
+  stride_rows > 0 (None: block_size); see glm5_jax.reference.expand_and_remap. The
+  CUDA kernel takes G % 32 == 0, 32 <= G <= 1024 (REMAP_GROUPS); other G run the
+  reference on GPU too. routing: None = Routing.from_env().
   """
+  stride_rows = remap_stride(int(block_size), None if stride_rows is None else int(stride_rows))
   return tuple(_remap(pool_ids, positions, req_ids, block_table,
-                      block_size=int(block_size), width=int(width),
-                      stride_rows=int(stride_rows or block_size),
-                      seq_offset=int(seq_offset), compact=bool(compact)))
+                      block_size=int(block_size), width=int(width), stride_rows=stride_rows,
+                      seq_offset=int(seq_offset), compact=bool(compact), routing=routing))

@@ -1,40 +1,41 @@
-"""Diagnostics: `python -m glm5_jax.info` prints versions, platforms and which
-ops run a CUDA kernel."""
+"""Diagnostics: `python -m glm5_jax.info` prints versions, platforms, the routing and
+which ops run a CUDA kernel, all derived from the op declarations."""
 import jax
 import jaxlib
 
 import glm5_jax
 from glm5_jax import _ffi
-from glm5_jax._primitive import Op
+from glm5_jax._primitive import KERNELS_ENV, Op, Routing
 
 
-def report():
+def describe(op: Op, routing: Routing, built: bool) -> str:
+  """Where `op` runs on CUDA under `routing`, in words."""
+  if op.kernel is None:
+    return "reference (no kernel yet)"
+  if not built:
+    return "reference (CUDA module not built)"
+  word = routing.word(op.name)
+  if not op.kernel_on(routing):
+    why = f"off in {KERNELS_ENV}/Routing" if word is not None else op.kernel_off
+    return f"reference ({why}; kernel {op.kernel} with {KERNELS_ENV}={op.name}=1)"
+  where = [op.kernel_limits] + ([op.kernel_default_note] if word is None else [])
+  where = "; ".join(filter(None, where))
+  return f"kernel {op.kernel}" + (f" ({where}; otherwise reference)" if where else "")
+
+
+def report() -> list[str]:
   """The diagnostics as lines of text."""
   built = _ffi.register_targets()
+  routing = Routing.from_env()
   lines = [
       f"glm5_jax {glm5_jax.__version__}",
       f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
       f"CUDA module: {'built, FFI API %d.%d' % _ffi.ffi_api_version() if built else 'not built'}",
       f"platforms: {', '.join(sorted({d.platform for d in jax.devices()}))}",
+      f"routing: {routing}",
       "ops (on CUDA):",
   ]
-  for op in glm5_jax.OPS:
-    target = _ffi.KERNEL_TARGETS.get(op)
-    if target is None:
-      how = "reference (no kernel yet)"
-    elif not built:
-      how = "reference (CUDA module not built)"
-    elif not _ffi.kernels_enabled(op):
-      why = ("GLM5_JAX_KERNELS" if _ffi.kernel_switch(op) is not None
-             else _ffi.KERNEL_DEFAULT_OFF[op])
-      how = f"reference ({why}; kernel {target} with GLM5_JAX_KERNELS={op}=1)"
-    else:
-      spec = Op.registry[op]
-      where = [spec.kernel_limits] + (
-          [spec.kernel_default_note] if _ffi.kernel_switch(op) is None else [])
-      where = "; ".join(filter(None, where))
-      how = f"kernel {target}" + (f" ({where}; otherwise reference)" if where else "")
-    lines.append(f"  {op:26s} {how}")
+  lines += [f"  {name:26s} {describe(op, routing, built)}" for name, op in Op.registry.items()]
   return lines
 
 

@@ -1,14 +1,21 @@
 """The indexer of one DSA layer for a decode step, composed of the ops
 (the data flow of docs/semantics.md: §1 -> §2 -> §3 -> §5 -> §6 + §7)."""
 import dataclasses
+import functools
 import math
+import types
 
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import export, lax
 
 from . import reference
+from ._primitive import Routing
+from .expand import expand_and_remap
+from .indexer import indexer_projection, indexer_projection_fused, indexer_query
+from .kpool import kpool_update
+from .logits import mqa_logits, pool_topk
 from .reference.numerics import DIM, POOL
 
 MQA_MIN_HEADS = 32
@@ -19,10 +26,15 @@ class IndexerConfig:
   """Static configuration; defaults are GLM-5.3-Flash's (SPEC §9).
 
   max_pools: width of the logits (max_model_len // 4); block_size: MLA tokens
-  per block (block_table); fused: indexer_projection_fused instead of
-  indexer_projection + indexer_query (off: on the H200 the two kernels are faster at
-  every measured token count, BENCHMARKS.md; the outputs agree within SPEC D2);
-  rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
+  per block (block_table); w_out_dtype: the dtype of IndexerOutput.w_out; fused: the
+  stage's op graph, indexer_projection_fused instead of indexer_projection +
+  indexer_query (off: on the H200 the two kernels are faster at every measured row
+  count, BENCHMARKS.md; the outputs agree within SPEC D2); routing: where each op runs
+  on CUDA (glm5_jax.Routing; by default GLM5_JAX_KERNELS and GLM5_JAX_PDL as they are
+  when the config is built). The config is a static argument of the jitted stage, so a
+  config with another routing (or fused) compiles anew instead of reusing a stale
+  executable. rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer,
+  SPEC §9).
   """
   heads: int = 32
   topk_tokens: int = 2048
@@ -31,14 +43,18 @@ class IndexerConfig:
   max_pools: int = 32768
   block_size: int = 128
   scale_format: str = "fp32"
-  weights_dtype: str = "float32"
+  w_out_dtype: str = "float32"
   fused: bool = False
+  routing: Routing = dataclasses.field(default_factory=Routing.from_env)
   rope_dim: int = 0
 
   def __post_init__(self):
     if self.rope_dim != 0:
       raise ValueError(f"glm5_jax.IndexerConfig: rope_dim must be 0 (the kpool indexer is "
                        f"NoPE only, SPEC §9), got {self.rope_dim}")
+    if not isinstance(self.routing, Routing):
+      raise TypeError(f"glm5_jax.IndexerConfig: routing must be a glm5_jax.Routing, "
+                      f"got {type(self.routing).__name__}")
 
   @property
   def padded(self):
@@ -69,7 +85,9 @@ class IndexerWeights:
   ape: jax.Array
 
 
-def prepare_weights(wq_b, wk, weights_proj, gate, norm_weight, norm_bias, ape):
+def prepare_weights(wq_b: jax.Array, wk: jax.Array, weights_proj: jax.Array,
+                    gate: jax.Array, norm_weight: jax.Array, norm_bias: jax.Array,
+                    ape: jax.Array) -> IndexerWeights:
   """Concatenates [wk; weights_proj; gate] once per layer (never per step)."""
   w_cat = jnp.concatenate([wk, weights_proj, gate]).astype(jnp.bfloat16)
   return IndexerWeights(jnp.asarray(wq_b, jnp.bfloat16), w_cat,
@@ -89,7 +107,7 @@ class IndexerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeBatch:
-  """Decode metadata, B requests x N tokens (rows = B*N, request-major).
+  """Decode metadata of B requests x N (next_n) rows each (rows = B*N, request-major).
 
   positions, loc, tslot i32[B, N] (-1 pads); req_ids i32[B*N];
   page_table i32[R, MP] (indexer K-cache pages per request);
@@ -106,32 +124,54 @@ class DecodeBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class IndexerOutput:
-  """q_fp8 e4m3[rows, padded, 128], weights [rows, padded], slots
+  """q_fp8 e4m3[rows, padded, 128], w_out w_out_dtype[rows, padded], slots
   i32[rows, width] (physical sparse-MLA slots, valid prefix), counts i32[rows]."""
   q_fp8: jax.Array
-  weights: jax.Array
+  w_out: jax.Array
   slots: jax.Array
   counts: jax.Array
 
 
-def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
-                  use_reference=False):
+# jax.export serializes the stage's argument and result trees by these names (the
+# dataclasses have no static fields: nothing to serialize but the name).
+for _cls in (IndexerWeights, IndexerCache, DecodeBatch, IndexerOutput):
+  export.register_pytree_node_serialization(
+      _cls, serialized_name=f"glm5_jax.{_cls.__name__}",
+      serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda data: ())
+
+
+def _ops(config, use_reference):
+  """The ops the stage composes: glm5_jax.reference's functions, or the primitives
+  under config.routing."""
+  fns = (indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
+         mqa_logits, pool_topk, expand_and_remap)
+  if use_reference:
+    return types.SimpleNamespace(**{f.__name__: getattr(reference, f.__name__) for f in fns})
+  return types.SimpleNamespace(**{f.__name__: functools.partial(f, routing=config.routing)
+                                  for f in fns})
+
+
+def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
+                  qr: jax.Array, batch: DecodeBatch, *, config: IndexerConfig | None = None,
+                  use_reference: bool = False) -> tuple[IndexerOutput, IndexerCache]:
   """One layer's indexer for a decode step; returns (IndexerOutput, cache).
 
   x bf16[rows, hidden]; qr bf16[rows, q_lora]. Jit with the cache donated:
   jax.jit(indexer_stage, static_argnames=("config", "use_reference"),
   donate_argnames="cache"). Rows whose request's tokens all fit in topk_tokens
   select every pool (causal fill); otherwise MQA logits over the pooled cache
-  and a top-k. use_reference=True composes glm5_jax.reference directly.
+  and a top-k. config None: IndexerConfig() when traced (pass one to choose the
+  routing: it is then part of the jit cache key). use_reference=True composes
+  glm5_jax.reference directly.
   """
-  import glm5_jax  # the package namespace: the ops as primitives
-  ops = reference if use_reference else glm5_jax
+  config = IndexerConfig() if config is None else config
+  ops = _ops(config, use_reference)
   rows = x.shape[0]
   b, n = batch.positions.shape
   q = jnp.dot(qr, weights.wq_b.T, preferred_element_type=jnp.float32)
   q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
-               weights_dtype=np.dtype(config.weights_dtype))
+               w_out_dtype=np.dtype(config.w_out_dtype))
   if config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
@@ -139,7 +179,7 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
   else:
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
-                                      weights.norm_bias, **query)
+                                          weights.norm_bias, **query)
   kv_cache, tail = ops.kpool_update(
       cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
       gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
@@ -154,13 +194,13 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
 
   def top_k(kv):
     logits = ops.mqa_logits(q_fp8, w_out.astype(jnp.float32), kv,
-                        batch.page_table[batch.req_ids], pool_lens,
-                        max_pools=config.max_pools, scale_format=config.scale_format)
+                            batch.page_table[batch.req_ids], pool_lens,
+                            max_pools=config.max_pools, scale_format=config.scale_format)
     return ops.pool_topk(logits, pool_lens, k=groups)
 
   pool_ids = lax.cond(jnp.max(positions, initial=-1) + 1 <= config.topk_tokens,
                       causal, top_k, kv_cache)
   slots, counts = ops.expand_and_remap(pool_ids, positions, batch.req_ids,
-                                   batch.block_table, block_size=config.block_size,
-                                   width=config.width)
+                                       batch.block_table, block_size=config.block_size,
+                                       width=config.width)
   return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)

@@ -32,6 +32,7 @@ def run_calls(tokens, tactics):
 
   import glm5_jax
   from glm5_jax import reference as ref
+  from glm5_jax.indexer import tile_k
 
   rng = np.random.default_rng(0)
   w_cat = jnp.asarray(rng.standard_normal((2 * DIM + HEADS, K)) * 0.02, jnp.bfloat16)
@@ -54,8 +55,7 @@ def run_calls(tokens, tactics):
     key, weights, _ = ref.indexer_projection(x, w_cat, heads=HEADS)
     fns = [("reference, one dot", lambda x, w: ref.indexer_projection(x, w, heads=HEADS)),
            ("reference, three dots", three_dots)]
-    fns += [(f"kernel {w}x{s}", projection((w, s))) for w, s in tactics
-            if K % (32 * w * s) == 0]
+    fns += [(f"kernel {w}x{s}", projection((w, s))) for w, s in tactics if tile_k(K, w, s)]
     fns.append(("fused", lambda x, w, q=q: glm5_jax.indexer_projection_fused(
         x, w, q, nw, nb, heads=HEADS, **query)))
     calls += [(f"M={m} {name}", jax.jit(fn).lower(x, w_cat).compile(), (x, w_cat))

@@ -18,7 +18,7 @@ os.environ["GLM5_JAX_KERNELS"] = "1"
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
 
-from glm5_jax import _ffi  # noqa: E402
+import glm5_jax  # noqa: E402
 from glm5_jax.testing import cases  # noqa: E402
 
 SEEDS = 3
@@ -28,7 +28,7 @@ def _variants():
   """(name, fn, make, valid, exact) for every kernel op: the shared cases plus kernel-only
   shapes."""
   out = []
-  for op in _ffi.KERNEL_TARGETS:
+  for op in glm5_jax.KERNEL_TARGETS:
     case = cases.CASES[op]
     out.append((op, case.fn, case.make, case.valid, case.exact))
   remap = cases.CASES["expand_and_remap"]

@@ -14,7 +14,8 @@ from glm5_jax._ffi import local_cuda, register_targets
 @pytest.fixture
 def all_kernels(monkeypatch):
   """Every built kernel on (GLM5_JAX_KERNELS=1, also those off by default), with
-  jit caches cleared around the test: the switch is read when a function is lowered.
+  jit caches cleared around the test: the switch is read (Routing.from_env) when an op
+  is traced.
   Fails without the CUDA module: the ops would silently run the reference."""
   if not register_targets():
     pytest.fail("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON) on a GPU machine")

@@ -39,7 +39,7 @@ BAD_ARGS = [
     ("kpool_update", _replace(0, _cut(2)), ValueError, r"kv_cache must have shape \(\*, \*, 132\)"),
     ("kpool_update", _replace(1, lambda t: t[:, :, :6]), ValueError, "tail ring size"),
     ("kpool_update", _replace(3, _cut(2)), ValueError, "key must have shape"),
-    ("kpool_update", _replace(4, _cast(jnp.float32)), TypeError, "score must be bfloat16"),
+    ("kpool_update", _replace(4, _cast(jnp.float32)), TypeError, "gate must be bfloat16"),
     ("kpool_update", _replace(5, _cut(0)), ValueError, "ape must have shape"),
     ("kpool_update", _replace(6, _cut(1)), ValueError, "loc must have shape"),
     ("kpool_update", _replace(7, _cast(jnp.float32)), TypeError, "pos must be int32"),
@@ -47,7 +47,7 @@ BAD_ARGS = [
     ("kpool_compress", _replace(5, _cast(jnp.int32)), TypeError, "write_mask must be bool"),
     ("kpool_compress", _replace(1, _cut(1)), ValueError, "slot_key must have shape"),
     ("kpool_seed_tail", _replace(3, _cut(0)), ValueError, "tslot must have shape"),
-    ("kpool_seed_tail", _replace(2, _cast(jnp.float32)), TypeError, "score must be bfloat16"),
+    ("kpool_seed_tail", _replace(2, _cast(jnp.float32)), TypeError, "gate must be bfloat16"),
     ("expand_pools", _replace(0, _cast(jnp.int16)), TypeError, "pool_ids must be int32"),
     ("expand_pools", _replace(1, _cut(0)), ValueError, "seq_lens must have shape"),
     ("expand_and_remap", _replace(1, _cut(0)), ValueError, "positions must have shape"),
@@ -57,7 +57,7 @@ BAD_ARGS = [
     ("upcast_logits", _replace(0, _cast(jnp.float16)), TypeError, "logits must be bfloat16"),
     ("upcast_logits", _replace(1, _cut(0)), ValueError, "row_ends must have shape"),
     ("mqa_logits", _replace(0, _cast(jnp.bfloat16)), TypeError, "q_fp8 must be float8_e4m3fn"),
-    ("mqa_logits", _replace(1, _cut(1)), ValueError, "weights must have shape"),
+    ("mqa_logits", _replace(1, _cut(1)), ValueError, "w_out must have shape"),
     ("mqa_logits", _replace(3, _cut(0)), ValueError, "page_table must have shape"),
     ("pool_topk", _replace(0, _cast(jnp.bfloat16)), TypeError, "logits must be float32"),
     ("pool_topk", _replace(1, _cut(0)), ValueError, "pool_lens must have shape"),
@@ -65,7 +65,7 @@ BAD_ARGS = [
      r"w_cat must have shape \(272, 1024\)"),
     ("indexer_projection", _replace(0, _cast(jnp.float32)), TypeError, "x must be bfloat16"),
     ("indexer_query", _replace(1, _cut(1)), ValueError, "key_raw must have shape"),
-    ("indexer_query", _replace(2, _cut(0)), ValueError, "weights must have shape"),
+    ("indexer_query", _replace(2, _cut(0)), ValueError, "head_w must have shape"),
     ("indexer_query", _replace(3, _cast(jnp.bfloat16)), TypeError, "norm_weight must be float32"),
     ("indexer_projection_fused", _replace(2, _cut(1)), ValueError, "q must have shape"),
     ("indexer_projection_fused", _replace(4, _cut(0)), ValueError, "norm_bias must have shape"),
@@ -91,10 +91,13 @@ BAD_PARAMS = [
     ("expand_and_remap", dict(seq_offset=-2**31 - 1), "seq_offset must fit in int32"),
     ("expand_and_remap", dict(block_size=2**32), "block_size must fit in int32"),
     ("expand_and_remap", dict(stride_rows=2**31), "stride_rows must fit in int32"),
+    ("expand_and_remap", dict(stride_rows=0), "stride_rows must be > 0, got 0"),
+    ("expand_pools", dict(width=0), r"width must be >= 4 \* G \+ 3 = 35, got 0"),
+    ("indexer_query", dict(padded=0), "padded must be >= the head count 4, got 0"),
     ("pool_topk", dict(k=0), "k must be > 0"),
     ("mqa_logits", dict(scale_format="bf16"), "scale_format must be one of"),
     ("indexer_query", dict(padded=2), "padded must be >= the head count 4"),
-    ("indexer_query", dict(weights_dtype=jnp.float16), "weights_dtype must be float32 or bfloat16"),
+    ("indexer_query", dict(w_out_dtype=jnp.float16), "w_out_dtype must be float32 or bfloat16"),
     ("indexer_projection_fused", dict(heads=5), "w_cat must have shape"),
     ("indexer_projection", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
     ("indexer_projection", dict(tactic=(4, 3)), "tactic .* does not tile K = 1024"),
@@ -110,6 +113,45 @@ def test_bad_static_option(op, params, message):
   args = CASES[op].make(np.random.default_rng(0))
   with pytest.raises((ValueError, TypeError), match=f"glm5_jax.{op}: {message}"):
     jax.jit(fn)(*args)
+
+
+# Zero-valued params the reference and the op normalise by one rule (None = the default,
+# anything else is checked): the reference raises what the op raises.
+SHARED_RULES = [
+    ("expand_pools", dict(width=0), r"width must be >= 4 \* G \+ 3 = 35, got 0"),
+    ("expand_pools", dict(width=10), r"width must be >= 4 \* G \+ 3 = 35, got 10"),
+    ("expand_and_remap", dict(stride_rows=0), "stride_rows must be > 0, got 0"),
+    ("expand_and_remap", dict(stride_rows=-4), "stride_rows must be > 0, got -4"),
+    ("expand_and_remap", dict(width=100), r"width must be >= 4 \* G \+ 3 = 131, got 100"),
+    ("indexer_query", dict(padded=0), "padded must be >= the head count 4, got 0"),
+]
+
+
+@pytest.mark.parametrize("op,params,message", SHARED_RULES,
+                         ids=[f"{b[0]}-{b[1]}" for b in SHARED_RULES])
+def test_reference_shares_the_op_rule(op, params, message):
+  fn = CASES[op].fn
+  static = {**getattr(fn, "keywords", {}), **params}
+  args = CASES[op].make(np.random.default_rng(0))
+  for impl in (getattr(glm5_jax, op), getattr(glm5_jax.reference, op)):
+    with pytest.raises(ValueError, match=f"glm5_jax.{op}: {message}"):
+      jax.jit(functools.partial(impl, **static))(*args)
+
+
+@pytest.mark.parametrize("op,params,default", [
+    ("expand_pools", dict(width=None), dict(width=35)),
+    ("expand_and_remap", dict(stride_rows=None), dict(stride_rows=16)),
+    ("indexer_query", dict(padded=None), dict(padded=4))])
+def test_none_is_the_default(op, params, default):
+  """None means the documented default, for the op and the reference alike."""
+  fn = CASES[op].fn
+  static = getattr(fn, "keywords", {})
+  args = CASES[op].make(np.random.default_rng(0))
+  for impl in (getattr(glm5_jax, op), getattr(glm5_jax.reference, op)):
+    got = jax.jit(functools.partial(impl, **{**static, **params}))(*args)
+    want = jax.jit(functools.partial(impl, **{**static, **default}))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
 def test_fp32_logits_pass_through():

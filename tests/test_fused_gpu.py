@@ -30,7 +30,7 @@ TARGET = "glm5_indexer_projection_fused"
 UNFUSED = ("glm5_indexer_projection", "glm5_indexer_query")
 KS = [4096, 6144]
 HEADS = [16, 32, 64]
-TOKENS = [1, 7, 16, 64, 128]
+ROWS = [1, 7, 16, 64, 128]
 WEIGHTS = [jnp.float32, jnp.bfloat16]
 EPS = 1e-6
 CALLS = 6                     # calls per jit (>= XLA's minimum command-buffer size)
@@ -42,7 +42,7 @@ def _paddings(heads):
 
 def _params(heads, padded, wdtype):
   return dict(scale=float(128 ** -0.5 * heads ** -0.5), eps=EPS, padded=padded,
-              weights_dtype=wdtype)
+              w_out_dtype=wdtype)
 
 
 def _inputs(rng, m, heads, k):
@@ -67,11 +67,11 @@ def _unfused_fn(heads, padded, wdtype, warps):
   """glm5_indexer_projection at (warps, 1), then glm5_indexer_query: ((q_fp8, w_out, key,
   gate), (key_raw, head weights))."""
   def fn(x, w_cat, q, nw, nb):
-    key_raw, weights, gate = glm5_jax.indexer_projection(x, w_cat, heads=heads,
+    key_raw, head_w, gate = glm5_jax.indexer_projection(x, w_cat, heads=heads,
                                                          tactic=(warps, 1))
-    q8, w_out, key = glm5_jax.indexer_query(q, key_raw, weights, nw, nb,
+    q8, w_out, key = glm5_jax.indexer_query(q, key_raw, head_w, nw, nb,
                                             **_params(heads, padded, wdtype))
-    return (q8, w_out, key, gate), (key_raw, weights)
+    return (q8, w_out, key, gate), (key_raw, head_w)
   return jax.jit(fn)
 
 
@@ -96,7 +96,7 @@ def test_lowers_to_the_kernel():
 
 
 @pytest.mark.parametrize("wdtype", WEIGHTS, ids=["f32", "bf16"])
-@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("k", KS)
 def test_fused_equals_unfused_and_the_reference(k, heads, m, wdtype):
@@ -105,14 +105,14 @@ def test_fused_equals_unfused_and_the_reference(k, heads, m, wdtype):
     args = _inputs(rng, m, heads, k)
     label = f"K {k} H {heads}/{padded} M {m} {np.dtype(wdtype).name}"
     got = _fused_fn(heads, padded, wdtype)(*args)
-    unfused, (key_raw, weights) = _unfused_fn(heads, padded, wdtype, FUSED_WARPS)(*args)
+    unfused, (key_raw, head_w) = _unfused_fn(heads, padded, wdtype, FUSED_WARPS)(*args)
     _assert_same_bits(got, unfused, f"{label} fused vs unfused")                    # (a)
 
     q8, w_out, key, gate = got                                                       # (b)
     ratio = O.check_projection(np.asarray(args[0]), np.asarray(args[1]), heads,
-                               (key_raw, weights, gate), label)
+                               (key_raw, head_w, gate), label)
     wq8, ww, wkey = _query_reference_fn(heads, padded, wdtype)(
-        args[2], key_raw, weights, args[3], args[4])
+        args[2], key_raw, head_w, args[3], args[4])
     np.testing.assert_array_equal(O.bits(q8), O.bits(wq8), err_msg=f"{label}: q_fp8 vs ref")
     np.testing.assert_array_equal(O.bits(w_out), O.bits(ww), err_msg=f"{label}: w_out vs ref")
     assert not O.bits(q8)[:, heads:].any() and not O.bits(w_out)[:, heads:].any(), label
@@ -173,10 +173,10 @@ def test_unsupported_shapes_use_the_reference(heads, k):
   want = jax.jit(functools.partial(ref.indexer_projection_fused, heads=heads,
                                    **_params(heads, heads, jnp.float32)))(*args)
   np.testing.assert_array_equal(O.bits(got[0]), O.bits(want[0]))
-  key_raw, weights, _ = jax.jit(functools.partial(ref.indexer_projection, heads=heads))(
+  key_raw, head_w, _ = jax.jit(functools.partial(ref.indexer_projection, heads=heads))(
       *args[:2])
   O.check_projection(np.asarray(args[0]), np.asarray(args[1]), heads,
-                     (key_raw, weights, got[3]), f"unsupported H {heads} K {k}")
+                     (key_raw, head_w, got[3]), f"unsupported H {heads} K {k}")
 
 
 def test_kernel_runs_inside_a_command_buffer(tmp_path):

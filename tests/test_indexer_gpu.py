@@ -27,7 +27,7 @@ from graphs import run_and_check_graphed
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 
 CALLS = 6                     # calls per jit (>= XLA's minimum command-buffer size)
-TOKENS = [1, 7, 64, 300]
+ROWS = [1, 7, 64, 300]
 HEADS = [(16, 32), (32, 32), (64, 64), (20, 40)]      # (H, padded)
 WEIGHTS = [jnp.float32, jnp.bfloat16]
 EPS = 1e-6
@@ -39,7 +39,7 @@ def _scale(heads):
 
 
 def _inputs(rng, m, heads):
-  """(q, key_raw, weights, norm_weight, norm_bias) with per-row magnitudes 2^-14 .. 2^7,
+  """(q, key_raw, head_w, norm_weight, norm_bias) with per-row magnitudes 2^-14 .. 2^7,
   some all-zero rows and some NaN rows (q: whole rows and single elements)."""
   mag = 2.0 ** rng.uniform(-14, 7, (m, heads, 1))
   q = rng.standard_normal((m, heads, 128)) * mag
@@ -55,15 +55,15 @@ def _inputs(rng, m, heads):
   if m > 2:
     key[0] = 0.0
   key = key.astype(np.float32).astype(ml_dtypes.bfloat16)
-  weights = (rng.standard_normal((m, heads)) * 2.0 ** rng.uniform(-4, 4, (m, heads)))
+  head_w = (rng.standard_normal((m, heads)) * 2.0 ** rng.uniform(-4, 4, (m, heads)))
   nw = 1.0 + 0.1 * rng.standard_normal(128)
   nb = 0.1 * rng.standard_normal(128)
-  return (jnp.asarray(q), jnp.asarray(key), jnp.asarray(weights, jnp.float32),
+  return (jnp.asarray(q), jnp.asarray(key), jnp.asarray(head_w, jnp.float32),
           jnp.asarray(nw, jnp.float32), jnp.asarray(nb, jnp.float32))
 
 
 def _params(heads, padded, wdtype):
-  return dict(scale=_scale(heads), eps=EPS, padded=padded, weights_dtype=wdtype)
+  return dict(scale=_scale(heads), eps=EPS, padded=padded, w_out_dtype=wdtype)
 
 
 
@@ -80,7 +80,7 @@ def test_lowers_to_the_kernel():
 
 @pytest.mark.parametrize("wdtype", WEIGHTS, ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,padded", HEADS)
-@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("m", ROWS)
 def test_kernel_matches_reference(m, heads, padded, wdtype):
   rng = np.random.default_rng(m * 1009 + heads * 31 + padded + (wdtype == jnp.bfloat16))
   calls = [_inputs(rng, m, heads) for _ in range(CALLS)]

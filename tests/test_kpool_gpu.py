@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 MODES = [("fp32", True), ("ue8m0", True), ("fp32", False)]
 MODE_IDS = ["fp32", "ue8m0", "fp32-plain"]
 BLOCKS, PAGES, PAGE = 24, 8, 64         # edge chains: tail blocks, cache pages, PAGE
-LANES = 16                              # requests of a random chain call; lane r owns block r + 1
+REQUESTS = 16                # requests of a random chain call; request r owns block r + 1
 CALLS = 6                               # calls per chain (>= XLA's minimum command-buffer size)
 
 
@@ -74,32 +74,32 @@ def _edge_call(rng, ring, slots):
   return _batch(rng, tslot, loc, pos)
 
 
-def _batch(rng, tslot, loc, pos, key_scale=1.0, score_scale=2.0):
+def _batch(rng, tslot, loc, pos, key_scale=1.0, gate_scale=2.0):
   B, N = pos.shape
   return dict(tslot=tslot.astype(np.int32), key=O.random_bf16(rng, (B, N, 128), key_scale),
-              score=O.random_bf16(rng, (B, N, 128), score_scale), loc=loc.astype(np.int32),
+              gate=O.random_bf16(rng, (B, N, 128), gate_scale), loc=loc.astype(np.int32),
               pos=pos.astype(np.int32))
 
 
 def _random_call(rng, ring, nxt, N, slots):
-  """LANES requests continuing from positions `nxt` (updated), N tokens each, with
+  """REQUESTS requests continuing from positions `nxt` (updated), N tokens each, with
   padding, tslot < 0 (no stash; its completion reads block 0), slots past the
-  cache and a lane whose tail block is past the buffer."""
+  cache and a request whose tail block is past the buffer."""
   cap = PAGES * PAGE
   pos = nxt[:, None] + np.arange(N)[None, :]
-  blk = np.arange(1, LANES + 1)[:, None].repeat(N, 1)
-  blk[rng.integers(LANES)] = BLOCKS + int(rng.integers(0, 3))
+  blk = np.arange(1, REQUESTS + 1)[:, None].repeat(N, 1)
+  blk[rng.integers(REQUESTS)] = BLOCKS + int(rng.integers(0, 3))
   tslot = blk * ring + pos % ring
-  tslot[rng.random((LANES, N)) < 0.05] = -1
+  tslot[rng.random((REQUESTS, N)) < 0.05] = -1
   done = pos % 4 == 3
-  loc = np.full((LANES, N), -1, np.int64)
+  loc = np.full((REQUESTS, N), -1, np.int64)
   for r, t in zip(*np.nonzero(done)):
     u = rng.random()
     loc[r, t] = -1 if u < 0.05 else cap + int(rng.integers(0, 99)) if u < 0.1 else slots()
-  loc[~done & (rng.random((LANES, N)) < 0.05)] = 7   # a real slot on a non-completing token
+  loc[~done & (rng.random((REQUESTS, N)) < 0.05)] = 7   # a real slot on a non-completing token
   nxt += N
-  pad = rng.random(LANES) < 0.2                     # non-uniform batch: pad the last token
-  keep_meta = rng.random(LANES) < 0.5               # padding with real tslot/loc
+  pad = rng.random(REQUESTS) < 0.2                     # non-uniform batch: pad the last token
+  keep_meta = rng.random(REQUESTS) < 0.5               # padding with real tslot/loc
   pos[pad, -1] = -1
   tslot[pad & ~keep_meta, -1] = -1
   loc[pad & ~keep_meta, -1] = -1
@@ -117,7 +117,7 @@ def _chain(seed, ring):
   tail = O.poison_tail(rng, BLOCKS, ring)
   ape = (rng.standard_normal((4, 128)) * 0.5).astype(np.float32)
   batches = [_edge_call(rng, ring, slots)]
-  nxt = rng.integers(0, 3 * ring, LANES)
+  nxt = rng.integers(0, 3 * ring, REQUESTS)
   for N in (1, 2, 8, 5, 3)[:CALLS - 1]:
     batches.append(_random_call(rng, ring, nxt, N, slots))
   return kv, tail, ape, batches
@@ -130,7 +130,7 @@ def _chain_fn(kernel, scale_format, round_scale):
   def chain(kv, tail, ape, batches):
     states = []
     for b in batches:
-      kv, tail = op(kv, tail, b["tslot"], b["key"], b["score"], ape, b["loc"], b["pos"],
+      kv, tail = op(kv, tail, b["tslot"], b["key"], b["gate"], ape, b["loc"], b["pos"],
                     scale_format=scale_format, round_scale=round_scale)
       states.append((kv, tail))
     return states
@@ -148,7 +148,7 @@ def _run_chain(kernel, mode, kv, tail, ape, batches):
 def test_lowers_to_the_kernel():
   kv, tail, ape, (b, *_) = _chain(0, 8)
   text = jax.jit(glm5_jax.kpool_update).lower(
-      jnp.asarray(kv), jnp.asarray(tail), b["tslot"], b["key"], b["score"], ape, b["loc"],
+      jnp.asarray(kv), jnp.asarray(tail), b["tslot"], b["key"], b["gate"], ape, b["loc"],
       b["pos"]).as_text()
   assert "glm5_kpool_update" in text
 
@@ -167,7 +167,7 @@ def test_edge_chain_matches_reference(ring, mode):
   okv, otail, written = kv0, tail0, []
   bad = total = 0
   for i, (b, (gkv, gtail), (rkv, rtail)) in enumerate(zip(batches, got, want)):
-    okv, otail = O.kpool_update(okv, otail, b["tslot"], b["key"], b["score"], ape, b["loc"],
+    okv, otail = O.kpool_update(okv, otail, b["tslot"], b["key"], b["gate"], ape, b["loc"],
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
     label = f"ring {ring} {mode} call {i}"
@@ -187,18 +187,18 @@ def test_edge_chain_matches_reference(ring, mode):
   assert bad <= max(1, 0.01 * total), (bad, total)
 
 
-def test_more_than_32_tokens_per_request():
+def test_next_n_past_32():
   """N = 37: the kernel fetches token indices 32 at a time. Against the numpy oracle
   (no reference compile of 37 unrolled steps) and, when present, the Triton oracle."""
   ring = 8
   kv0, tail0, ape, _ = _chain(7, ring)
   rng = np.random.default_rng(8)
   order = iter(rng.permutation(PAGES * PAGE).tolist())
-  b = _random_call(rng, ring, rng.integers(0, 3 * ring, LANES), 37, lambda: next(order))
+  b = _random_call(rng, ring, rng.integers(0, 3 * ring, REQUESTS), 37, lambda: next(order))
   for mode in MODES:
     (gkv, gtail), = _run_chain(True, mode, kv0, tail0, ape, [b])
     written = []
-    okv, otail = O.kpool_update(kv0, tail0, b["tslot"], b["key"], b["score"], ape, b["loc"],
+    okv, otail = O.kpool_update(kv0, tail0, b["tslot"], b["key"], b["gate"], ape, b["loc"],
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
     np.testing.assert_array_equal(O.bits(gtail), O.bits(otail))
@@ -208,7 +208,7 @@ def test_more_than_32_tokens_per_request():
     T = triton_oracle.load()
     if T is not None:
       kv, tail, _ = T.decode_expected(*(triton_oracle.to_torch(x) for x in (
-          kv0, tail0, b["tslot"], b["key"], b["score"], ape, b["loc"], b["pos"])),
+          kv0, tail0, b["tslot"], b["key"], b["gate"], ape, b["loc"], b["pos"])),
           scale_format=mode[0], round_scale=mode[1])
       np.testing.assert_array_equal(O.bits(gtail), O.bits(triton_oracle.to_numpy(tail)))
       assert _entry_diff(gkv, triton_oracle.to_numpy(kv), PAGE).size == 0
@@ -266,12 +266,12 @@ def test_donated_step_updates_in_place_and_continues(mode):
   kv, tail = jnp.asarray(kv0), jnp.asarray(tail0)
   ptrs = (kv.unsafe_buffer_pointer(), tail.unsafe_buffer_pointer())
   b = steps[0]
-  hlo = step.lower(kv, tail, b["tslot"], b["key"], b["score"], ape, b["loc"],
+  hlo = step.lower(kv, tail, b["tslot"], b["key"], b["gate"], ape, b["loc"],
                    b["pos"]).compile().as_text()
   copies = copied_shapes(hlo, [(pages, page, 132), (blocks, 2, ring, 128)])
   assert not copies, copies
   for b in steps:
-    new_kv, new_tail = step(kv, tail, b["tslot"], b["key"], b["score"], ape, b["loc"], b["pos"])
+    new_kv, new_tail = step(kv, tail, b["tslot"], b["key"], b["gate"], ape, b["loc"], b["pos"])
     assert kv.is_deleted() and tail.is_deleted()
     assert (new_kv.unsafe_buffer_pointer(), new_tail.unsafe_buffer_pointer()) == ptrs
     kv, tail = new_kv, new_tail
@@ -279,10 +279,10 @@ def test_donated_step_updates_in_place_and_continues(mode):
   okv, otail, written = kv0, tail0, []
   rkv, rtail = jnp.asarray(kv0), jnp.asarray(tail0)
   for b in steps:
-    okv, otail = O.kpool_update(okv, otail, b["tslot"], b["key"], b["score"], np.asarray(ape),
+    okv, otail = O.kpool_update(okv, otail, b["tslot"], b["key"], b["gate"], np.asarray(ape),
                                 b["loc"], b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
-    rkv, rtail = ref.kpool_update(rkv, rtail, b["tslot"], b["key"], b["score"], ape, b["loc"],
+    rkv, rtail = ref.kpool_update(rkv, rtail, b["tslot"], b["key"], b["gate"], ape, b["loc"],
                                   b["pos"], scale_format=mode[0], round_scale=mode[1])
   assert len(written) == B                          # one completion per request, in call 2
   np.testing.assert_array_equal(O.bits(tail), O.bits(otail))
@@ -314,7 +314,7 @@ def test_edge_chains_bit_identical_to_triton(ring):
     kv, tail, ap = (triton_oracle.to_torch(a) for a in (kv0, tail0, ape))
     fkv, ftail = kv.clone(), tail.clone()           # the one-kernel Triton decode update
     for i, (b, (gkv, gtail)) in enumerate(zip(batches, got)):
-      args = [triton_oracle.to_torch(b[k]) for k in ("tslot", "key", "score")] + [ap] + [
+      args = [triton_oracle.to_torch(b[k]) for k in ("tslot", "key", "gate")] + [ap] + [
           triton_oracle.to_torch(b[k]) for k in ("loc", "pos")]
       kv, tail, _ = T.decode_expected(kv, tail, *args, scale_format=mode[0],
                                       round_scale=mode[1])
@@ -334,7 +334,7 @@ POOLS_PER_CALL = 1 << 17
 
 
 def test_million_pools_bit_identical_to_triton():
-  """2^20 pools of random data (normal keys/scores, and wide: keys * 8, scores * 6),
+  """2^20 pools of random data (normal keys/gates, and wide: keys * 8, gates * 6),
   positions wrapping the ring: the kernel's cache bytes and tail rows equal the
   Triton oracle's; the mismatch rate against the reference is printed."""
   T = triton_oracle.require()
@@ -348,12 +348,12 @@ def test_million_pools_bit_identical_to_triton():
     B = POOLS_PER_CALL * 4 // N                   # N / 4 completions per request
     blocks, page = B, 64
     pages = POOLS_PER_CALL // page + 4
-    ks, ss = (8.0, 12.0) if wide else (1.0, 2.0)  # scores ~ N(0, 4) (or * 6 when wide)
+    ks, ss = (8.0, 12.0) if wide else (1.0, 2.0)  # gates ~ N(0, 4) (or * 6 when wide)
 
     def randn(*shape, scale):
       return (torch.randn(*shape, generator=gen, device=dev) * scale).to(torch.bfloat16)
 
-    key, score = randn(B, N, 128, scale=ks), randn(B, N, 128, scale=ss)
+    key, gate = randn(B, N, 128, scale=ks), randn(B, N, 128, scale=ss)
     tail0 = torch.stack([randn(blocks, ring, 128, scale=ks), randn(blocks, ring, 128, scale=ss)], 1)
     ape = torch.randn(4, 128, generator=gen, device=dev) * 0.5
     kv0 = torch.randint(0, 256, (pages, page, 132), generator=gen, device=dev, dtype=torch.uint8)
@@ -364,14 +364,14 @@ def test_million_pools_bit_identical_to_triton():
     done = pos % 4 == 3
     loc = torch.full((B, N), -1, dtype=torch.int32, device=dev)
     loc[done] = torch.randperm(pages * page, generator=gen, device=dev)[:int(done.sum())].int()
-    want_kv, want_tail, n = T.decode_expected(kv0, tail0, tslot, key, score, ape, loc, pos,
+    want_kv, want_tail, n = T.decode_expected(kv0, tail0, tslot, key, gate, ape, loc, pos,
                                               scale_format=fmt, round_scale=rs)
     assert n == POOLS_PER_CALL
-    fused = T.decode_update(kv0.clone(), tail0.clone(), tslot, key, score, ape, loc, pos,
+    fused = T.decode_update(kv0.clone(), tail0.clone(), tslot, key, gate, ape, loc, pos,
                             scale_format=fmt, round_scale=rs)
     assert torch.equal(fused[0], want_kv) and torch.equal(fused[1], want_tail), \
         f"batch {i}: the one-kernel Triton decode update differs from decode_expected"
-    np_args = [triton_oracle.to_numpy(x) for x in (kv0, tail0, tslot, key, score, ape, loc, pos)]
+    np_args = [triton_oracle.to_numpy(x) for x in (kv0, tail0, tslot, key, gate, ape, loc, pos)]
     got_kv, got_tail = jax.jit(functools.partial(glm5_jax.kpool_update, scale_format=fmt,
                                                  round_scale=rs))(*map(jnp.asarray, np_args))
     got_kv, got_tail = np.asarray(got_kv), np.asarray(got_tail)

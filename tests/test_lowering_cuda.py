@@ -1,6 +1,7 @@
 """The CUDA lowering of every op, checked on any machine with
 jax.export(platforms=["cuda"]): FFI target names, operand/output aliasing of
-the in-place caches, donation, and the GLM5_JAX_KERNELS switch."""
+the in-place caches, donation, every FFI attribute against its op's declared
+type, and the routing (Routing, GLM5_JAX_KERNELS, GLM5_JAX_PDL)."""
 import functools
 import re
 
@@ -11,9 +12,9 @@ import pytest
 from jax import export
 
 import glm5_jax
-from glm5_jax import _ffi
+from glm5_jax import Routing
 from glm5_jax._primitive import Op
-from glm5_jax.indexer import PROJECTION_KERNEL_ROWS
+from glm5_jax.indexer import PROJECTION_KERNEL_ROWS, fused_warps, projection_tactic
 from glm5_jax.testing.cases import CASES
 
 OPS = sorted(CASES)
@@ -22,6 +23,7 @@ ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_t
 
 
 def cuda_module(fn, args, donate=()):
+  # Every op's target, also those the tests give a kernel (test_ffi_lowering_contract).
   checks = [export.DisabledSafetyCheck.custom_call(f"glm5_{op}") for op in OPS]
   fresh = lambda *a: fn(*a)            # a new function: jit caches lowerings per function
   exported = export.export(jax.jit(fresh, donate_argnums=donate), platforms=["cuda"],
@@ -33,10 +35,22 @@ def custom_calls(text):
   return re.findall(r"stablehlo.custom_call @(\w+)", text)
 
 
+def call_attributes(text, target):
+  """{name: (value, mlir type or None for a bool)} of the FFI call of `target`."""
+  call = text[text.index(f"stablehlo.custom_call @{target}"):].split("\n")[0]
+  config = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
+  out = {}
+  for item in filter(None, (a.strip() for a in config.split(","))):
+    name, value = item.split(" = ")
+    number, _, typ = value.partition(" : ")
+    out[name] = (number, typ or None)
+  return out
+
+
 @pytest.mark.parametrize("switch", [None, "1"])
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_lowering_uses_kernel_where_one_exists(op, switch, monkeypatch):
-  """By default every kernel but those slower than XLA (KERNEL_DEFAULT_OFF), at the
+  """By default every kernel but those slower than XLA (Op.kernel_off), at the
   shapes of its kernel_default; all of them with GLM5_JAX_KERNELS=1."""
   if switch is None:
     monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
@@ -45,9 +59,9 @@ def test_cuda_lowering_uses_kernel_where_one_exists(op, switch, monkeypatch):
   case = CASES[op]
   args = case.make(np.random.default_rng(0))
   calls = custom_calls(cuda_module(case.fn, args))
-  target = _ffi.KERNEL_TARGETS.get(op)
-  if switch is None and (op in _ffi.KERNEL_DEFAULT_OFF
-                         or not Op.registry[op].kernel_default(*args)):
+  spec = Op.registry[op]
+  target = spec.kernel
+  if switch is None and (spec.kernel_off or not spec.kernel_default(*args)):
     target = None
   assert [c for c in calls if c.startswith("glm5_")] == ([target] if target else [])
 
@@ -70,21 +84,22 @@ def test_remap_kernel_only_for_supported_shapes(groups, kernel, monkeypatch):
   assert custom_calls(cuda_module(batched, stacked)) == want
 
 
-def _projection_call(op, heads, k, tactic):
-  """(fn, args, vmap in_axes) of `op` on 3 tokens: indexer_projection or its fused form."""
-  x, w_cat = np.zeros((3, k), jnp.bfloat16), np.zeros((256 + heads, k), jnp.bfloat16)
+def _projection_call(op, heads, k, tactic, rows=3):
+  """(fn, args, vmap in_axes) of `op` on `rows` rows: indexer_projection or its fused form."""
+  x, w_cat = np.zeros((rows, k), jnp.bfloat16), np.zeros((256 + heads, k), jnp.bfloat16)
   if op == "indexer_projection":
     return (lambda *a: glm5_jax.indexer_projection(*a, heads=heads, tactic=tactic),
             (x, w_cat), (0, None))
   fn = lambda *a: glm5_jax.indexer_projection_fused(*a, heads=heads, scale=0.1, padded=64,
                                                     tactic=tactic)
   norm = np.zeros(128, np.float32)
-  return fn, (x, w_cat, np.zeros((3, heads, 128), jnp.bfloat16), norm, norm), (0, None, 0,
-                                                                                None, None)
+  return fn, (x, w_cat, np.zeros((rows, heads, 128), jnp.bfloat16), norm, norm), (
+      0, None, 0, None, None)
 
 
 @pytest.mark.parametrize("op,heads,k,tactic,kernel", [
     ("indexer_projection", 16, 1024, None, True), ("indexer_projection", 32, 4096, None, True),
+    ("indexer_projection", 32, 16384, None, True), ("indexer_projection", 32, 10240, None, False),
     ("indexer_projection", 64, 6144, None, True), ("indexer_projection", 32, 8192, None, True),
     ("indexer_projection", 32, 4096, (4, 4), True), ("indexer_projection", 32, 512, (1, 2), True),
     ("indexer_projection", 32, 6144, (8, 1), True), ("indexer_projection", 4, 1024, None, False),
@@ -99,10 +114,10 @@ def _projection_call(op, heads, k, tactic):
     ("indexer_projection_fused", 32, 2304, None, False),
     ("indexer_projection_fused", 32, 9216, None, False)])
 def test_projection_kernel_only_for_supported_shapes(op, heads, k, tactic, kernel, monkeypatch):
-  """indexer_projection's kernel needs H % 16 == 0 and, with the built-in tactic table,
-  K % 1024 == 0, K <= 8192; the fused kernel H % 16 == 0 and K = 256 * blocks (8 warps,
-  blocks 1..8 or a multiple of 8); an explicit tactic only has to tile K. Other shapes lower
-  to the reference (no FFI call), also under vmap."""
+  """indexer_projection's kernel needs H % 16 == 0 and a K its tactic tiles (at 3 rows the
+  table's (8, 4): K = 1024 * blocks, blocks 1..8 or a multiple of 8); the fused kernel
+  H % 16 == 0 and K = 256 * blocks (8 warps); an explicit tactic only has to tile K. Other
+  shapes lower to the reference (no FFI call), also under vmap."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", f"{op}=1")
   fn, args, axes = _projection_call(op, heads, k, tactic)
   want = [f"glm5_{op}"] if kernel else []
@@ -144,20 +159,108 @@ def test_kill_switch_routes_to_reference(switch, monkeypatch):
     ("kpool_update", "kpool_update=0", False, False), ("upcast_logits", "", False, None),
     ("upcast_logits", "1", True, True), ("upcast_logits", "upcast_logits=1", True, True),
     ("upcast_logits", "all=1,upcast_logits=0", False, False),
-    ("upcast_logits", "kpool_update=1", False, None)])
+    ("upcast_logits", "kpool_update=1", False, None),
+    ("kpool_update", "kpool_update=1,0", False, False),
+    ("kpool_update", " 0 , kpool_update = 1 ", True, True)])
 def test_kill_switch_parsing(op, switch, expected, word, monkeypatch):
-  """Unset/empty: each kernel's default (off for KERNEL_DEFAULT_OFF); later entries win.
-  kernel_switch is the switch's own word on the op: None where no entry names it."""
+  """Unset/empty: each kernel's default (off for Op.kernel_off); later entries win.
+  Routing.word is the switch's own word on the op: None where no entry names it."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
-  assert _ffi.kernels_enabled(op) is expected
-  assert _ffi.kernel_switch(op) is word
+  routing = Routing.from_env()
+  assert Op.registry[op].kernel_on(routing) is expected
+  assert routing.word(op) is word
+
+
+BAD_SWITCHES = ["off", "false", "garbage", "indexer_projection=2", "unknown_op=1", "=1",
+                "1,kpool_update=yes", "true"]
+
+
+@pytest.mark.parametrize("switch", BAD_SWITCHES)
+def test_kill_switch_fails_closed(switch, monkeypatch):
+  """An entry that is not 0, 1, all=0|1 or <op>=0|1 raises (naming the variable, the entry
+  and the valid forms) instead of leaving every kernel on; also when an op is traced,
+  with or without the CUDA module (this runs on the CPU)."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
+  bad = [e for e in switch.replace(" ", "").split(",") if e not in ("0", "1")][0]
+  message = rf"GLM5_JAX_KERNELS=.*bad entry '{re.escape(bad)}'.*valid forms: 0, 1, all=0"
+  with pytest.raises(ValueError, match=message):
+    Routing.from_env()
+  case = CASES["kpool_update"]
+  with pytest.raises(ValueError, match=message):
+    jax.jit(lambda *a: case.fn(*a))(*case.make(np.random.default_rng(0)))
+  with pytest.raises(ValueError, match=message):
+    glm5_jax.IndexerConfig()
+
+
+@pytest.mark.parametrize("pdl", ["no", "false", "2"])
+def test_pdl_switch_fails_closed(pdl, monkeypatch):
+  monkeypatch.setenv("GLM5_JAX_PDL", pdl)
+  with pytest.raises(ValueError, match=rf"GLM5_JAX_PDL='{pdl}': valid forms: 1 .* or 0"):
+    Routing.from_env()
+
+
+@pytest.mark.parametrize("value,pdl", [(None, True), ("", True), ("1", True), ("0", False)])
+def test_pdl_switch(value, pdl, monkeypatch):
+  if value is None:
+    monkeypatch.delenv("GLM5_JAX_PDL", raising=False)
+  else:
+    monkeypatch.setenv("GLM5_JAX_PDL", value)
+  assert Routing.from_env().pdl is pdl
+
+
+def test_routing_value():
+  """Routing is hashable and normalised (a mapping and its sorted pairs are the same
+  value); unknown ops and non-bool words are refused; Routing() is the built-in default,
+  independent of the environment."""
+  a = Routing(ops={"kpool_update": False, "expand_pools": True})
+  b = Routing(ops=(("expand_pools", True), ("kpool_update", False)))
+  assert a == b and hash(a) == hash(b) and a != Routing()
+  assert a.word("kpool_update") is False and a.word("upcast_logits") is None
+  assert Routing(kernels=False, ops={"kpool_update": True}).word("kpool_update") is True
+  with pytest.raises(ValueError, match="Routing: unknown op 'kpool'"):
+    Routing(ops={"kpool": True})
+  with pytest.raises(TypeError, match=r"Routing: ops\['kpool_update'\] must be a bool"):
+    Routing(ops={"kpool_update": 1})
+  with pytest.raises(TypeError, match="kernels must be True, False or None"):
+    Routing(kernels="0")
+  with pytest.raises(TypeError, match="routing must be a glm5_jax.Routing"):
+    glm5_jax.pool_topk(np.zeros((1, 4), np.float32), np.ones(1, np.int32), k=2, routing="0")
+
+
+@pytest.mark.parametrize("op", [op for op in OPS if Op.registry[op].kernel])
+def test_routing_keyword_overrides_the_environment(op, monkeypatch):
+  """routing= on a public op is what its lowering uses, whatever GLM5_JAX_KERNELS says."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "1")
+  case = CASES[op]
+  args = case.make(np.random.default_rng(0))
+  off = functools.partial(case.fn, routing=Routing(kernels=False))
+  assert not custom_calls(cuda_module(off, args))
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "0")
+  on = functools.partial(case.fn, routing=Routing(ops={op: True}))
+  assert custom_calls(cuda_module(on, args)) == [Op.registry[op].kernel]
+
+
+def test_routing_is_part_of_the_jit_cache_key(monkeypatch):
+  """A jitted function called with another routing (a static argument) lowers again:
+  the kernel it calls follows the routing, never a stale executable."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  case = CASES["kpool_update"]
+  args = case.make(np.random.default_rng(0))
+  fn = jax.jit(lambda *a, routing: case.fn(*a, routing=routing), static_argnames="routing")
+  checks = glm5_jax.export_checks()
+  lower = lambda routing: export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+      *args, routing=routing).mlir_module()
+  assert custom_calls(lower(Routing())) == ["glm5_kpool_update"]
+  assert custom_calls(lower(Routing(kernels=False))) == []
+  assert custom_calls(lower(Routing())) == ["glm5_kpool_update"]
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_ffi_lowering_contract(op, monkeypatch):
   """With a kernel declared for every op, each lowers to one glm5_<op> FFI call
   aliasing its caches, and a donated cache is reused (tf.aliasing_output)."""
-  monkeypatch.setattr(_ffi, "KERNEL_TARGETS", {o: f"glm5_{o}" for o in OPS})
+  for o in OPS:
+    monkeypatch.setattr(Op.registry[o], "kernel", f"glm5_{o}")
   monkeypatch.setenv("GLM5_JAX_KERNELS", "1")
   case = CASES[op]
   aliases = ALIASES.get(op, {})
@@ -171,6 +274,42 @@ def test_ffi_lowering_contract(op, monkeypatch):
     assert re.search(rf"%arg{operand}: [^)]*?tf.aliasing_output = {result} ", text), text[:800]
 
 
+# How each declared numpy type reads in the lowered call's backend_config.
+MLIR_TYPES = {np.bool_: None, np.int32: "i32", np.int64: "i64", np.float32: "f32"}
+
+
+def _case_params(op):
+  fn = CASES[op].fn
+  return dict(fn.keywords) if isinstance(fn, functools.partial) else {}
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("op", [op for op in OPS if Op.registry[op].kernel])
+def test_attribute_schema(op, pdl):
+  """Every FFI call carries exactly its op's declared attributes (pdl included), each
+  with the MLIR type of its declared numpy type (bools as true/false) and the value the
+  routing or the static params give it."""
+  spec = Op.registry[op]
+  case = CASES[op]
+  routing = Routing(kernels=True, pdl=pdl)
+  text = cuda_module(functools.partial(case.fn, routing=routing),
+                     case.make(np.random.default_rng(0)), donate=tuple(ALIASES.get(op, {})))
+  attrs = call_attributes(text, spec.kernel)
+  assert set(attrs) == set(spec.attributes)
+  for name, typ in spec.attributes.items():
+    value, mlir_type = attrs[name]
+    assert mlir_type == MLIR_TYPES[typ], (name, attrs[name])
+    if typ is np.bool_:
+      assert value in ("true", "false"), (name, value)
+  assert attrs["pdl"] == (str(pdl).lower(), None)
+  params = _case_params(op)
+  for name in set(spec.attributes) & set(params):
+    value, _ = attrs[name]
+    want = spec.attributes[name](params[name])
+    got = (value == "true") if spec.attributes[name] is np.bool_ else type(want)(float(value))
+    assert got == want, (name, value, params[name])
+
+
 @pytest.mark.parametrize("scale_format,round_scale,ue8m0", [
     ("fp32", True, "false"), ("ue8m0", True, "true"), ("fp32", False, "false")])
 def test_kpool_update_scale_attributes(scale_format, round_scale, ue8m0, monkeypatch):
@@ -179,52 +318,76 @@ def test_kpool_update_scale_attributes(scale_format, round_scale, ue8m0, monkeyp
   case = CASES["kpool_update"]
   fn = lambda *a: glm5_jax.kpool_update(*a, scale_format=scale_format, round_scale=round_scale)
   text = cuda_module(fn, case.make(np.random.default_rng(0)), donate=(0, 1))
-  call = text[text.index("stablehlo.custom_call @glm5_kpool_update"):].split("\n")[0]
-  attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
-  assert sorted(a.strip() for a in attrs.split(",")) == [
-      f"round_scale = {str(round_scale).lower()}", f"ue8m0 = {ue8m0}"]
+  assert call_attributes(text, "glm5_kpool_update") == {
+      "round_scale": (str(round_scale).lower(), None), "ue8m0": (ue8m0, None),
+      "pdl": ("true", None)}
+
+
+@pytest.mark.parametrize("compact,stride_rows,want", [(True, None, 16), (False, 48, 48)])
+def test_remap_attributes(compact, stride_rows, want):
+  """expand_and_remap's params reach its kernel as i64 (stride_rows None = block_size)
+  and a bool."""
+  case = CASES["expand_and_remap"]
+  fn = functools.partial(case.fn, compact=compact, stride_rows=stride_rows, seq_offset=3,
+                         routing=Routing(kernels=True))
+  attrs = call_attributes(cuda_module(fn, case.make(np.random.default_rng(0))),
+                          "glm5_expand_and_remap")
+  assert attrs == {"block_size": ("16", "i64"), "stride_rows": (str(want), "i64"),
+                   "seq_offset": ("3", "i64"), "compact": (str(compact).lower(), None),
+                   "pdl": ("true", None)}
 
 
 @pytest.mark.parametrize("op", ["indexer_query", "indexer_projection_fused"])
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
 def test_indexer_query_attributes(op, wdtype, monkeypatch):
   """scale and eps reach glm5_indexer_query (and the fused kernel) as the f32 attributes
-  its handler binds; padded and the weights dtype are only in the result types."""
+  its handler binds; padded and the w_out dtype are only in the result types."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", f"{op}=1")
   case = CASES[op]
-  params = dict(scale=0.1, eps=1e-5, padded=40, weights_dtype=wdtype)
+  params = dict(scale=0.1, eps=1e-5, padded=40, w_out_dtype=wdtype)
   if op == "indexer_projection_fused":
     params["heads"] = case.fn.keywords["heads"]
   fn = lambda *a: getattr(glm5_jax, op)(*a, **params)
   text = cuda_module(fn, case.make(np.random.default_rng(0)))
   call = text[text.index(f"stablehlo.custom_call @glm5_{op}"):].split("\n")[0]
-  attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
-  parsed = dict(a.strip().split(" = ") for a in attrs.split(","))
+  parsed = call_attributes(text, f"glm5_{op}")
   parsed.pop("warps", None)            # the fused kernel's tactic: test_projection_attributes
+  assert parsed.pop("pdl") == ("true", None)
   assert set(parsed) == {"eps", "scale"}
   for name, value in (("eps", 1e-5), ("scale", 0.1)):
-    number, _, typ = parsed[name].partition(" : ")
+    number, typ = parsed[name]
     assert typ == "f32" and np.float32(float(number)) == np.float32(value), parsed
   bf = "bf16" if wdtype == "bfloat16" else "f32"
   assert f"tensor<3x40x{bf}>" in call and "tensor<3x40x128xf8E4M3FN>" in call, call
 
 
-@pytest.mark.parametrize("op,tactic,expected", [
-    ("indexer_projection", None, dict(warps=0, split=0)),
-    ("indexer_projection", (2, 4), dict(warps=2, split=4)),
-    ("indexer_projection", [8, 1], dict(warps=8, split=1)),
-    ("indexer_projection_fused", None, dict(warps=0)),
-    ("indexer_projection_fused", (4, 1), dict(warps=4))])
-def test_projection_attributes(op, tactic, expected, monkeypatch):
-  """The tactic reaches glm5_indexer_projection as the i32 attributes warps and split its
-  handler binds (0, 0 = the kernel's table), the fused kernel as warps (0 = 8; split is 1);
-  heads is only in the shapes."""
+@pytest.mark.parametrize("op,rows,k,tactic,expected", [
+    ("indexer_projection", 3, 1024, None, dict(warps=8, split=4)),
+    ("indexer_projection", 32, 4096, None, dict(warps=8, split=4)),
+    ("indexer_projection", 33, 4096, None, dict(warps=8, split=8)),
+    ("indexer_projection", 33, 1024, None, dict(warps=8, split=4)),
+    ("indexer_projection", 3, 1024, (2, 4), dict(warps=2, split=4)),
+    ("indexer_projection", 3, 1024, [8, 1], dict(warps=8, split=1)),
+    ("indexer_projection_fused", 3, 1024, None, dict(warps=8)),
+    ("indexer_projection_fused", 3, 1024, (4, 1), dict(warps=4))])
+def test_projection_attributes(op, rows, k, tactic, expected, monkeypatch):
+  """The tactic always reaches glm5_indexer_projection explicitly as the i32 attributes
+  warps and split its handler binds (the Python table by rows where none is given: no
+  "automatic" sentinel), the fused kernel as warps (its split is 1); heads is only in the
+  shapes. The folded rows of vmap choose the table's entry."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", f"{op}=1")
-  case = CASES[op]
-  fn = functools.partial(case.fn, tactic=tactic)
-  text = cuda_module(fn, case.make(np.random.default_rng(0)))
-  call = text[text.index(f"stablehlo.custom_call @glm5_{op}"):].split("\n")[0]
-  attrs = re.search(r"mhlo.backend_config = \{([^}]*)\}", call).group(1)
-  ints = sorted(a.strip() for a in attrs.split(",") if a.strip().endswith(": i32"))
-  assert ints == sorted(f"{name} = {value} : i32" for name, value in expected.items())
-  assert "tensor<3x16x" in call, call
+  heads = 16
+  fn, args, axes = _projection_call(op, heads, k, tactic, rows)
+  attrs = call_attributes(cuda_module(fn, args), f"glm5_{op}")
+  ints = {n: int(v) for n, (v, t) in attrs.items() if t == "i32"}
+  assert ints == expected
+  if op == "indexer_projection":
+    assert tuple(expected.values()) == projection_tactic(rows, k, tactic)
+  else:
+    assert expected["warps"] == fused_warps(tactic)
+  if rows == 33 and tactic is None:     # vmap over 3 x 11 rows folds to the same 33
+    stacked = tuple(a if ax is None else a.reshape((3, 11) + a.shape[1:])
+                    for a, ax in zip(args, axes))
+    folded = cuda_module(jax.vmap(fn, in_axes=axes), stacked)
+    assert {n: int(v) for n, (v, t) in call_attributes(folded, f"glm5_{op}").items()
+            if t == "i32"} == expected

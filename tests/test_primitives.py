@@ -54,7 +54,7 @@ def test_jit_matches_reference(op):
   reference = getattr(ref, op)
   static = getattr(case.fn, "keywords", {})
   if op.startswith("indexer_query") or op == "indexer_projection_fused":
-    static = {**static, "weights_dtype": jnp.float32}
+    static = {**static, "w_out_dtype": jnp.float32}
   want = outputs(op, args, jax.jit(lambda *a: reference(*a, **static))(*args))
   assert_same(op, got, want)
   assert any(np.any(g != 0) for g in got)

@@ -3,13 +3,12 @@
 (a) Key, head weights and gate within SPEC D2's GEMM bound of a float64 GEMM
     (|err| <= (K - 1) u sum|x w|, + half a bf16 ulp for key and gate; oracle.check_projection),
     as is the jitted reference; the largest err / bound is printed.
-(b) Deterministic: the same call twice is bit-identical, for the built-in table and for every
-    tactic (warps, split) the handler accepts; each tactic is within the bound.
+(b) Deterministic: the same call twice is bit-identical, for the table by rows and for every
+    tactic (warps, split) that tiles K (glm5_jax.indexer.tile_k); each is within the bound.
 (c) M = 0, M past one 128-token chunk, vmap folded into rows, shapes the kernel does not take
     (lowered to the reference), and the FFI call inside a command buffer.
 """
 import functools
-import itertools
 
 import numpy as np
 import jax
@@ -18,6 +17,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
+from glm5_jax.indexer import projection_tactic, projection_tactics
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 TARGET = "glm5_indexer_projection"
 KS = [4096, 6144]
 HEADS = [16, 32, 64]
-TOKENS = [1, 2, 7, 16, 33, 64, 128, 300]
+ROWS = [1, 2, 7, 16, 33, 64, 128, 300]
 SEEDS = [0, 1]
 CALLS = 6                     # calls per jit (>= XLA's minimum command-buffer size)
 
@@ -49,7 +49,7 @@ def _reference_fn(heads):
 
 
 def _assert_same_bits(got, want, label):
-  O.assert_same_bits(got, want, ("key", "weights", "gate"), label)
+  O.assert_same_bits(got, want, ("key", "head_w", "gate"), label)
 
 
 def _check(x, w_cat, heads, got, label):
@@ -64,7 +64,7 @@ def test_lowers_to_the_kernel():
   assert f'custom_call_target="{TARGET}"' in compiled
 
 
-@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("k", KS)
 def test_kernel_within_the_gemm_bound(k, heads, m):
@@ -85,19 +85,12 @@ def test_kernel_within_the_gemm_bound(k, heads, m):
 
 # --------------------------------------------------------------------------- (b)
 
-def _tactics(k):
-  """Every (warps, split) the handler accepts for K: 32 * warps * split * blocks, blocks 1..8
-  or whole stages of 8 (cc/projection.cuh tile_k)."""
-  return [(w, s) for w, s in itertools.product((1, 2, 4, 8), (1, 2, 4, 8))
-          if k % (32 * w * s) == 0 and (1 <= k // (32 * w * s) <= 8 or k // (32 * w * s) % 8 == 0)]
-
-
 @pytest.mark.parametrize("m", [1, 33, 128])
 @pytest.mark.parametrize("k", KS)
 def test_every_tactic_within_the_bound_and_deterministic(k, m):
   heads = 32
   x, w_cat = _inputs(np.random.default_rng([k, m]), m, heads, k)
-  tactics = _tactics(k)
+  tactics = projection_tactics(k)
   assert tactics
   for tactic in tactics:
     label = f"K {k} M {m} tactic {tactic}"
@@ -107,9 +100,11 @@ def test_every_tactic_within_the_bound_and_deterministic(k, m):
     print(f"\n[{label}] max err/bound {ratio:.3f}")
 
 
-@pytest.mark.parametrize("m,table", [(1, (8, 4)), (32, (8, 4)), (33, (8, 8)), (128, (8, 8))])
-def test_built_in_table(m, table):
-  """tactic=None runs the handler's table entry (cc/projection.cu auto_tactic) at K 4096."""
+@pytest.mark.parametrize("m", [1, 32, 33, 128])
+def test_built_in_table(m):
+  """tactic=None runs the table's entry by rows (glm5_jax.indexer.projection_tactic) at
+  K 4096."""
+  table = projection_tactic(m, 4096)
   x, w_cat = _inputs(np.random.default_rng(m), m, 32, 4096)
   _assert_same_bits(_kernel_fn(32)(x, w_cat), _kernel_fn(32, table)(x, w_cat), f"M {m}")
 
@@ -118,8 +113,8 @@ def test_built_in_table(m, table):
 
 def test_empty_batch():
   x, w_cat = _inputs(np.random.default_rng(0), 0, 32, 4096)
-  key, weights, gate = _kernel_fn(32)(x, w_cat)
-  assert key.shape == (0, 128) and weights.shape == (0, 32) and gate.shape == (0, 128)
+  key, head_w, gate = _kernel_fn(32)(x, w_cat)
+  assert key.shape == (0, 128) and head_w.shape == (0, 32) and gate.shape == (0, 128)
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -149,7 +144,8 @@ def test_vmap_folds_into_rows():
 
 @pytest.mark.parametrize("heads,k", [(4, 4096), (32, 1536), (32, 9216), (32, 256)])
 def test_unsupported_shapes_use_the_reference(heads, k):
-  """H % 16 != 0, or K off the built-in table: no FFI call; results within the bound."""
+  """H % 16 != 0, or a K the table's tactic does not tile: no FFI call; results within the
+  bound."""
   x, w_cat = _inputs(np.random.default_rng(7), 5, heads, k)
   fn = _kernel_fn(heads)
   assert TARGET not in fn.lower(x, w_cat).compile().as_text()

@@ -19,9 +19,9 @@ F32 = np.float32
 
 
 @functools.cache
-def _query_fn(scale, padded, weights_dtype):
+def _query_fn(scale, padded, w_out_dtype):
   return jax.jit(functools.partial(R.indexer_query, scale=scale, padded=padded,
-                                   weights_dtype=weights_dtype))
+                                   w_out_dtype=w_out_dtype))
 
 
 def _inputs(rng, M, H):
@@ -59,16 +59,16 @@ def _key_check(got_key, key64, label):
   return rate
 
 
-def _check_query(q, key_raw, w, nw, nb, *, scale, padded, weights_dtype, label):
+def _check_query(q, key_raw, w, nw, nb, *, scale, padded, w_out_dtype, label):
   oq, ow, okey = O.indexer_query(q, key_raw, w, nw, nb, scale=scale, padded=padded,
-                                 weights_dtype="bfloat16" if weights_dtype == jnp.bfloat16
+                                 w_out_dtype="bfloat16" if w_out_dtype == jnp.bfloat16
                                  else "float32")
-  gq, gw, gkey = _query_fn(scale, padded, weights_dtype)(
+  gq, gw, gkey = _query_fn(scale, padded, w_out_dtype)(
       jnp.asarray(q), jnp.asarray(key_raw), jnp.asarray(w), jnp.asarray(nw), jnp.asarray(nb))
   gq, gw = np.asarray(gq), np.asarray(gw)
   M, H, _ = q.shape
   assert gq.dtype == jnp.float8_e4m3fn and gq.shape == (M, padded, 128)
-  assert gw.dtype == np.dtype(weights_dtype) and gw.shape == (M, padded)
+  assert gw.dtype == np.dtype(w_out_dtype) and gw.shape == (M, padded)
   np.testing.assert_array_equal(gq.view(np.uint8), oq, err_msg=f"{label}: q_fp8")
   np.testing.assert_array_equal(gw.astype(F32).view(np.uint32), ow.view(np.uint32),
                                 err_msg=f"{label}: w_out")
@@ -82,22 +82,22 @@ def _check_query(q, key_raw, w, nw, nb, *, scale, padded, weights_dtype, label):
 def test_query_h32():
   rng = np.random.default_rng(60)
   args = _inputs(rng, 40, 32)
-  _check_query(*args, scale=2.0 ** -6, padded=32, weights_dtype=jnp.float32, label="H32")
+  _check_query(*args, scale=2.0 ** -6, padded=32, w_out_dtype=jnp.float32, label="H32")
 
 
-@pytest.mark.parametrize("weights_dtype", [jnp.float32, jnp.bfloat16])
-def test_query_h16_padded_to_32(weights_dtype):
+@pytest.mark.parametrize("w_out_dtype", [jnp.float32, jnp.bfloat16])
+def test_query_h16_padded_to_32(w_out_dtype):
   rng = np.random.default_rng(61)
   args = _inputs(rng, 24, 16)
   scale = float(F32(128 ** -0.5 * 16 ** -0.5))          # not a power of two
-  _check_query(*args, scale=scale, padded=32, weights_dtype=weights_dtype,
-               label=f"H16 {np.dtype(weights_dtype).name}")
+  _check_query(*args, scale=scale, padded=32, w_out_dtype=w_out_dtype,
+               label=f"H16 {np.dtype(w_out_dtype).name}")
 
 
 def test_query_empty():
   rng = np.random.default_rng(62)
   args = _inputs(rng, 0, 32)
-  _check_query(*args, scale=2.0 ** -6, padded=32, weights_dtype=jnp.float32, label="M0")
+  _check_query(*args, scale=2.0 ** -6, padded=32, w_out_dtype=jnp.float32, label="M0")
 
 
 def test_key_layernorm_many_rows():
@@ -138,7 +138,7 @@ def test_projection_fused():
   nb = (0.3 * rng.standard_normal(128)).astype(F32)
   scale = float(F32(128 ** -0.5 * heads ** -0.5))
   fn = jax.jit(functools.partial(R.indexer_projection_fused, heads=heads, scale=scale,
-                                 padded=32, weights_dtype=jnp.float32))
+                                 padded=32, w_out_dtype=jnp.float32))
   gq, gw, gkey, ggate = (np.asarray(a) for a in fn(jnp.asarray(x), jnp.asarray(w_cat),
                                                    jnp.asarray(q), jnp.asarray(nw),
                                                    jnp.asarray(nb)))

@@ -46,15 +46,15 @@ def _tail_equal(ref_tail, orc_tail, label=""):
                                 err_msg=f"{label}: tail differs")
 
 
-def _check_update(kv, tail, tslot, key, score, ape, loc, pos, *, scale_format="fp32",
+def _check_update(kv, tail, tslot, key, gate, ape, loc, pos, *, scale_format="fp32",
                   round_scale=True, label="", min_written=1):
   written = []
-  okv, otail = O.kpool_update(kv, tail, tslot, key, score, ape, loc, pos,
+  okv, otail = O.kpool_update(kv, tail, tslot, key, gate, ape, loc, pos,
                               scale_format=scale_format, round_scale=round_scale,
                               written=written)
   rkv, rtail = _update_fn(scale_format, round_scale)(
       jnp.asarray(kv), jnp.asarray(tail), i32(tslot), jnp.asarray(key),
-      jnp.asarray(score), jnp.asarray(ape), i32(loc), i32(pos))
+      jnp.asarray(gate), jnp.asarray(ape), i32(loc), i32(pos))
   assert np.asarray(rkv).dtype == np.uint8 and np.asarray(rkv).shape == kv.shape
   bad, n = O.compare_cache(rkv, okv, kv, written, label, STATS)
   _tail_equal(rtail, otail, label)
@@ -62,7 +62,7 @@ def _check_update(kv, tail, tslot, key, score, ape, loc, pos, *, scale_format="f
   return bad, n, okv, otail, written
 
 
-def _decode_batch(rng, B, N, *, ring, blocks, pages, page, max_start=200, score_scale=2.0):
+def _decode_batch(rng, B, N, *, ring, blocks, pages, page, max_start=200, gate_scale=2.0):
   """Consistent random decode inputs: distinct tail blocks, unique pool slots."""
   starts = rng.integers(0, max_start, B)
   pos = starts[:, None] + np.arange(N)[None, :]
@@ -72,8 +72,8 @@ def _decode_batch(rng, B, N, *, ring, blocks, pages, page, max_start=200, score_
   loc = np.full((B, N), -1, np.int64)
   loc[done] = rng.choice(pages * page, int(done.sum()), replace=False)
   key = O.random_bf16(rng, (B, N, 128))
-  score = O.random_bf16(rng, (B, N, 128), score_scale)
-  return tslot, key, score, loc, pos
+  gate = O.random_bf16(rng, (B, N, 128), gate_scale)
+  return tslot, key, gate, loc, pos
 
 
 def _state(rng, *, pages, page, blocks, ring):
@@ -118,8 +118,8 @@ def test_update_next_n_one_sequence_of_steps():
     loc = np.full((B, 1), -1)
     loc[done] = rng.choice(pages * page, int(done.sum()), replace=False)
     key = O.random_bf16(rng, (B, 1, 128))
-    score = O.random_bf16(rng, (B, 1, 128), 2.0)
-    bad, n, kv, tail, _ = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+    gate = O.random_bf16(rng, (B, 1, 128), 2.0)
+    bad, n, kv, tail, _ = _check_update(kv, tail, tslot, key, gate, ape, loc, pos,
                                         label=f"step {step}", min_written=0)
     total_bad += bad
     total += n
@@ -177,8 +177,8 @@ def test_update_edge_cases(ring):
   tslot, pos, loc = _edge_batch(rng, ring, blocks, pages, page)
   B, N = pos.shape
   key = O.random_bf16(rng, (B, N, 128))
-  score = O.random_bf16(rng, (B, N, 128), 2.0)
-  bad, n, okv, otail, written = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+  gate = O.random_bf16(rng, (B, N, 128), 2.0)
+  bad, n, okv, otail, written = _check_update(kv, tail, tslot, key, gate, ape, loc, pos,
                                                label=f"edge ring {ring}")
   # sanity of the oracle itself on the cases named above
   assert sorted(written) == [3, 17, 30, 31, 40]       # not 20 (block past), cap+3, 10**6
@@ -190,7 +190,7 @@ def test_update_edge_cases(ring):
                                   key[9, t].view(np.uint16))
   # request 1 completion used this call's tokens 4, 5, 6 (recompute independently)
   ks = np.stack([key[0, t].astype(np.float32) for t in range(4)])
-  gs = np.stack([score[0, t].astype(np.float32) for t in range(4)])
+  gs = np.stack([gate[0, t].astype(np.float32) for t in range(4)])
   q, sb = O.compress_pool(ks, gs, ape)
   flat = okv.reshape(pages, page * 132)
   np.testing.assert_array_equal(flat[0, 3 * 128:4 * 128], q)
@@ -211,8 +211,8 @@ def test_update_completion_with_negative_tslot_reads_block_zero():
   pos[5, :3] = [9, 10, 11]
   loc[5, 2] = 5
   key = O.random_bf16(rng, (B, N, 128))
-  score = O.random_bf16(rng, (B, N, 128), 2.0)
-  _, n, okv, otail, written = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+  gate = O.random_bf16(rng, (B, N, 128), 2.0)
+  _, n, okv, otail, written = _check_update(kv, tail, tslot, key, gate, ape, loc, pos,
                                             label="tslot -1")
   assert written == [5]
   np.testing.assert_array_equal(otail.view(np.uint16), tail.view(np.uint16))
@@ -220,7 +220,7 @@ def test_update_completion_with_negative_tslot_reads_block_zero():
   ks = np.stack([tail[0, 0, r].astype(np.float32) for r in (0, 1, 2)] +
                 [key[5, 2].astype(np.float32)])
   gs = np.stack([tail[0, 1, r].astype(np.float32) for r in (0, 1, 2)] +
-                [score[5, 2].astype(np.float32)])
+                [gate[5, 2].astype(np.float32)])
   q, _ = O.compress_pool(ks, gs, ape)
   np.testing.assert_array_equal(okv.reshape(pages, -1)[0, 5 * 128:6 * 128], q)
 
@@ -232,7 +232,7 @@ def test_update_next_n_completions_mid_call(ring, N):
   B, pages, page = 48, 4, 64
   blocks = B + 2
   kv, tail, ape = _state(rng, pages=pages, page=page, blocks=blocks, ring=ring)
-  tslot, key, score, loc, pos = _decode_batch(rng, B, N, ring=ring, blocks=blocks,
+  tslot, key, gate, loc, pos = _decode_batch(rng, B, N, ring=ring, blocks=blocks,
                                               pages=pages, page=page, max_start=3 * ring)
   # pad the last token of a few requests (non-uniform batch)
   pad = rng.random(B) < 0.2
@@ -240,8 +240,8 @@ def test_update_next_n_completions_mid_call(ring, N):
   tslot[pad, -1] = -1
   loc[pad, -1] = -1
   key[pad, -1] = 0
-  score[pad, -1] = 0
-  bad, n, *_ = _check_update(kv, tail, tslot, key, score, ape, loc, pos,
+  gate[pad, -1] = 0
+  bad, n, *_ = _check_update(kv, tail, tslot, key, gate, ape, loc, pos,
                              label=f"ring {ring} N {N}", min_written=B)
   _report(f"update ring {ring} next_n {N}", bad, n)
 
@@ -260,14 +260,14 @@ def test_update_empty(B, N):
 
 
 def test_update_wide_inputs():
-  """k * 8, scores * 6 (SPEC §11.2 'wide inputs'); same shapes as the next_n 8 case."""
+  """k * 8, gates * 6 (SPEC §11.2 'wide inputs'); same shapes as the next_n 8 case."""
   rng = np.random.default_rng(16)
   B, N, ring, page, pages = 48, 8, 8, 64, 4
   kv, tail, ape = _state(rng, pages=pages, page=page, blocks=B + 2, ring=ring)
-  tslot, key, score, loc, pos = _decode_batch(rng, B, N, ring=ring, blocks=B + 2,
-                                              pages=pages, page=page, score_scale=12.0)
+  tslot, key, gate, loc, pos = _decode_batch(rng, B, N, ring=ring, blocks=B + 2,
+                                              pages=pages, page=page, gate_scale=12.0)
   key = O.to_bf16(key.astype(np.float32) * 8)
-  bad, n, *_ = _check_update(kv, tail, tslot, key, score, ape, loc, pos, label="wide",
+  bad, n, *_ = _check_update(kv, tail, tslot, key, gate, ape, loc, pos, label="wide",
                              min_written=B)
   _report("update wide", bad, n)
 
@@ -337,12 +337,12 @@ def test_compress_equals_update_pooling():
   tail = O.poison_tail(rng, 1, ring)
   ape = rng.standard_normal((4, 128)).astype(np.float32)
   key = O.random_bf16(rng, (1, 4, 128))
-  score = O.random_bf16(rng, (1, 4, 128), 2.0)
+  gate = O.random_bf16(rng, (1, 4, 128), 2.0)
   pos = np.array([[8, 9, 10, 11]])
-  okv, _ = O.kpool_update(kv, tail, pos % ring, key, score, ape, np.array([[-1, -1, -1, 7]]), pos)
-  okv2 = O.kpool_compress(kv, key, score, ape, np.array([7]), np.array([True]))
+  okv, _ = O.kpool_update(kv, tail, pos % ring, key, gate, ape, np.array([[-1, -1, -1, 7]]), pos)
+  okv2 = O.kpool_compress(kv, key, gate, ape, np.array([7]), np.array([True]))
   np.testing.assert_array_equal(okv, okv2)
-  bad, w = _check_compress(kv, key, score, ape, np.array([7]), np.array([True]), label="one")
+  bad, w = _check_compress(kv, key, gate, ape, np.array([7]), np.array([True]), label="one")
   assert w == 1 and bad == 0
 
 
@@ -362,9 +362,9 @@ def test_seed_tail(ring):
   tslot = np.array(tslot)
   n = len(tslot)
   key = O.random_bf16(rng, (n, 128))
-  score = O.random_bf16(rng, (n, 128), 2.0)
-  want = O.kpool_seed_tail(tail, key, score, tslot)
-  got = _seed_fn(jnp.asarray(tail), jnp.asarray(key), jnp.asarray(score), i32(tslot))
+  gate = O.random_bf16(rng, (n, 128), 2.0)
+  want = O.kpool_seed_tail(tail, key, gate, tslot)
+  got = _seed_fn(jnp.asarray(tail), jnp.asarray(key), jnp.asarray(gate), i32(tslot))
   _tail_equal(got, want, "seed")
   # oracle sanity: request 0 (7 tokens) stashed exactly its last 4 tokens 3..6
   changed = np.any(want[0].view(np.uint16) != tail[0].view(np.uint16), axis=(0, 2))
@@ -372,7 +372,7 @@ def test_seed_tail(ring):
   for b in (1, 4, 6, 8):                          # no tokens seeded there
     np.testing.assert_array_equal(want[b].view(np.uint16), tail[b].view(np.uint16))
   # empty
-  got0 = _seed_fn(jnp.asarray(tail), jnp.asarray(key[:0]), jnp.asarray(score[:0]),
+  got0 = _seed_fn(jnp.asarray(tail), jnp.asarray(key[:0]), jnp.asarray(gate[:0]),
                   i32(tslot[:0]))
   _tail_equal(got0, tail, "seed empty")
 
@@ -395,6 +395,6 @@ def test_seed_tail_then_decode():
   ts = np.arange(B)[:, None] * ring + pos % ring
   loc = np.where(pos % 4 == 3, np.arange(B)[:, None] * 2 + np.arange(N), -1)
   key = O.random_bf16(rng, (B, N, 128))
-  score = O.random_bf16(rng, (B, N, 128), 2.0)
-  bad, w, *_ = _check_update(kv, tail2, ts, key, score, ape, loc, pos, label="seeded")
+  gate = O.random_bf16(rng, (B, N, 128), 2.0)
+  bad, w, *_ = _check_update(kv, tail2, ts, key, gate, ape, loc, pos, label="seeded")
   assert w == int(np.sum(pos % 4 == 3))

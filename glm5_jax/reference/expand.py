@@ -6,7 +6,28 @@ tokens 4*(n // 4) .. n - 1 (none when n <= 0).
 """
 import jax.numpy as jnp
 
+from .._checks import fail
 from .numerics import POOL
+
+
+def expand_width(op, groups, width):
+  """The columns of an expansion of G pool ids: `width` (>= 4G + 3), 4G + 3 where None."""
+  need = groups * POOL + POOL - 1
+  if width is None:
+    return need
+  if width < need:
+    fail(op, "width", f"must be >= 4 * G + 3 = {need}, got {width}")
+  return width
+
+
+def remap_stride(block_size, stride_rows):
+  """Slot rows per block of the sparse-MLA buffer: `stride_rows` (> 0), block_size where
+  None."""
+  if stride_rows is None:
+    return block_size
+  if stride_rows <= 0:
+    fail("expand_and_remap", "stride_rows", f"must be > 0, got {stride_rows}")
+  return stride_rows
 
 
 def _tail_tokens(seq_lens):
@@ -35,10 +56,10 @@ def expand_pools(pool_ids, seq_lens, *, seq_offset=0, width=None):
   """pool ids -> token ids + the trailing incomplete pool (SPEC §6).
 
   pool_ids i32[rows, G] (-1 unused); seq_lens i32[rows] (n = seq_lens + seq_offset).
-  Returns i32[rows, width]; width defaults to 4G + 3, wider rows are -1 filled.
+  Returns i32[rows, width]; width >= 4G + 3 (None: 4G + 3), wider rows are -1 filled.
   """
-  out = _expanded_tokens(pool_ids, seq_lens + seq_offset)
-  return _pad_columns(out, width or out.shape[1])
+  width = expand_width("expand_pools", pool_ids.shape[1], width)
+  return _pad_columns(_expanded_tokens(pool_ids, seq_lens + seq_offset), width)
 
 
 def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size,
@@ -46,7 +67,8 @@ def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size,
   """Expand pool ids and map them to physical sparse-MLA slots (SPEC §6 + §7).
 
   pool_ids i32[expanded, G]; positions i32[expanded]; req_ids i32[rows];
-  block_table i32[R, MB]. Token tok maps to
+  block_table i32[R, MB]; width >= 4G + 3; stride_rows > 0 (None: block_size).
+  Token tok maps to
   block_table[req, tok // block_size] * stride_rows + tok % block_size; it is
   dropped when its block is >= MB. Rows >= expanded and rows whose request is
   outside [0, R) hold no indices.
@@ -54,7 +76,8 @@ def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size,
   column order and -1 after them (compact), or each in its own column
   (compact=False).
   """
-  stride_rows = stride_rows or block_size
+  stride_rows = remap_stride(block_size, stride_rows)
+  width = expand_width("expand_and_remap", pool_ids.shape[1], width)
   expanded = pool_ids.shape[0]
   rows = req_ids.shape[0]
   tokens = _expanded_tokens(pool_ids[:rows], positions[:rows] + seq_offset)

@@ -3,6 +3,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from .._checks import fail
 from .numerics import DIM, rotate_quant
 
 LN_GROUPS = 16      # the key LayerNorm's (mean, M2) groups of 8 dims (seed order)
@@ -12,13 +13,14 @@ def indexer_projection(x, w_cat, *, heads):
   """One GEMM against [wk; weights_proj; gate] (SPEC §1).
 
   x bf16[M, K]; w_cat bf16[128 + heads + 128, K]. Returns (key bf16[M, 128],
-  head weights f32[M, heads], gate bf16[M, 128]); fp32 sums of exact products.
+  head_w f32[M, heads] (per-token head weights), gate bf16[M, 128]); fp32 sums of
+  exact products.
   """
   acc = lax.dot_general(x, w_cat, (((1,), (1,)), ((), ())),
                         precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32)
-  key, weights, gate = acc[:, :DIM], acc[:, DIM:DIM + heads], acc[:, DIM + heads:]
-  return key.astype(jnp.bfloat16), weights, gate.astype(jnp.bfloat16)
+  key, head_w, gate = acc[:, :DIM], acc[:, DIM:DIM + heads], acc[:, DIM + heads:]
+  return key.astype(jnp.bfloat16), head_w, gate.astype(jnp.bfloat16)
 
 
 def _sum_in_order(x):
@@ -47,35 +49,44 @@ def key_layernorm(key_raw, weight, bias, eps):
   return y.astype(jnp.bfloat16)
 
 
-def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-6,
-                  padded=None, weights_dtype=jnp.float32):
+def padded_heads(op, heads, padded):
+  """The head count w_out and q_fp8 are padded to: `padded` (>= heads), heads where None."""
+  if padded is None:
+    return heads
+  if padded < heads:
+    fail(op, "padded", f"must be >= the head count {heads}, got {padded}")
+  return padded
+
+
+def indexer_query(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps=1e-6,
+                  padded=None, w_out_dtype=jnp.float32):
   """Key LayerNorm, q Hadamard + FP8, head-weight scaling, head padding (SPEC §2).
 
-  q bf16[M, H, 128]; key_raw bf16[M, 128]; weights f32[M, H];
+  q bf16[M, H, 128]; key_raw bf16[M, 128]; head_w f32[M, H];
   norm_weight, norm_bias f32[128]; scale = softmax_scale * H**-0.5;
-  padded >= H (default H). Returns (q_fp8 e4m3[M, padded, 128],
-  w_out weights_dtype[M, padded] = w * q_scale * scale, key bf16[M, 128]);
+  padded >= H (None: H). Returns (q_fp8 e4m3[M, padded, 128],
+  w_out w_out_dtype[M, padded] = head_w * q_scale * scale, key bf16[M, 128]);
   heads >= H are zero.
   """
   m, heads, _ = q.shape
-  padded = padded or heads
+  padded = padded_heads("indexer_query", heads, padded)
   q_fp8, q_scale, _ = rotate_quant(q.astype(jnp.float32))
-  w_out = (weights * q_scale) * np.float32(scale)
+  w_out = (head_w * q_scale) * np.float32(scale)
   pad = ((0, 0), (0, padded - heads))
   q_fp8 = jnp.pad(q_fp8, pad + ((0, 0),))
-  w_out = jnp.pad(w_out, pad).astype(weights_dtype)
+  w_out = jnp.pad(w_out, pad).astype(w_out_dtype)
   return q_fp8, w_out, key_layernorm(key_raw, norm_weight, norm_bias, eps)
 
 
 def indexer_projection_fused(x, w_cat, q, norm_weight, norm_bias, *, heads, scale,
-                             eps=1e-6, padded=None, weights_dtype=jnp.float32):
+                             eps=1e-6, padded=None, w_out_dtype=jnp.float32):
   """indexer_projection then indexer_query, as one op (seed `fused`).
 
   Returns (q_fp8 e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128],
   gate bf16[M, 128]).
   """
-  key_raw, weights, gate = indexer_projection(x, w_cat, heads=heads)
-  q_fp8, w_out, key = indexer_query(q, key_raw, weights, norm_weight, norm_bias,
+  key_raw, head_w, gate = indexer_projection(x, w_cat, heads=heads)
+  q_fp8, w_out, key = indexer_query(q, key_raw, head_w, norm_weight, norm_bias,
                                     scale=scale, eps=eps, padded=padded,
-                                    weights_dtype=weights_dtype)
+                                    w_out_dtype=w_out_dtype)
   return q_fp8, w_out, key, gate

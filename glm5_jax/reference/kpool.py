@@ -4,7 +4,7 @@ tail seed (§4).
 Layouts (SPEC §0):
   kv_cache  u8[pages, PAGE, 132]: per page, PAGE entries of 128 fp8 bytes, then
             PAGE 4-byte scales (not interleaved). Flat slot `loc` = page*PAGE + entry.
-  tail      bf16[tail_blocks, 2, RING, 128]: [b, 0] raw keys, [b, 1] gate scores.
+  tail      bf16[tail_blocks, 2, RING, 128]: [b, 0] raw keys, [b, 1] gates.
 Out-of-range slots and tail blocks never write (SPEC D4).
 """
 import jax.numpy as jnp
@@ -13,13 +13,13 @@ from jax import lax
 from .numerics import DIM, LOG2E, POOL, exp2, fma_bf16, rotate_quant, round_bf16, scale_bytes
 
 
-def compress_pools(keys, scores, ape, *, scale_format="fp32", round_scale=True):
+def compress_pools(keys, gates, ape, *, scale_format="fp32", round_scale=True):
   """Softmax-pool four tokens and quantise (SPEC §3, the completion branch).
 
-  keys, scores: f32[n, 4, 128] (bf16 values) in pool order; ape: f32[4, 128].
+  keys, gates: f32[n, 4, 128] (bf16 values) in pool order; ape: f32[4, 128].
   Returns (fp8 bytes u8[n, 128], scale bytes u8[n, 4]).
   """
-  z = scores + ape
+  z = gates + ape
   peak = jnp.full(z.shape[:1] + z.shape[2:], -jnp.inf, jnp.float32)
   for s in range(POOL):
     peak = jnp.fmax(peak, z[:, s])
@@ -50,13 +50,13 @@ def write_entries(kv_cache, loc, data, scales, write):
   return flat.reshape(kv_cache.shape)
 
 
-def _stash(tail, blk, row, key, score):
-  """tail[blk, :, row] = (key, score) for blk < blocks (others dropped).
+def _stash(tail, blk, row, key, gate):
+  """tail[blk, :, row] = (key, gate) for blk < blocks (others dropped).
 
   Scattered as uint16: a bf16 scatter is widened to f32 on some backends,
   which costs a copy of a donated tail.
   """
-  rows = jnp.stack([_bf16_bits(key), _bf16_bits(score)], 1)           # [n, 2, 128]
+  rows = jnp.stack([_bf16_bits(key), _bf16_bits(gate)], 1)           # [n, 2, 128]
   out = _bf16_bits(tail).at[blk[:, None], jnp.arange(2), row[:, None]].set(rows, mode="drop")
   return lax.bitcast_convert_type(out, jnp.bfloat16)
 
@@ -65,15 +65,15 @@ def _bf16_bits(x):
   return lax.bitcast_convert_type(x, jnp.uint16)
 
 
-def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
                  scale_format="fp32", round_scale=True):
   """Decode tail stash + pool compression, per request in token order (SPEC §3).
 
   kv_cache u8[pages, PAGE, 132]; tail bf16[blocks, 2, RING, 128];
-  tslot i32[B, N] (tail block * RING + pos % RING, -1 pad); key, score bf16[B, N, 128];
+  tslot i32[B, N] (tail block * RING + pos % RING, -1 pad); key, gate bf16[B, N, 128];
   ape f32[4, 128]; loc i32[B, N] (pool slot, -1 none); pos i32[B, N] (-1 pad).
   Returns (kv_cache, tail). A completing token (loc >= 0, pos % 4 == 3) pools
-  ring rows stashed earlier (also earlier in this call) with its own key/score.
+  ring rows stashed earlier (also earlier in this call) with its own key/gate.
   Requests must own distinct tail blocks. A tail block past the ring buffer
   makes the token a no-op. A completing token with tslot < 0 pools the rows of
   tail block 0 (as stock) and stashes nothing; kernels run requests
@@ -95,35 +95,35 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
     stashed, tail = lax.optimization_barrier((stashed, tail))
     stashed = lax.bitcast_convert_type(stashed, jnp.bfloat16).astype(jnp.float32)
     keys = jnp.concatenate([stashed[:, :, 0], key[:, t, None].astype(jnp.float32)], 1)
-    scores = jnp.concatenate([stashed[:, :, 1], score[:, t, None].astype(jnp.float32)], 1)
-    data, scales = compress_pools(keys, scores, apef, scale_format=scale_format,
+    gates = jnp.concatenate([stashed[:, :, 1], gate[:, t, None].astype(jnp.float32)], 1)
+    data, scales = compress_pools(keys, gates, apef, scale_format=scale_format,
                                   round_scale=round_scale)
     complete = live & (slot >= 0) & (sp % POOL == POOL - 1)
     kv_cache = write_entries(kv_cache, slot, data, scales, complete)
     stash = live & (ts >= 0)
-    tail = _stash(tail, jnp.where(stash, blk, blocks), sp % ring, key[:, t], score[:, t])
+    tail = _stash(tail, jnp.where(stash, blk, blocks), sp % ring, key[:, t], gate[:, t])
   return kv_cache, tail
 
 
-def kpool_compress(kv_cache, slot_key, slot_score, ape, loc, write_mask, *,
+def kpool_compress(kv_cache, slot_key, slot_gate, ape, loc, write_mask, *,
                    scale_format="fp32", round_scale=True):
   """Prefill pool compression (SPEC §4a).
 
-  kv_cache u8[pages, PAGE, 132]; slot_key, slot_score bf16[n, 4, 128]; ape f32[4, 128];
+  kv_cache u8[pages, PAGE, 132]; slot_key, slot_gate bf16[n, 4, 128]; ape f32[4, 128];
   loc i32[n]; write_mask bool[n]. Returns kv_cache with entry loc[i] written
   where write_mask[i] and loc[i] >= 0.
   """
   data, scales = compress_pools(slot_key.astype(jnp.float32),
-                                slot_score.astype(jnp.float32),
+                                slot_gate.astype(jnp.float32),
                                 ape.astype(jnp.float32),
                                 scale_format=scale_format, round_scale=round_scale)
   return write_entries(kv_cache, loc, data, scales, write_mask)
 
 
-def kpool_seed_tail(tail, key, score, tslot):
+def kpool_seed_tail(tail, key, gate, tslot):
   """Prefill tail seeding (SPEC §4b): each request's last (up to 4) tokens.
 
-  tail bf16[blocks, 2, RING, 128]; key, score bf16[n, 128]; tslot i32[n]
+  tail bf16[blocks, 2, RING, 128]; key, gate bf16[n, 128]; tslot i32[n]
   (-1 skip). Token i is stashed at tail[tslot // RING, :, tslot % RING] unless
   token i + 4 lies in the same tail block (then it is not among the last four).
   """
@@ -133,4 +133,4 @@ def kpool_seed_tail(tail, key, score, tslot):
   ahead = jnp.concatenate([tslot[POOL:], jnp.full((min(POOL, n),), -1, tslot.dtype)])
   later = (ahead >= 0) & (ahead // ring == blk)
   write = (tslot >= 0) & ~later & (blk < blocks)
-  return _stash(tail, jnp.where(write, blk, blocks), jnp.maximum(tslot, 0) % ring, key, score)
+  return _stash(tail, jnp.where(write, blk, blocks), jnp.maximum(tslot, 0) % ring, key, gate)

@@ -32,11 +32,11 @@ def read_cache(kv_cache, loc, scale_format="fp32"):
   return e4m3_to_f32(data), scale
 
 
-def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
+def mqa_logits(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
                scale_format="fp32"):
   """Per-row pool scores over the paged fp8 K cache (SPEC §5b).
 
-  q_fp8 e4m3[rows, H, 128]; weights f32[rows, H]; kv_cache u8[pages, PAGE, 132];
+  q_fp8 e4m3[rows, H, 128]; w_out f32[rows, H] (head weights); kv_cache u8[pages, PAGE, 132];
   page_table i32[rows, MP] (page of pool p is page_table[r, p // PAGE]);
   pool_lens i32[rows] (n_r). Returns f32[rows, max_pools]:
   sum_h w[r,h] * relu(q[r,h] . k[p]) * kscale[p] for p < n_r; -inf from n_r on
@@ -51,7 +51,7 @@ def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
   q = e4m3_to_f32(lax.bitcast_convert_type(q_fp8, jnp.uint8))
   dots = jnp.einsum("rhd,rpd->rhp", q, k,
                     precision=lax.Precision.HIGHEST)
-  score = jnp.einsum("rh,rhp->rp", weights.astype(jnp.float32), jnp.maximum(dots, 0),
+  score = jnp.einsum("rh,rhp->rp", w_out.astype(jnp.float32), jnp.maximum(dots, 0),
                      precision=lax.Precision.HIGHEST) * kscale
   return jnp.where(ok, score, -jnp.inf)
 

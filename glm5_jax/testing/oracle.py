@@ -205,7 +205,7 @@ def read_entry(kv, loc, scale_format="fp32"):
 
 # --------------------------------------------------------------------------- kpool
 
-def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
                  scale_format="fp32", round_scale=True, written=None):
   """SPEC §3, sequential per request and token. Returns (kv_cache, tail) copies.
 
@@ -218,7 +218,7 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
   loc = np.asarray(loc)
   pos = np.asarray(pos)
   key = np.asarray(key).astype(BF16)
-  score = np.asarray(score).astype(BF16)
+  gate = np.asarray(gate).astype(BF16)
   ape = np.asarray(ape, F32)
   B, N = pos.shape
   for r in range(B):
@@ -232,7 +232,7 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
       if blk >= blocks:
         continue                       # project decision: tail block past buffer -> no-op
       kc = key[r, t].astype(F32)
-      gc = score[r, t].astype(F32)
+      gc = gate[r, t].astype(F32)
       if L >= 0 and j == 3:
         start = p - 3
         ks = np.zeros((4, D), F32)
@@ -248,16 +248,16 @@ def kpool_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
         _write_entry(kv, L, q, sb, written)
       if ts >= 0:
         tl[blk, 0, ring_row] = key[r, t]
-        tl[blk, 1, ring_row] = score[r, t]
+        tl[blk, 1, ring_row] = gate[r, t]
   return kv, tl
 
 
-def kpool_compress(kv_cache, slot_key, slot_score, ape, loc, write_mask, *,
+def kpool_compress(kv_cache, slot_key, slot_gate, ape, loc, write_mask, *,
                    scale_format="fp32", round_scale=True, written=None):
   """SPEC §4a."""
   kv = np.array(kv_cache, np.uint8).copy()
   slot_key = np.asarray(slot_key).astype(BF16)
-  slot_score = np.asarray(slot_score).astype(BF16)
+  slot_gate = np.asarray(slot_gate).astype(BF16)
   ape = np.asarray(ape, F32)
   for i in range(len(loc)):
     L = int(loc[i])
@@ -265,18 +265,18 @@ def kpool_compress(kv_cache, slot_key, slot_score, ape, loc, write_mask, *,
       continue
     if L >= kv.shape[0] * kv.shape[1]:
       continue
-    q, sb = compress_pool(slot_key[i].astype(F32), slot_score[i].astype(F32), ape,
+    q, sb = compress_pool(slot_key[i].astype(F32), slot_gate[i].astype(F32), ape,
                           scale_format, round_scale)
     _write_entry(kv, L, q, sb, written)
   return kv
 
 
-def kpool_seed_tail(tail, key, score, tslot):
+def kpool_seed_tail(tail, key, gate, tslot):
   """SPEC §4b."""
   tl = np.array(tail).astype(BF16).copy()
   blocks, _, ring, _ = tl.shape
   key = np.asarray(key).astype(BF16)
-  score = np.asarray(score).astype(BF16)
+  gate = np.asarray(gate).astype(BF16)
   n = len(tslot)
   for i in range(n):
     ts = int(tslot[i])
@@ -289,7 +289,7 @@ def kpool_seed_tail(tail, key, score, tslot):
     if blk >= blocks:
       continue
     tl[blk, 0, ts % ring] = key[i]
-    tl[blk, 1, ts % ring] = score[i]
+    tl[blk, 1, ts % ring] = gate[i]
   return tl
 
 
@@ -376,12 +376,12 @@ def upcast_logits(logits, row_ends):
   return out, valid
 
 
-def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
+def mqa_logits(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
                scale_format="fp32"):
   """SPEC §5b in float64. Returns (logits f64[rows, max_pools] with -inf where no
   pool, bound f64[rows, max_pools] = sum_h |w| * sum_d |q k| * kscale)."""
   q = e4m3_value(np.asarray(q_fp8).view(np.uint8))           # [rows, H, 128]
-  w = np.asarray(weights).astype(F64)
+  w = np.asarray(w_out).astype(F64)
   kv = np.asarray(kv_cache, np.uint8)
   pages, page, _ = kv.shape
   page_table = np.asarray(page_table)
@@ -446,13 +446,13 @@ def layernorm_f64(key_raw, weight, bias, eps, *, terms=False):
   return (out, mag) if terms else out
 
 
-def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-6,
-                  padded=None, weights_dtype="float32"):
+def indexer_query(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps=1e-6,
+                  padded=None, w_out_dtype="float32"):
   """SPEC §2a-2d. Returns (q codes u8[M, padded, 128], w_out f32[M, padded] (bf16
-  values when weights_dtype is bf16), (key f64[M, 128] un-rounded LayerNorm, its
+  values when w_out_dtype is bf16), (key f64[M, 128] un-rounded LayerNorm, its
   term magnitudes f64[M, 128]))."""
   q = np.asarray(q).astype(BF16)
-  w = np.asarray(weights, F32)
+  w = np.asarray(head_w, F32)
   M, H, _ = q.shape
   padded = H if padded is None else padded
   scale = F32(scale)
@@ -463,7 +463,7 @@ def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-
       codes, qs, _ = rotate_quant_row(q[m, h].astype(F32), True)
       q_out[m, h] = codes
       wo = F32(F32(w[m, h] * qs) * scale)
-      if weights_dtype in ("bfloat16", "bf16"):
+      if w_out_dtype in ("bfloat16", "bf16"):
         wo = bf16r(wo)
       w_out[m, h] = wo
   key = layernorm_f64(key_raw, norm_weight, norm_bias, eps, terms=True)
@@ -471,7 +471,7 @@ def indexer_query(q, key_raw, weights, norm_weight, norm_bias, *, scale, eps=1e-
 
 
 def indexer_projection(x, w_cat, *, heads):
-  """SPEC §1 in float64. Returns (key f64, weights f64, gate f64, abs-sum bound f64
+  """SPEC §1 in float64. Returns (key f64, head_w f64, gate f64, abs-sum bound f64
   [M, 256 + heads] = sum_k |x w|)."""
   x = np.asarray(x).astype(F64)
   wc = np.asarray(w_cat).astype(F64)
@@ -482,10 +482,10 @@ def indexer_projection(x, w_cat, *, heads):
 
 
 def check_projection(x, w_cat, heads, got, label):
-  """Asserts SPEC D2's GEMM bound on got = (key bf16, weights f32, gate bf16): |err| <=
+  """Asserts SPEC D2's GEMM bound on got = (key bf16, head_w f32, gate bf16): |err| <=
   (K - 1) u sum_k |x w| (any fp32 summation order, u = 2^-24), plus half a bf16 ulp for
   the rounded parts. Prints per-part statistics; returns the largest err / bound."""
-  key, wts, gate, bound = indexer_projection(x, w_cat, heads=heads)
+  key, head_w, gate, bound = indexer_projection(x, w_cat, heads=heads)
   K = x.shape[1]
   gk, gw, gg = (np.asarray(a) for a in got)
   M = x.shape[0]
@@ -493,7 +493,7 @@ def check_projection(x, w_cat, heads, got, label):
   assert gk.shape == (M, D) and gw.shape == (M, heads) and gg.shape == (M, D)
   worst = 0.0
   for name, g, want, b, is_bf16 in (("key", gk, key, bound[:, :D], True),
-                                    ("weights", gw, wts, bound[:, D:D + heads], False),
+                                    ("head_w", gw, head_w, bound[:, D:D + heads], False),
                                     ("gate", gg, gate, bound[:, D + heads:], True)):
     g = g.astype(F64)
     tol = (K - 1) * U32 * b + 1e-300

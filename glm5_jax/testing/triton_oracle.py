@@ -1,7 +1,7 @@
 """A Triton oracle of the SPEC §3 pool compression (and of the §2b/§2c q
 Hadamard + FP8 and head weights, `query`), written for the GPU tests.
 
-`compress(keys, scores, ape)` compresses pools of four tokens, one Triton program
+`compress(keys, gates, ape)` compresses pools of four tokens, one Triton program
 per pool, and returns the fp8 bytes and the 4 scale bytes of each K-cache entry.
 It is compress-only: the decode ring logic (which tokens form a pool) is done
 around it in torch by `decode_expected`, so the CUDA kernel and this oracle get
@@ -9,7 +9,7 @@ the same pools.
 
 Stock op order followed (SPEC §3 and §11.1; the stock Triton decode kernel does
 this per pool over the 128 head dims, fp32 unless stated):
-  1. z_s = f32(score_s) + ape_s                        (fadd, s = 0..3)
+  1. z_s = f32(gate_s) + ape_s                        (fadd, s = 0..3)
   2. mx = maximum(maximum(maximum(maximum(-inf, z_0), z_1), z_2), z_3)
                                                        (tl.maximum = fmax)
   3. for s = 0..3 in pool order, den = +0, acc = +0:
@@ -104,8 +104,8 @@ if triton is not None:
 
   @triton.jit
   def _pool_value(k0, k1, k2, k3, s0, s1, s2, s3, ape_ptr):
-    """Steps 1-5 on the pool's 4 key/score rows (bf16[128] pointers, pool order):
-    softmax over the 4 scores (+ APE), FMA chain in pool order, / den, bf16."""
+    """Steps 1-5 on the pool's 4 key/gate rows (bf16[128] pointers, pool order):
+    softmax over the 4 gates (+ APE), FMA chain in pool order, / den, bf16."""
     d = tl.arange(0, 128)
     mx = tl.full((128,), float("-inf"), tl.float32)
     for s in tl.static_range(4):
@@ -144,15 +144,15 @@ if triton is not None:
     tl.store(word_ptr, word)
 
   @triton.jit
-  def _compress_kernel(key_ptr, score_ptr, ape_ptr, q_ptr, scale_ptr,
+  def _compress_kernel(key_ptr, gate_ptr, ape_ptr, q_ptr, scale_ptr,
                        ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
     pool = tl.program_id(0).to(tl.int64)
-    k, sc = key_ptr + pool * 512, score_ptr + pool * 512
+    k, sc = key_ptr + pool * 512, gate_ptr + pool * 512
     y = _pool_value(k, k + 128, k + 256, k + 384, sc, sc + 128, sc + 256, sc + 384, ape_ptr)
     _quantize_store(y, q_ptr + pool * 128, scale_ptr + pool, ROUND_SCALE, UE8M0)
 
   @triton.jit
-  def _decode_update_kernel(kv_ptr, tail_ptr, tslot_ptr, key_ptr, score_ptr, ape_ptr,
+  def _decode_update_kernel(kv_ptr, tail_ptr, tslot_ptr, key_ptr, gate_ptr, ape_ptr,
                             loc_ptr, pos_ptr, cap, blocks, PAGE: tl.constexpr,
                             RING: tl.constexpr, NEXT_N: tl.constexpr,
                             ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr):
@@ -168,12 +168,12 @@ if triton is not None:
       sp = tl.maximum(p, 0).to(tl.int64)
       blk = (tl.maximum(ts, 0) // RING).to(tl.int64)
       live = (p >= 0) & (blk < blocks)
-      key, score = key_ptr + i * 128, score_ptr + i * 128
+      key, gate = key_ptr + i * 128, gate_ptr + i * 128
       if live & (slot >= 0) & (slot < cap) & (sp % 4 == 3):
         kr = tail_ptr + blk * (2 * RING * 128)
         sr = kr + RING * 128
         r0, r1, r2 = (sp - 3) % RING * 128, (sp - 2) % RING * 128, (sp - 1) % RING * 128
-        y = _pool_value(kr + r0, kr + r1, kr + r2, key, sr + r0, sr + r1, sr + r2, score,
+        y = _pool_value(kr + r0, kr + r1, kr + r2, key, sr + r0, sr + r1, sr + r2, gate,
                         ape_ptr)
         page = kv_ptr + slot.to(tl.int64) // PAGE * (PAGE * 132)
         e = slot.to(tl.int64) % PAGE
@@ -183,7 +183,7 @@ if triton is not None:
       if live & (ts >= 0):
         row = tail_ptr + blk * (2 * RING * 128) + sp % RING * 128
         tl.store(row + d, tl.load(key + d))
-        tl.store(row + RING * 128 + d, tl.load(score + d))
+        tl.store(row + RING * 128 + d, tl.load(gate + d))
       tl.debug_barrier()
 
   @triton.jit
@@ -282,26 +282,26 @@ def to_numpy(t):
   return t.cpu().numpy()
 
 
-def compress(keys, scores, ape, *, scale_format="fp32", round_scale=True):
+def compress(keys, gates, ape, *, scale_format="fp32", round_scale=True):
   """Pools -> K-cache entries.
 
-  keys, scores: torch bf16[n, 4, 128] (pool order); ape: torch f32[4, 128].
+  keys, gates: torch bf16[n, 4, 128] (pool order); ape: torch f32[4, 128].
   Returns (fp8 bytes torch u8[n, 128], scale bytes torch u8[n, 4]) on the inputs' device.
   """
-  assert keys.dtype == scores.dtype == torch.bfloat16 and ape.dtype == torch.float32
+  assert keys.dtype == gates.dtype == torch.bfloat16 and ape.dtype == torch.float32
   n = keys.shape[0]
-  assert keys.shape == scores.shape == (n, POOL, DIM) and ape.shape == (POOL, DIM)
+  assert keys.shape == gates.shape == (n, POOL, DIM) and ape.shape == (POOL, DIM)
   assert scale_format in ("fp32", "ue8m0") and (round_scale or scale_format == "fp32")
-  keys, scores, ape = keys.contiguous(), scores.contiguous(), ape.contiguous()
+  keys, gates, ape = keys.contiguous(), gates.contiguous(), ape.contiguous()
   q = torch.empty((n, DIM), dtype=torch.uint8, device=keys.device)
   words = torch.empty((n,), dtype=torch.int32, device=keys.device)
   if n:
-    _compress_kernel[(n,)](keys, scores, ape, q, words, ROUND_SCALE=bool(round_scale),
+    _compress_kernel[(n,)](keys, gates, ape, q, words, ROUND_SCALE=bool(round_scale),
                            UE8M0=scale_format == "ue8m0", num_warps=1)
   return q, words.view(torch.uint8).view(n, 4)
 
 
-def decode_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+def decode_update(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
                   scale_format="fp32", round_scale=True):
   """SPEC §3 as one Triton kernel (a program per request), in place on kv_cache
   and tail; the same arguments and results as `decode_expected`, which checks it."""
@@ -309,7 +309,7 @@ def decode_update(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
   pages, page, _ = kv_cache.shape
   blocks, _, ring, _ = tail.shape
   if B * N:
-    _decode_update_kernel[(B,)](kv_cache, tail, tslot, key, score, ape, loc, pos,
+    _decode_update_kernel[(B,)](kv_cache, tail, tslot, key, gate, ape, loc, pos,
                                 pages * page, blocks, PAGE=page, RING=ring, NEXT_N=N,
                                 ROUND_SCALE=bool(round_scale), UE8M0=scale_format == "ue8m0",
                                 num_warps=1)
@@ -351,7 +351,7 @@ def upcast(logits, row_ends):
   return out
 
 
-def decode_expected(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
+def decode_expected(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
                     scale_format="fp32", round_scale=True):
   """SPEC §3 decode update with the project's decisions, as torch tensor ops
   around `compress`. All arguments torch tensors on one device (the layouts of
@@ -368,7 +368,7 @@ def decode_expected(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
   cap = pages * page
   B, N = pos.shape
   pos, tslot, loc = pos.long(), tslot.long(), loc.long()
-  pool_keys, pool_scores, slots = [], [], []
+  pool_keys, pool_gates, slots = [], [], []
   for t in range(N):
     p, ts, slot = pos[:, t], tslot[:, t], loc[:, t]
     sp = p.clamp(min=0)
@@ -380,17 +380,17 @@ def decode_expected(kv_cache, tail, tslot, key, score, ape, loc, pos, *,
       rows = (sp[r, None] - (POOL - 1) + torch.arange(POOL - 1, device=kv.device)) % ring
       b = blk[r, None]
       pool_keys.append(torch.cat([tl_[b, 0, rows], key[r, t].unsqueeze(1)], 1))
-      pool_scores.append(torch.cat([tl_[b, 1, rows], score[r, t].unsqueeze(1)], 1))
+      pool_gates.append(torch.cat([tl_[b, 1, rows], gate[r, t].unsqueeze(1)], 1))
       slots.append(slot[r])
     st = (live & (ts >= 0)).nonzero().flatten()
     tl_[blk[st], 0, sp[st] % ring] = key[st, t]
-    tl_[blk[st], 1, sp[st] % ring] = score[st, t]
+    tl_[blk[st], 1, sp[st] % ring] = gate[st, t]
   n = 0
   if slots:
     slots = torch.cat(slots)
     n = int(slots.numel())
     assert int(torch.unique(slots).numel()) == n, "completions must target distinct slots"
-    q, sb = compress(torch.cat(pool_keys), torch.cat(pool_scores), ape,
+    q, sb = compress(torch.cat(pool_keys), torch.cat(pool_gates), ape,
                      scale_format=scale_format, round_scale=round_scale)
     flat = kv.view(pages, page * (DIM + 4))
     pg, e = slots // page, slots % page
