@@ -19,15 +19,14 @@
 #include <limits>
 
 #include "common.h"
+#include "constants.h"
 #include "handlers.h"
 
 namespace glm5 {
 namespace {
 
-constexpr int kPool = 4;              // tokens per pool (SPEC §9)
 constexpr int kExpandThreads = 128;   // expand_pools: quads per CTA
 constexpr int kMaxGridY = 65535;      // CUDA's limit on gridDim.y
-constexpr int kWarp = 32;
 constexpr int kMaxGroups = 1024;      // expand_and_remap: one thread per pool, one CTA per row
 constexpr int32_t kI32Max = std::numeric_limits<int32_t>::max();
 

@@ -9,7 +9,7 @@
 //   z   = add.rn(score, ape)                       e = ex2.approx(mul.rn(sub.rn(z, max), LOG2E))
 //   den = add.rn chain from 0                      acc = fma.rn chain from +0
 //   y   = bf16(div.full(acc, den))
-// then the Hadamard + FP8 quantisation of hadamard_quant.cuh (shared with indexer.cu).
+// then the Hadamard + FP8 quantisation of hadamard_quant.cuh (shared with query.cuh).
 // Build without fast math: log2f must stay libdevice's polynomial (not lg2.approx) and the
 // bf16/e4m3 conversions round to nearest even.
 //
@@ -26,13 +26,13 @@
 #include <tuple>
 
 #include "common.h"
+#include "constants.h"
 #include "hadamard_quant.cuh"
 #include "handlers.h"
 
 namespace glm5 {
 namespace {
 
-constexpr int kPool = 4;                   // tokens per kpool entry
 constexpr int kEntryBytes = kDim + 4;      // fp8 bytes + 4 scale bytes per entry
 
 // Scale slot format (SPEC §0.1, D3).
@@ -139,7 +139,7 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
 
 // Block `req` = request req; tokens in t order.
 template <ScaleMode kMode>
-__global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a) {
+__global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a) {
   const int lane = threadIdx.x;
   const int dim = kPerLane * lane;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * a.tokens;  // [B, N] row of req
@@ -158,9 +158,9 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
   const int64_t half = static_cast<int64_t>(a.ring) * kDim;
   // [key | score][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
   extern __shared__ uint2 staged[];
-  const int chunk = min(kLanes, a.tokens);
+  const int chunk = min(kWarp, a.tokens);
 
-  for (int32_t t0 = 0; t0 < a.tokens; t0 += kLanes) {
+  for (int32_t t0 = 0; t0 < a.tokens; t0 += kWarp) {
     // Lane u fetches token t0 + u's indices; the token loop broadcasts them.
     int32_t my_pos = -1, my_loc = -1, my_tslot = -1;
     if (t0 + lane < a.tokens) {
@@ -168,15 +168,15 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
       my_loc = __ldg(a.loc + first + t0 + lane);
       my_tslot = __ldg(a.tslot + first + t0 + lane);
     }
-    const int count = min(kLanes, a.tokens - t0);
+    const int count = min(kWarp, a.tokens - t0);
     // Stage the chunk's key/score quads in shared memory with all loads in flight at once;
     // the token loop then waits on global memory only for the ring rows of completions.
     // Each lane reads back only its own slots (program order; no barrier needed).
 #pragma unroll 4
     for (int u = 0; u < count; ++u) {
       const int64_t tok = (first + t0 + u) * kDim + dim;
-      staged[u * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-      staged[(chunk + u) * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.score + tok));
+      staged[u * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+      staged[(chunk + u) * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.score + tok));
     }
 #pragma unroll 1
     for (int u = 0; u < count; ++u) {
@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
       const int32_t tslot = __shfl_sync(kFullMask, my_tslot, u);
       const int64_t blk = max(tslot, 0) / a.ring;
       if (pos < 0 || blk >= a.blocks) continue;  // padding; tail block past the buffer
-      const uint2 kw = staged[u * kLanes + lane];
-      const uint2 sw = staged[(chunk + u) * kLanes + lane];
+      const uint2 kw = staged[u * kWarp + lane];
+      const uint2 sw = staged[(chunk + u) * kWarp + lane];
       uint16_t* const block = a.tail + blk * block_elems + dim;
       if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
         compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, sw, bias, loc, lane);
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
 
 // Dynamic shared memory of the kernel: the key/score quads of up to 32 tokens.
 size_t stage_bytes(int64_t tokens) {
-  return 2 * static_cast<size_t>(tokens < kLanes ? tokens : kLanes) * kLanes * sizeof(uint2);
+  return 2 * static_cast<size_t>(tokens < kWarp ? tokens : kWarp) * kWarp * sizeof(uint2);
 }
 
 ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
@@ -287,7 +287,7 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
   auto kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
                 : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kLanes),
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kWarp),
                            stage_bytes(tokens), stream, /*pdl=*/!copied, args);
   return cuda_status("glm5_kpool_update", err);
 }

@@ -49,17 +49,17 @@ __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_
 
 // partial: f32[warps][chunk_pad][16] (token-major, row fastest), in dynamic shared memory.
 template <int kBlocks, bool kStaged>
-__global__ void __launch_bounds__(kMaxWarps * kLanes)
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_kernel(const ProjectionArgs a) {
   extern __shared__ float partial[];
   const cg::cluster_group cluster = cg::this_cluster();
   const int split = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int warps = blockDim.x / kLanes;
+  const int warps = blockDim.x / kWarp;
   const int32_t row0 = blockIdx.y * kRows;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
   const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
-  const int warp = threadIdx.x / kLanes;
+  const int warp = threadIdx.x / kWarp;
   project<kBlocks, kStaged>(a.gemm, partial, row0, rank * warps + warp, chunk0, chunk);
   __syncthreads();
 
@@ -151,7 +151,7 @@ ffi::Error ProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
     return cuda_status("glm5_indexer_projection", err);
   const dim3 grid(static_cast<unsigned>(t.split), static_cast<unsigned>(cd[0] / kRows),
                   static_cast<unsigned>(chunks));
-  cudaError_t err = launch_cluster(kernel, grid, dim3(t.warps * kLanes), smem, stream,
+  cudaError_t err = launch_cluster(kernel, grid, dim3(t.warps * kWarp), smem, stream,
                                    /*pdl=*/true, static_cast<unsigned>(t.split), args);
   return cuda_status("glm5_indexer_projection", err);
 }

@@ -1,5 +1,5 @@
-// The indexer projection's GEMM core (SPEC §1), shared by projection.cu and fused.cu so that
-// both produce every fp32 sum in the same order for the same tactic (warps, split).
+// The indexer projection's GEMM core (SPEC §1), shared by projection.cu and projection_fused.cu
+// so that both produce every fp32 sum in the same order for the same tactic (warps, split).
 //
 // Swap-AB on mma.sync m16n8k16 (bf16 in, fp32 accumulate): 16 weight rows are the A side,
 // 8 tokens the B side. A warp owns a span of stages * kBlocks * 32 consecutive K (part
@@ -22,11 +22,11 @@
 #include <utility>
 
 #include "common.h"
+#include "constants.h"
 
 namespace glm5 {
 namespace gemm {
 
-constexpr int kLanes = 32;
 constexpr int kRows = 16;                   // weight rows per CTA (mma M)
 constexpr int kTile = 8;                    // tokens per mma (mma N)
 constexpr int kStep = 2 * kTile;            // tokens a warp handles per loop step
@@ -34,7 +34,7 @@ constexpr int kChunk = 128;                 // tokens per CTA; grid z covers mor
 constexpr int kBlockK = 32;                 // K per fragment block (two mma K steps)
 constexpr int kMaxBlocks = 8;               // K blocks per warp and stage, held in registers
 constexpr int kMaxWarps = 8;
-constexpr int kKeyRows = 128;               // key rows = gate rows = head dim
+constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
 constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic smem without opting in
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
@@ -96,7 +96,7 @@ template <int kBlocks>
 __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uint4 (&lo)[kBlocks],
                                            const uint4 (&hi)[kBlocks], int64_t k0,
                                            int64_t chunk0, int chunk, bool resume) {
-  const int lane = threadIdx.x % kLanes, g = lane / 4, q = lane % 4;
+  const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
 #pragma unroll 1
   for (int s = 0; s < chunk; s += kStep) {
     // Tokens past the end repeat the last one; their sums are not stored.
@@ -145,7 +145,7 @@ __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uin
 template <int kBlocks, bool kStaged>
 __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t row0, int part,
                                         int64_t chunk0, int chunk) {
-  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, q = lane % 4;
   const int64_t stage_k = kBlocks * kBlockK;
   const int64_t k0 = part * (kStaged ? a.stages * stage_k : stage_k) + 8 * q;

@@ -1,5 +1,6 @@
-// The query epilogue's arithmetic (SPEC §2), shared by indexer.cu (indexer_query) and fused.cu
-// (indexer_projection_fused) so that both give the same bits from the same inputs.
+// The query epilogue's arithmetic (SPEC §2), shared by query.cu (indexer_query) and
+// projection_fused.cu (indexer_projection_fused) so that both give the same bits from the same
+// inputs.
 //
 // q row (2b, 2c): a warp runs the Hadamard + FP8 of hadamard_quant.cuh with the power-of-two
 // scale 2^E (E = ceil(libdevice log2f(v))) on one (token, head) row, lane l storing the 4 e4m3
@@ -28,13 +29,14 @@
 #include <string>
 
 #include "common.h"
+#include "constants.h"
 #include "hadamard_quant.cuh"
 
 namespace glm5 {
 
 constexpr int kGroups = 16;                     // LayerNorm groups
 constexpr int kGroupDims = kDim / kGroups;      // 8 dims per group
-constexpr int kHalf = kLanes / 2;               // a half-warp per token
+constexpr int kHalf = kWarp / 2;               // a half-warp per token
 
 static_assert(kGroups == kHalf, "a half-warp lane owns one LayerNorm group");
 static_assert(kGroupDims == 8, "a group is one 16-byte bf16 load");
@@ -62,14 +64,14 @@ __device__ __forceinline__ void query_row(uint2 q, float w, uint32_t* q_out, voi
   widen4(q, x);
   hadamard128(x, lane);
   const float q_scale = pow2_scale(scale_exponent(plain_scale(normalise_amax(x))));
-  q_out[row * kLanes + lane] = quantise4(x, q_scale);
+  q_out[row * kWarp + lane] = quantise4(x, q_scale);
   if (lane == 0) store_weight<kBf16>(w_out, row, __fmul_rn(__fmul_rn(w, q_scale), scale));
 }
 
 // A padding head's row (SPEC 2d): zero bytes, w_out = 0.
 template <bool kBf16>
 __device__ __forceinline__ void zero_row(uint32_t* q_out, void* w_out, int64_t row, int lane) {
-  q_out[row * kLanes + lane] = 0u;
+  q_out[row * kWarp + lane] = 0u;
   if (lane == 0) store_weight<kBf16>(w_out, row, 0.0f);
 }
 

@@ -68,9 +68,9 @@ __device__ __forceinline__ void key_norm(const QueryArgs& a, int64_t pair, int l
 }
 
 template <bool kBf16>
-__global__ void __launch_bounds__(kWarps * kLanes) indexer_query_kernel(const QueryArgs a) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kLanes;
+__global__ void __launch_bounds__(kWarps * kWarp) indexer_query_kernel(const QueryArgs a) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
   pdl_wait();
   pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
   if (warp < a.rows) {
@@ -134,7 +134,7 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
   args.eps = eps;
 
   auto kernel = bf16_weights ? indexer_query_kernel<true> : indexer_query_kernel<false>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kLanes), 0,
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kWarp), 0,
                            stream, /*pdl=*/true, args);
   return cuda_status("glm5_indexer_query", err);
 }

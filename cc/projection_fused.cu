@@ -43,7 +43,6 @@ constexpr int kKeyTiles = kKeyRows / kRows;    // key row tiles = CTAs per clust
 constexpr int kAutoWarps = 8;                  // warps per CTA without a tactic
 constexpr int kRowBatch = 4;                   // q rows a warp loads at once
 
-static_assert(kKeyRows == kDim, "the key rows are the head dim");
 static_assert(kRows == 2 * kGroupDims, "a LayerNorm group is half a key row tile");
 
 struct FusedArgs {
@@ -66,7 +65,7 @@ struct FusedArgs {
 __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partial, uint16_t* keys,
                                          int tile, int64_t chunk0, int chunk) {
   const cg::cluster_group cluster = cg::this_cluster();
-  const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int e = threadIdx.x; e < chunk * kRows; e += blockDim.x)
     keys[e] = gemm::bf16_bits(gemm::warp_total(partial, a.gemm, warps, e));
   cluster.sync();
@@ -89,7 +88,7 @@ __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partia
 template <bool kBf16>
 __device__ __forceinline__ void head_tile(const FusedArgs& a, const float* partial, int32_t head0,
                                           int64_t chunk0, int chunk) {
-  const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int rows = chunk * kRows;  // e = (token, head) = (e / 16, e % 16), as in partial
   for (int e0 = warp * kRowBatch; e0 < rows; e0 += warps * kRowBatch) {
     uint2 q[kRowBatch];
@@ -117,16 +116,16 @@ __device__ __forceinline__ void head_tile(const FusedArgs& a, const float* parti
 
 // Dynamic shared memory: partial f32[warps][chunk_pad][16], then keys bf16[chunk_pad][16].
 template <int kBlocks, bool kStaged, bool kBf16>
-__global__ void __launch_bounds__(kMaxWarps * kLanes)
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_fused_kernel(const FusedArgs a) {
   extern __shared__ float partial[];
   const int tile = blockIdx.x;
   const int32_t row0 = tile * kRows;
   if (row0 >= 2 * kKeyRows + a.heads) return;  // cluster padding (never in the key cluster)
-  const int warps = blockDim.x / kLanes;
+  const int warps = blockDim.x / kWarp;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
   const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
-  const int warp = threadIdx.x / kLanes;
+  const int warp = threadIdx.x / kWarp;
   gemm::project<kBlocks, kStaged>(a.gemm, partial, row0, warp, chunk0, chunk);
   __syncthreads();
 
@@ -216,7 +215,7 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
   const int64_t tiles = cd[0] / kRows;
   const dim3 grid(static_cast<unsigned>((tiles + kKeyTiles - 1) / kKeyTiles * kKeyTiles), 1,
                   static_cast<unsigned>(chunks));
-  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kLanes), smem, stream,
+  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream,
                                    /*pdl=*/true, static_cast<unsigned>(kKeyTiles), args);
   return cuda_status("glm5_indexer_projection_fused", err);
 }
