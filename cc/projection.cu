@@ -103,7 +103,7 @@ Tactic auto_tactic(int64_t tokens, int64_t k) {
   return {8, 4};
 }
 
-ffi::Error ProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
+ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
                           ffi::BufferR2<ffi::BF16> w_cat, ffi::ResultBufferR2<ffi::BF16> key,
                           ffi::ResultBufferR2<ffi::F32> weights,
                           ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps, int32_t split) {
@@ -159,7 +159,7 @@ ffi::Error ProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
 }  // namespace
 }  // namespace glm5
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjection, glm5::ProjectionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjection, glm5::IndexerProjectionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // x

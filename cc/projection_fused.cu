@@ -152,7 +152,7 @@ struct Pick {
   };
 };
 
-ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
+ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
                      ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR3<ffi::BF16> q,
                      ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
                      ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
@@ -223,7 +223,7 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
 }  // namespace
 }  // namespace glm5
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::FusedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::IndexerProjectionFusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // x
