@@ -1,8 +1,9 @@
-// Shared by every kernel family: FFI alias, CUDA error mapping, launch with PDL.
+// Shared by every kernel family: FFI alias, handler checks and CUDA errors, launch with PDL.
 #pragma once
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -15,15 +16,31 @@ namespace ffi = xla::ffi;
 
 namespace glm5 {
 
-// `launch_status` is what the launch call returned; cudaGetLastError is read (and cleared)
-// anyway, so an error left by an earlier asynchronous launch is reported here too.
-inline ffi::Error cuda_status(const char* op, cudaError_t launch_status = cudaSuccess) {
-  cudaError_t last = cudaGetLastError();
-  cudaError_t err = launch_status != cudaSuccess ? launch_status : last;
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorName(err) + ": " +
-                              cudaGetErrorString(err));
-}
+constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
+
+inline bool fits_i32(int64_t v) { return v >= std::numeric_limits<int32_t>::min() && v <= kI32Max; }
+
+// The checks of one FFI handler, bound to its target name (handlers.h) so that every error
+// reads "glm5_<op>: ...", as the Python side's trace-time errors name their op. Helpers that
+// compute a value while checking return ffi::ErrorOr<T> and fail with
+// ffi::Unexpected(check.fail(...)).
+struct Check {
+  const char* op;
+
+  ffi::Error fail(std::string_view what) const {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + std::string(what));
+  }
+
+  // `launch_status` is what the launch call returned; cudaGetLastError is read (and cleared)
+  // anyway, so an error left by an earlier asynchronous launch is reported here too.
+  ffi::Error cuda(cudaError_t launch_status = cudaSuccess) const {
+    const cudaError_t last = cudaGetLastError();
+    const cudaError_t err = launch_status != cudaSuccess ? launch_status : last;
+    if (err == cudaSuccess) return ffi::Error::Success();
+    return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorName(err) + ": " +
+                                cudaGetErrorString(err));
+  }
+};
 
 // Whether a buffer can take `bytes`-wide vector accesses.
 inline bool aligned(const void* p, uintptr_t bytes) {

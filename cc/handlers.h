@@ -1,7 +1,8 @@
 // The module's FFI handlers, one X(target, symbol) line each: the only list of them. It
-// declares the handler symbols here and builds registrations() in module.cc, so a new kernel
-// is one line here (and its XLA_FFI_DEFINE_HANDLER_SYMBOL in its .cu file). The target names
-// must match the ops' declarations in glm5_jax (scripts/check_cuda_module.py checks it).
+// declares the handler symbols and names the targets here and builds registrations() in
+// module.cc, so a new kernel is one line here (and its XLA_FFI_DEFINE_HANDLER_SYMBOL in its .cu
+// file). The target names must match the ops' declarations in glm5_jax
+// (scripts/check_cuda_module.py checks it).
 #pragma once
 
 #include "xla/ffi/api/api.h"
@@ -18,3 +19,10 @@
 #define GLM5_DECLARE_HANDLER(target, symbol) XLA_FFI_DECLARE_HANDLER_SYMBOL(symbol);
 GLM5_HANDLERS(GLM5_DECLARE_HANDLER)
 #undef GLM5_DECLARE_HANDLER
+
+// The target names as constants (targets::glm5_kpool_update), for the handlers' error messages.
+namespace glm5::targets {
+#define GLM5_TARGET_NAME(target, symbol) inline constexpr char target[] = #target;
+GLM5_HANDLERS(GLM5_TARGET_NAME)
+#undef GLM5_TARGET_NAME
+}  // namespace glm5::targets

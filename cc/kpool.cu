@@ -21,8 +21,6 @@
 
 #include <cstdint>
 #include <initializer_list>
-#include <limits>
-#include <string>
 #include <tuple>
 
 #include "common.h"
@@ -203,7 +201,7 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
   }
 }
 
-// Dynamic shared memory of the kernel: the key/gate quads of up to 32 tokens.
+// Dynamic shared memory of the kernel: the key/gate quads of up to 32 tokens of a request.
 size_t stage_bytes(int64_t next_n) {
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
@@ -214,45 +212,44 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                            ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc,
                            ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR3<ffi::U8> kv_out,
                            ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale) {
-  auto fail = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("glm5_kpool_update: ") + what);
-  };
+  const Check check{targets::glm5_kpool_update};
   const auto cd = kv_cache.dimensions();
   const auto td = tail.dimensions();
   const auto kd = key.dimensions();
   const int64_t pages = cd[0], page = cd[1], blocks = td[0], ring = td[2];
   const int64_t requests = kd[0], next_n = kd[1];
-  if (cd[2] != kEntryBytes) return fail("kv_cache must be u8[pages, PAGE, 132]");
-  if (td[1] != 2 || td[3] != kDim) return fail("tail must be bf16[blocks, 2, RING, 128]");
-  if (ring < kPool || ring % kPool != 0 || ring > std::numeric_limits<int32_t>::max())
-    return fail("tail ring size (dim 2) must be a positive multiple of 4");
-  if (page > std::numeric_limits<int32_t>::max()) return fail("PAGE too large");
-  if (kd[2] != kDim) return fail("key must be bf16[B, N, 128]");
+  if (cd[2] != kEntryBytes) return check.fail("kv_cache must be u8[pages, PAGE, 132]");
+  if (td[1] != 2 || td[3] != kDim) return check.fail("tail must be bf16[blocks, 2, RING, 128]");
+  if (ring < kPool || ring % kPool != 0 || ring > kI32Max)
+    return check.fail("tail ring size (dim 2) must be a positive multiple of 4");
+  if (page > kI32Max) return check.fail("PAGE too large");
+  if (kd[2] != kDim) return check.fail("key must be bf16[B, N, 128]");
   const auto gd = gate.dimensions();
   if (gd[0] != requests || gd[1] != next_n || gd[2] != kDim)
-    return fail("gate must have key's shape [B, N, 128]");
+    return check.fail("gate must have key's shape [B, N, 128]");
   const auto ad = ape.dimensions();
-  if (ad[0] != kPool || ad[1] != kDim) return fail("ape must be f32[4, 128]");
+  if (ad[0] != kPool || ad[1] != kDim) return check.fail("ape must be f32[4, 128]");
   for (const auto* idx : {&tslot, &loc, &pos}) {
     const auto d = idx->dimensions();
-    if (d[0] != requests || d[1] != next_n) return fail("tslot, loc and pos must be s32[B, N]");
+    if (d[0] != requests || d[1] != next_n)
+      return check.fail("tslot, loc and pos must be s32[B, N]");
   }
   const auto od = kv_out->dimensions();
   const auto ud = tail_out->dimensions();
   for (int i = 0; i < 3; ++i)
-    if (od[i] != cd[i]) return fail("kv_cache result shape differs from the operand");
+    if (od[i] != cd[i]) return check.fail("kv_cache result shape differs from the operand");
   for (int i = 0; i < 4; ++i)
-    if (ud[i] != td[i]) return fail("tail result shape differs from the operand");
-  if (!round_scale && ue8m0) return fail("round_scale=false needs the fp32 scale format");
+    if (ud[i] != td[i]) return check.fail("tail result shape differs from the operand");
+  if (!round_scale && ue8m0) return check.fail("round_scale=false needs the fp32 scale format");
   // Vector accesses: 16 B APE rows, 8 B bf16 quads, 4 B fp8/scale words (XLA buffers are
   // at least 16 B aligned; checked so that a violation fails here, not as a device fault).
   if (!aligned(ape.untyped_data(), 16) || !aligned(key.untyped_data(), 8) ||
       !aligned(gate.untyped_data(), 8) || !aligned(tail_out->untyped_data(), 8) ||
       !aligned(kv_out->untyped_data(), 4))
-    return fail("operand buffers are not aligned (ape 16 B; key, gate, tail 8 B; kv_cache 4 B)");
-  if (requests > std::numeric_limits<int32_t>::max() ||
-      next_n > std::numeric_limits<int32_t>::max())
-    return fail("too many requests or next_n for one grid");
+    return check.fail(
+        "operand buffers are not aligned (ape 16 B; key, gate, tail 8 B; kv_cache 4 B)");
+  if (requests > kI32Max || next_n > kI32Max)
+    return check.fail("too many requests or next_n for one grid");
   if (requests == 0 || next_n == 0) return ffi::Error::Success();
   // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
   // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
@@ -265,7 +262,7 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                                             tail.size_bytes()}}) {
     if (dst == src || bytes == 0) continue;
     cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return cuda_status("glm5_kpool_update", err);
+    if (err != cudaSuccess) return check.cuda(err);
     copied = true;
   }
 
@@ -289,7 +286,7 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kWarp),
                            stage_bytes(next_n), stream, /*pdl=*/!copied, args);
-  return cuda_status("glm5_kpool_update", err);
+  return check.cuda(err);
 }
 
 }  // namespace

@@ -12,8 +12,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
-#include <string>
 
 #include "common.h"
 #include "handlers.h"
@@ -107,53 +105,52 @@ ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x
                           ffi::BufferR2<ffi::BF16> w_cat, ffi::ResultBufferR2<ffi::BF16> key,
                           ffi::ResultBufferR2<ffi::F32> head_w,
                           ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps, int32_t split) {
-  auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("glm5_indexer_projection: " + what);
-  };
+  const Check check{targets::glm5_indexer_projection};
   const auto xd = x.dimensions();
   const int64_t rows = xd[0], k = xd[1];
   const auto wd = head_w->dimensions();
   const int64_t heads = wd[1];
   if (wd[0] != rows || heads <= 0 || heads % kTileN != 0)
-    return fail("head_w result must be f32[M, H] with H % 16 == 0");
+    return check.fail("head_w result must be f32[M, H] with H % 16 == 0");
   const auto cd = w_cat.dimensions();
   if (cd[0] != 2 * kKeyRows + heads || cd[1] != k)
-    return fail("w_cat must be bf16[256 + H, K]");
+    return check.fail("w_cat must be bf16[256 + H, K]");
   const auto kd = key->dimensions(), gd = gate->dimensions();
   if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
-    return fail("key and gate results must be bf16[M, 128]");
-  if (heads > std::numeric_limits<int32_t>::max() / 2) return fail("too many heads");
+    return check.fail("key and gate results must be bf16[M, 128]");
+  if (heads > kI32Max / 2) return check.fail("too many heads");
 
   Tactic t = auto_tactic(rows, k);
   if (warps != 0 || split != 0) {
     if (warps < 1 || warps > kMaxWarps || split < 1 || split > kMaxSplit)
-      return fail("attributes warps must be in 1..8 and split in 1..8 (or both 0: automatic)");
+      return check.fail(
+          "attributes warps must be in 1..8 and split in 1..8 (or both 0: automatic)");
     t = {warps, split};
   }
-  const Staging st = tile_k(k, t.warps, t.split);
-  if (st.blocks == 0) return fail(tiling_error(k, t.warps, t.split));
+  const ffi::ErrorOr<Staging> st = tile_k(check, k, t.warps, t.split);
+  if (st.has_error()) return st.error();
   if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16))
-    return fail("x and w_cat must be 16 B aligned");
+    return check.fail("x and w_cat must be 16 B aligned");
   if (rows == 0) return ffi::Error::Success();
   const int64_t chunks = (rows + kChunk - 1) / kChunk;
-  if (chunks > 65535) return fail("too many rows for one grid");
+  if (chunks > 65535) return check.fail("too many rows for one grid");
 
   ProjectionArgs args;
-  args.gemm = make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st.stages);
+  args.gemm = make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st->stages);
   args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
   args.head_w = head_w->typed_data();
   args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   args.heads = static_cast<int32_t>(heads);
 
-  const Kernel kernel = pick_kernel<Kernel, Pick>(st);
+  const Kernel kernel = pick_kernel<Kernel, Pick>(*st);
   const size_t smem = partial_bytes(args.gemm, t.warps);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess)
-    return cuda_status("glm5_indexer_projection", err);
+    return check.cuda(err);
   const dim3 grid(static_cast<unsigned>(t.split), static_cast<unsigned>(cd[0] / kTileN),
                   static_cast<unsigned>(chunks));
   cudaError_t err = launch_cluster(kernel, grid, dim3(t.warps * kWarp), smem, stream,
                                    /*pdl=*/true, static_cast<unsigned>(t.split), args);
-  return cuda_status("glm5_indexer_projection", err);
+  return check.cuda(err);
 }
 
 }  // namespace

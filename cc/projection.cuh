@@ -174,25 +174,24 @@ __device__ __forceinline__ float warp_total(const float* partial, const Gemm& a,
 }
 
 // K blocks per stage (1..kMaxBlocks) and stages when `warps * split` warps split K: one stage
-// of 1..kMaxBlocks blocks, or whole stages of kMaxBlocks; {0, 0} when K does not tile.
+// of 1..kMaxBlocks blocks, or whole stages of kMaxBlocks.
 struct Staging {
   int blocks, stages;
 };
 
-inline Staging tile_k(int64_t k, int warps, int split) {
+// The staging of K for the tactic (warps, split), or the error when it does not tile K.
+inline ffi::ErrorOr<Staging> tile_k(const Check& check, int64_t k, int warps, int split) {
   const int64_t per_warp = int64_t{kBlockK} * warps * split;
   const int64_t blocks = k / per_warp;
-  if (k % per_warp != 0 || blocks < 1) return {0, 0};
-  if (blocks <= kMaxBlocks) return {static_cast<int>(blocks), 1};
-  if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= (1 << 20))
-    return {kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
-  return {0, 0};
-}
-
-inline std::string tiling_error(int64_t k, int warps, int split) {
-  return "K = " + std::to_string(k) + " is not 32 * warps * split * blocks with blocks in " +
-         "1..8 or a multiple of 8 (warps " + std::to_string(warps) + ", split " +
-         std::to_string(split) + ")";
+  if (k % per_warp == 0 && blocks >= 1) {
+    if (blocks <= kMaxBlocks) return Staging{static_cast<int>(blocks), 1};
+    if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= (1 << 20))
+      return Staging{kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
+  }
+  return ffi::Unexpected(check.fail(
+      "K = " + std::to_string(k) + " is not 32 * warps * split * blocks with blocks in " +
+      "1..8 or a multiple of 8 (warps " + std::to_string(warps) + ", split " +
+      std::to_string(split) + ")"));
 }
 
 // The GEMM operands of a launch (chunk_pad from M).

@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <string>
 
 #include "common.h"
 #include "handlers.h"
@@ -159,41 +158,40 @@ ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF
                      ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
                      ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR2<ffi::BF16> gate,
                      float scale, float eps, int32_t warps) {
-  auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("glm5_indexer_projection_fused: " + what);
-  };
+  const Check check{targets::glm5_indexer_projection_fused};
   const auto xd = x.dimensions();
   const int64_t rows = xd[0], k = xd[1];
   const auto qd = q.dimensions();
   const int64_t heads = qd[1];
   if (qd[0] != rows || qd[2] != kDim || heads <= 0 || heads % kTileN != 0)
-    return fail("q must be bf16[M, H, 128] with H % 16 == 0");
+    return check.fail("q must be bf16[M, H, 128] with H % 16 == 0");
   const auto cd = w_cat.dimensions();
-  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
-  int64_t padded = 0;
-  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, rows, heads,
-                                                padded);
-  if (!bad.empty()) return fail(bad);
+  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k)
+    return check.fail("w_cat must be bf16[256 + H, K]");
+  const ffi::ErrorOr<int64_t> padded =
+      check_query_buffers(check, norm_weight, norm_bias, q_out, w_out, rows, heads);
+  if (padded.has_error()) return padded.error();
   const bool bf16_w_out = w_out->element_type() == ffi::DataType::BF16;
   const auto kd = key->dimensions(), gd = gate->dimensions();
   if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
-    return fail("key and gate results must be bf16[M, 128]");
+    return check.fail("key and gate results must be bf16[M, 128]");
   if (warps == 0) warps = kAutoWarps;
-  if (warps < 1 || warps > kMaxWarps) return fail("attribute warps must be in 0..8 (0: automatic)");
-  const gemm::Staging st = gemm::tile_k(k, warps, 1);
-  if (st.blocks == 0) return fail(gemm::tiling_error(k, warps, 1));
+  if (warps < 1 || warps > kMaxWarps)
+    return check.fail("attribute warps must be in 0..8 (0: automatic)");
+  const ffi::ErrorOr<gemm::Staging> st = gemm::tile_k(check, k, warps, 1);
+  if (st.has_error()) return st.error();
   if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16) ||
       !aligned(q.untyped_data(), 8) || !aligned(norm_weight.untyped_data(), 16) ||
       !aligned(norm_bias.untyped_data(), 16) || !aligned(q_out->untyped_data(), 4) ||
       !aligned(key->untyped_data(), 16))
-    return fail("operand buffers are not aligned (x, w_cat, norm params, key 16 B; q 8 B; "
-                "q_fp8 4 B)");
+    return check.fail("operand buffers are not aligned (x, w_cat, norm params, key 16 B; "
+                      "q 8 B; q_fp8 4 B)");
   if (rows == 0) return ffi::Error::Success();
   const int64_t chunks = (rows + kChunk - 1) / kChunk;
-  if (chunks > 65535) return fail("too many rows for one grid");
+  if (chunks > 65535) return check.fail("too many rows for one grid");
 
   FusedArgs args;
-  args.gemm = gemm::make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st.stages);
+  args.gemm = gemm::make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st->stages);
   args.q = reinterpret_cast<const uint16_t*>(q.untyped_data());
   args.norm_weight = norm_weight.typed_data();
   args.norm_bias = norm_bias.typed_data();
@@ -202,23 +200,23 @@ ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF
   args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
   args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   args.heads = static_cast<int32_t>(heads);
-  args.padded = static_cast<int32_t>(padded);
+  args.padded = static_cast<int32_t>(*padded);
   args.scale = scale;
   args.eps = eps;
 
   const Kernel kernel = bf16_w_out
-                            ? gemm::pick_kernel<Kernel, Pick<true>::Blocks>(st)
-                            : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(st);
+                            ? gemm::pick_kernel<Kernel, Pick<true>::Blocks>(*st)
+                            : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(*st);
   const size_t smem = gemm::partial_bytes(args.gemm, warps) +
                       sizeof(uint16_t) * args.gemm.chunk_pad * kTileN;
   if (cudaError_t err = gemm::allow_smem(kernel, smem); err != cudaSuccess)
-    return cuda_status("glm5_indexer_projection_fused", err);
+    return check.cuda(err);
   const int64_t tiles = cd[0] / kTileN;
   const dim3 grid(static_cast<unsigned>((tiles + kKeyTiles - 1) / kKeyTiles * kKeyTiles), 1,
                   static_cast<unsigned>(chunks));
   cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream,
                                    /*pdl=*/true, static_cast<unsigned>(kKeyTiles), args);
-  return cuda_status("glm5_indexer_projection_fused", err);
+  return check.cuda(err);
 }
 
 }  // namespace

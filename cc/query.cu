@@ -12,8 +12,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
-#include <string>
 
 #include "common.h"
 #include "handlers.h"
@@ -87,35 +85,32 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
                             ffi::Result<ffi::AnyBuffer> q_out,
                             ffi::Result<ffi::AnyBuffer> w_out,
                             ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps) {
-  auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("glm5_indexer_query: " + what);
-  };
+  const Check check{targets::glm5_indexer_query};
   const auto qd = q.dimensions();
   const int64_t rows = qd[0], heads = qd[1];
-  if (qd[2] != kDim) return fail("q must be bf16[M, H, 128]");
+  if (qd[2] != kDim) return check.fail("q must be bf16[M, H, 128]");
   const auto kd = key_raw.dimensions();
-  if (kd[0] != rows || kd[1] != kDim) return fail("key_raw must be bf16[M, 128]");
+  if (kd[0] != rows || kd[1] != kDim) return check.fail("key_raw must be bf16[M, 128]");
   const auto wd = head_w.dimensions();
-  if (wd[0] != rows || wd[1] != heads) return fail("head_w must be f32[M, H]");
-  int64_t padded = 0;
-  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, rows, heads,
-                                                padded);
-  if (!bad.empty()) return fail(bad);
+  if (wd[0] != rows || wd[1] != heads) return check.fail("head_w must be f32[M, H]");
+  const ffi::ErrorOr<int64_t> padded =
+      check_query_buffers(check, norm_weight, norm_bias, q_out, w_out, rows, heads);
+  if (padded.has_error()) return padded.error();
   const bool bf16_w_out = w_out->element_type() == ffi::DataType::BF16;
   const auto kod = key_out->dimensions();
-  if (kod[0] != rows || kod[1] != kDim) return fail("key result must be bf16[M, 128]");
+  if (kod[0] != rows || kod[1] != kDim) return check.fail("key result must be bf16[M, 128]");
   // Vector accesses (XLA buffers are at least 16 B aligned; checked so that a violation fails
   // here, not as a device fault).
   if (!aligned(q.untyped_data(), 8) || !aligned(key_raw.untyped_data(), 16) ||
       !aligned(norm_weight.untyped_data(), 16) || !aligned(norm_bias.untyped_data(), 16) ||
       !aligned(q_out->untyped_data(), 4) || !aligned(key_out->untyped_data(), 16))
-    return fail("operand buffers are not aligned (q 8 B; key_raw, norm params, key 16 B; "
-                "q_fp8 4 B)");
+    return check.fail(
+        "operand buffers are not aligned (q 8 B; key_raw, norm params, key 16 B; q_fp8 4 B)");
   if (rows == 0) return ffi::Error::Success();
-  const int64_t q_rows = rows * padded;
+  const int64_t q_rows = rows * *padded;
   const int64_t warps = q_rows + (rows + 1) / 2;
   const int64_t blocks = (warps + kWarps - 1) / kWarps;
-  if (blocks > std::numeric_limits<int32_t>::max()) return fail("too many rows for one grid");
+  if (blocks > kI32Max) return check.fail("too many rows for one grid");
 
   QueryArgs args;
   args.q = reinterpret_cast<const uint16_t*>(q.untyped_data());
@@ -129,14 +124,14 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
   args.q_rows = q_rows;
   args.rows = rows;
   args.heads = static_cast<int32_t>(heads);
-  args.padded = static_cast<int32_t>(padded);
+  args.padded = static_cast<int32_t>(*padded);
   args.scale = scale;
   args.eps = eps;
 
   auto kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kWarp), 0,
                            stream, /*pdl=*/true, args);
-  return cuda_status("glm5_indexer_query", err);
+  return check.cuda(err);
 }
 
 }  // namespace

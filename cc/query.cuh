@@ -25,8 +25,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
-#include <string>
 
 #include "common.h"
 #include "constants.h"
@@ -137,28 +135,29 @@ __device__ __forceinline__ uint4 layernorm_group(uint4 raw, const float* norm_we
 }
 
 // Checks the LayerNorm parameters f32[128] and the results q_fp8 e4m3[M, padded >= H, 128]
-// and w_out f32 | bf16 [M, padded]: sets `padded` and returns "", or says what is wrong.
-inline std::string check_query_buffers(ffi::BufferR1<ffi::F32>& norm_weight,
-                                       ffi::BufferR1<ffi::F32>& norm_bias,
-                                       ffi::Result<ffi::AnyBuffer>& q_out,
-                                       ffi::Result<ffi::AnyBuffer>& w_out, int64_t rows,
-                                       int64_t heads, int64_t& padded) {
+// and w_out f32 | bf16 [M, padded] of M = `rows`; returns padded.
+inline ffi::ErrorOr<int64_t> check_query_buffers(const Check& check,
+                                                 ffi::BufferR1<ffi::F32>& norm_weight,
+                                                 ffi::BufferR1<ffi::F32>& norm_bias,
+                                                 ffi::Result<ffi::AnyBuffer>& q_out,
+                                                 ffi::Result<ffi::AnyBuffer>& w_out, int64_t rows,
+                                                 int64_t heads) {
   if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
-    return "norm_weight and norm_bias must be f32[128]";
+    return ffi::Unexpected(check.fail("norm_weight and norm_bias must be f32[128]"));
   // e4m3 has no native C++ type in the FFI headers: q_fp8 is bound as an AnyBuffer.
   const auto od = q_out->dimensions();
   if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != rows ||
       od[1] < heads || od[2] != kDim)
-    return "q_fp8 result must be e4m3[M, padded >= H, 128]";
-  padded = od[1];
+    return ffi::Unexpected(check.fail("q_fp8 result must be e4m3[M, padded >= H, 128]"));
+  const int64_t padded = od[1];
   const auto wod = w_out->dimensions();
   const ffi::DataType wtype = w_out->element_type();
   if (wtype != ffi::DataType::F32 && wtype != ffi::DataType::BF16)
-    return "w_out result must be f32 or bf16";
+    return ffi::Unexpected(check.fail("w_out result must be f32 or bf16"));
   if (wod.size() != 2 || wod[0] != rows || wod[1] != padded)
-    return "w_out result must have shape [M, padded]";
-  if (padded > std::numeric_limits<int32_t>::max()) return "too many heads";
-  return "";
+    return ffi::Unexpected(check.fail("w_out result must have shape [M, padded]"));
+  if (padded > kI32Max) return ffi::Unexpected(check.fail("too many heads"));
+  return padded;
 }
 
 }  // namespace glm5
