@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -47,23 +46,17 @@ inline bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// GLM5_JAX_PDL=0 turns programmatic dependent launch off for every kernel. Read at
-// each launch (inside a command buffer: when XLA captures it), so the benchmark can
-// compare both in one process; getenv costs far less than the launch itself.
-inline bool pdl_enabled() {
-  const char* v = std::getenv("GLM5_JAX_PDL");
-  return !(v != nullptr && std::string_view(v) == "0");
-}
-
 // cudaLaunchKernelEx on `stream`; with `pdl` the kernel may start before its predecessor
-// finishes, so it must call pdl_wait() before reading any input. `cluster` > 1 groups
+// finishes, so it must call pdl_wait() before reading any input. `pdl` is every handler's
+// "pdl" attribute, decided in Python by the routing value: part of the jit cache key, so
+// turning PDL off recompiles instead of reusing an executable built with it. `cluster` > 1 groups
 // `cluster` consecutive CTAs along x into a thread-block cluster (gridDim.x % cluster == 0).
 template <typename... Params, typename... Args>
 cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                            cudaStream_t stream, bool pdl, unsigned cluster, Args&&... args) {
   cudaLaunchAttribute attr[2] = {};
   unsigned count = 0;
-  if (pdl && pdl_enabled()) {
+  if (pdl) {
     attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[count++].val.programmaticStreamSerializationAllowed = 1;
   }

@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
 
 ffi::Error ExpandPoolsImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids,
                            ffi::BufferR1<ffi::S32> seq_lens, ffi::ResultBufferR2<ffi::S32> out,
-                           int64_t seq_offset) {
+                           int64_t seq_offset, bool pdl) {
   const Check check{targets::glm5_expand_pools};
   const int64_t rows = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
   const int64_t width = out->dimensions()[1];
@@ -268,7 +268,7 @@ ffi::Error ExpandPoolsImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids
   auto kernel = width % kPool == 0 && aligned(args.out, 16) ? expand_pools_kernel<true>
                                                             : expand_pools_kernel<false>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(ctas)),
-                           dim3(kExpandThreads), 0, stream, /*pdl=*/true, args);
+                           dim3(kExpandThreads), 0, stream, pdl, args);
   return check.cuda(err);
 }
 
@@ -277,7 +277,8 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
                               ffi::BufferR2<ffi::S32> block_table,
                               ffi::ResultBufferR2<ffi::S32> out,
                               ffi::ResultBufferR1<ffi::S32> counts, int64_t block_size,
-                              int64_t stride_rows, int64_t seq_offset, bool compact) {
+                              int64_t stride_rows, int64_t seq_offset, bool compact,
+                              bool pdl) {
   const Check check{targets::glm5_expand_and_remap};
   const int64_t expanded = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
   const int64_t rows = req_ids.dimensions()[0];
@@ -323,7 +324,7 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
                         : (vector ? expand_and_remap_kernel<false, true>
                                   : expand_and_remap_kernel<false, false>);
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows)),
-                           dim3(static_cast<unsigned>(groups)), 0, stream, /*pdl=*/true, args);
+                           dim3(static_cast<unsigned>(groups)), 0, stream, pdl, args);
   return check.cuda(err);
 }
 
@@ -337,7 +338,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandPools, glm5::ExpandPoolsImpl,
                                   .Arg<ffi::BufferR2<ffi::S32>>()     // pool_ids
                                   .Arg<ffi::BufferR1<ffi::S32>>()     // seq_lens
                                   .Ret<ffi::BufferR2<ffi::S32>>()     // out
-                                  .Attr<int64_t>("seq_offset"),       // seq_offset
+                                  .Attr<int64_t>("seq_offset")        // seq_offset
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandAndRemap, glm5::ExpandAndRemapImpl,
@@ -352,5 +354,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandAndRemap, glm5::ExpandAndRemapImpl,
                                   .Attr<int64_t>("block_size")        // block_size
                                   .Attr<int64_t>("stride_rows")       // stride_rows
                                   .Attr<int64_t>("seq_offset")        // seq_offset
-                                  .Attr<bool>("compact"),             // compact
+                                  .Attr<bool>("compact")              // compact
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

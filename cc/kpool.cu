@@ -211,7 +211,8 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                            ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> gate,
                            ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc,
                            ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR3<ffi::U8> kv_out,
-                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale) {
+                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale,
+                           bool pdl) {
   const Check check{targets::glm5_kpool_update};
   const auto cd = kv_cache.dimensions();
   const auto td = tail.dimensions();
@@ -285,7 +286,7 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                 : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kWarp),
-                           stage_bytes(next_n), stream, /*pdl=*/!copied, args);
+                           stage_bytes(next_n), stream, pdl && !copied, args);
   return check.cuda(err);
 }
 
@@ -307,5 +308,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5KpoolUpdate, glm5::KpoolUpdateImpl,
                                   .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
                                   .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
                                   .Attr<bool>("ue8m0")              // ue8m0
-                                  .Attr<bool>("round_scale"),       // round_scale
+                                  .Attr<bool>("round_scale")        // round_scale
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kUpcastThreads) upcast_logits_kernel(const Upc
 }
 
 ffi::Error UpcastLogitsImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> logits,
-                            ffi::BufferR1<ffi::S32> row_ends, ffi::ResultBufferR2<ffi::F32> out) {
+                            ffi::BufferR1<ffi::S32> row_ends, ffi::ResultBufferR2<ffi::F32> out,
+                            bool pdl) {
   const Check check{targets::glm5_upcast_logits};
   const auto dims = logits.dimensions();
   const int64_t rows = dims[0], width = dims[1];
@@ -110,7 +111,7 @@ ffi::Error UpcastLogitsImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> logits
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
   auto kernel = aligned(args.src, 16) && aligned(args.dst, 16) ? upcast_logits_kernel<true>
                                                                : upcast_logits_kernel<false>;
-  cudaError_t err = launch(kernel, grid, dim3(kUpcastThreads), 0, stream, /*pdl=*/true, args);
+  cudaError_t err = launch(kernel, grid, dim3(kUpcastThreads), 0, stream, pdl, args);
   return check.cuda(err);
 }
 
@@ -123,5 +124,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5UpcastLogits, glm5::UpcastLogitsImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::BufferR2<ffi::BF16>>()  // logits
                                   .Arg<ffi::BufferR1<ffi::S32>>()   // row_ends
-                                  .Ret<ffi::BufferR2<ffi::F32>>(),  // out
+                                  .Ret<ffi::BufferR2<ffi::F32>>()   // out
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

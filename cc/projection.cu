@@ -102,9 +102,11 @@ Tactic auto_tactic(int64_t rows, int64_t k) {
 }
 
 ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
-                          ffi::BufferR2<ffi::BF16> w_cat, ffi::ResultBufferR2<ffi::BF16> key,
-                          ffi::ResultBufferR2<ffi::F32> head_w,
-                          ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps, int32_t split) {
+                                 ffi::BufferR2<ffi::BF16> w_cat,
+                                 ffi::ResultBufferR2<ffi::BF16> key,
+                                 ffi::ResultBufferR2<ffi::F32> head_w,
+                                 ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps,
+                                 int32_t split, bool pdl) {
   const Check check{targets::glm5_indexer_projection};
   const auto xd = x.dimensions();
   const int64_t rows = xd[0], k = xd[1];
@@ -149,7 +151,7 @@ ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x
   const dim3 grid(static_cast<unsigned>(t.split), static_cast<unsigned>(cd[0] / kTileN),
                   static_cast<unsigned>(chunks));
   cudaError_t err = launch_cluster(kernel, grid, dim3(t.warps * kWarp), smem, stream,
-                                   /*pdl=*/true, static_cast<unsigned>(t.split), args);
+                                   pdl, static_cast<unsigned>(t.split), args);
   return check.cuda(err);
 }
 
@@ -165,5 +167,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjection, glm5::IndexerProjectionImpl
                                   .Ret<ffi::BufferR2<ffi::F32>>()         // head_w
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // gate
                                   .Attr<int32_t>("warps")
-                                  .Attr<int32_t>("split"),
+                                  .Attr<int32_t>("split")
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -153,11 +153,14 @@ struct Pick {
 };
 
 ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
-                     ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR3<ffi::BF16> q,
-                     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
-                     ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
-                     ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR2<ffi::BF16> gate,
-                     float scale, float eps, int32_t warps) {
+                                      ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR3<ffi::BF16> q,
+                                      ffi::BufferR1<ffi::F32> norm_weight,
+                                      ffi::BufferR1<ffi::F32> norm_bias,
+                                      ffi::Result<ffi::AnyBuffer> q_out,
+                                      ffi::Result<ffi::AnyBuffer> w_out,
+                                      ffi::ResultBufferR2<ffi::BF16> key,
+                                      ffi::ResultBufferR2<ffi::BF16> gate, float scale, float eps,
+                                      int32_t warps, bool pdl) {
   const Check check{targets::glm5_indexer_projection_fused};
   const auto xd = x.dimensions();
   const int64_t rows = xd[0], k = xd[1];
@@ -215,7 +218,7 @@ ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF
   const dim3 grid(static_cast<unsigned>((tiles + kKeyTiles - 1) / kKeyTiles * kKeyTiles), 1,
                   static_cast<unsigned>(chunks));
   cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream,
-                                   /*pdl=*/true, static_cast<unsigned>(kKeyTiles), args);
+                                   pdl, static_cast<unsigned>(kKeyTiles), args);
   return check.cuda(err);
 }
 
@@ -236,5 +239,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::IndexerProjectio
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // gate
                                   .Attr<float>("scale")
                                   .Attr<float>("eps")
-                                  .Attr<int32_t>("warps"),
+                                  .Attr<int32_t>("warps")
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

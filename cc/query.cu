@@ -84,7 +84,8 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
                             ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
                             ffi::Result<ffi::AnyBuffer> q_out,
                             ffi::Result<ffi::AnyBuffer> w_out,
-                            ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps) {
+                            ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps,
+                            bool pdl) {
   const Check check{targets::glm5_indexer_query};
   const auto qd = q.dimensions();
   const int64_t rows = qd[0], heads = qd[1];
@@ -130,7 +131,7 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
 
   auto kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kWarp), 0,
-                           stream, /*pdl=*/true, args);
+                           stream, pdl, args);
   return check.cuda(err);
 }
 
@@ -149,5 +150,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerQuery, glm5::IndexerQueryImpl,
                                   .Ret<ffi::AnyBuffer>()                  // w_out (f32 | bf16)
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // key
                                   .Attr<float>("scale")
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
