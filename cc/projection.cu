@@ -7,7 +7,9 @@
 // are in projection.cuh: grid (split, N / 16, ceil(M / 128)), each warp a span of K, its sums
 // added in warp order in shared memory; the `split` CTAs of one N tile form a thread-block
 // cluster that splits K, and the cluster adds its CTAs' sums in rank order over DSMEM. The
-// tactic (warps, split) changes the order, hence the bits within the fp32 tolerance.
+// tactic (warps, split) changes the order, hence the bits within the fp32 tolerance. It is
+// chosen in Python at lowering (shapes are static there) and arrives as the attributes warps
+// and split; the handler only validates it (check_tactic).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
@@ -23,8 +25,6 @@ namespace {
 namespace cg = cooperative_groups;
 
 using namespace gemm;
-
-constexpr int kMaxSplit = 8;                // portable cluster size
 
 struct ProjectionArgs {
   Gemm gemm;              // x bf16[M, K], w bf16[256 + H, K]
@@ -89,18 +89,6 @@ struct Pick {
   static constexpr Kernel kernel = indexer_projection_kernel<kBlocks, kStaged>;
 };
 
-struct Tactic {
-  int warps, split;
-};
-
-// (warps, split) by rows (M), from the H200 sweep (BENCHMARKS.md, K 4096, H 32): 8 warps
-// and a cluster of 4 up to M 32 (fastest at M 1-16), a cluster of 8 past that (fastest
-// at M 64: more CTAs to overlap the x reads) when K allows.
-Tactic auto_tactic(int64_t rows, int64_t k) {
-  if (rows > 32 && k % (kBlockK * 8 * kMaxSplit) == 0) return {8, kMaxSplit};
-  return {8, 4};
-}
-
 ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
                                  ffi::BufferR2<ffi::BF16> w_cat,
                                  ffi::ResultBufferR2<ffi::BF16> key,
@@ -122,14 +110,7 @@ ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x
     return check.fail("key and gate results must be bf16[M, 128]");
   if (heads > kI32Max / 2) return check.fail("too many heads");
 
-  Tactic t = auto_tactic(rows, k);
-  if (warps != 0 || split != 0) {
-    if (warps < 1 || warps > kMaxWarps || split < 1 || split > kMaxSplit)
-      return check.fail(
-          "attributes warps must be in 1..8 and split in 1..8 (or both 0: automatic)");
-    t = {warps, split};
-  }
-  const ffi::ErrorOr<Staging> st = tile_k(check, k, t.warps, t.split);
+  const ffi::ErrorOr<Staging> st = check_tactic(check, k, warps, split, kMaxSplit);
   if (st.has_error()) return st.error();
   if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16))
     return check.fail("x and w_cat must be 16 B aligned");
@@ -145,13 +126,13 @@ ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x
   args.heads = static_cast<int32_t>(heads);
 
   const Kernel kernel = pick_kernel<Kernel, Pick>(*st);
-  const size_t smem = partial_bytes(args.gemm, t.warps);
+  const size_t smem = partial_bytes(args.gemm, warps);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess)
     return check.cuda(err);
-  const dim3 grid(static_cast<unsigned>(t.split), static_cast<unsigned>(cd[0] / kTileN),
+  const dim3 grid(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
                   static_cast<unsigned>(chunks));
-  cudaError_t err = launch_cluster(kernel, grid, dim3(t.warps * kWarp), smem, stream,
-                                   pdl, static_cast<unsigned>(t.split), args);
+  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream, pdl,
+                                   static_cast<unsigned>(split), args);
   return check.cuda(err);
 }
 

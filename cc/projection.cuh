@@ -33,7 +33,9 @@ constexpr int kStep = 2 * kTile;            // token rows a warp handles per loo
 constexpr int kChunk = 128;                 // token rows per CTA; grid z covers more
 constexpr int kBlockK = 32;                 // K per fragment block (two mma K steps)
 constexpr int kMaxBlocks = 8;               // K blocks per warp and stage, held in registers
-constexpr int kMaxWarps = 8;
+constexpr int kMaxWarps = 8;                // warps per CTA (attribute warps)
+constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (attribute split):
+                                            // the portable cluster size
 constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
 constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic smem without opting in
 
@@ -179,8 +181,18 @@ struct Staging {
   int blocks, stages;
 };
 
-// The staging of K for the tactic (warps, split), or the error when it does not tile K.
-inline ffi::ErrorOr<Staging> tile_k(const Check& check, int64_t k, int warps, int split) {
+// The tactic (warps, split) arrives as attributes, chosen in Python at lowering; C++ only
+// validates it: warps in 1..kMaxWarps, split in 1..max_split (the fused kernel has no split
+// attribute: max_split 1), and 32 * warps * split * blocks = K with blocks in 1..kMaxBlocks
+// or a multiple of kMaxBlocks. Returns the staging of K.
+inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t warps,
+                                          int32_t split, int32_t max_split) {
+  if (warps < 1 || warps > kMaxWarps)
+    return ffi::Unexpected(check.fail("attribute warps = " + std::to_string(warps) +
+                                      " must be in 1.." + std::to_string(kMaxWarps)));
+  if (split < 1 || split > max_split)
+    return ffi::Unexpected(check.fail("attribute split = " + std::to_string(split) +
+                                      " must be in 1.." + std::to_string(max_split)));
   const int64_t per_warp = int64_t{kBlockK} * warps * split;
   const int64_t blocks = k / per_warp;
   if (k % per_warp == 0 && blocks >= 1) {
@@ -188,10 +200,14 @@ inline ffi::ErrorOr<Staging> tile_k(const Check& check, int64_t k, int warps, in
     if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= (1 << 20))
       return Staging{kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
   }
+  const std::string tactic =
+      max_split == 1 ? "attribute warps = " + std::to_string(warps) + " does not"
+                     : "attributes warps = " + std::to_string(warps) + ", split = " +
+                           std::to_string(split) + " do not";
   return ffi::Unexpected(check.fail(
-      "K = " + std::to_string(k) + " is not 32 * warps * split * blocks with blocks in " +
-      "1..8 or a multiple of 8 (warps " + std::to_string(warps) + ", split " +
-      std::to_string(split) + ")"));
+      tactic + " tile K = " + std::to_string(k) + ": K must be 32 * warps * split * blocks " +
+      "with blocks in 1.." + std::to_string(kMaxBlocks) + " or a multiple of " +
+      std::to_string(kMaxBlocks)));
 }
 
 // The GEMM operands of a launch (chunk_pad from M).

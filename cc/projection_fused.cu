@@ -3,8 +3,9 @@
 // key bf16[M, 128] (LayerNormed), gate bf16[M, 128].
 //
 // Grid (N / 16 tiles of w_cat rows padded to whole clusters of 8, 1, ceil(M / 128)), CTAs of
-// `warps` warps; tactic (warps, split 1): K is split over the warps only, so that the 8 key
-// tiles fit one thread-block cluster. The tiles, the K partition and the GEMM core
+// `warps` warps (the attribute warps, chosen in Python at lowering; validated here); tactic
+// (warps, split 1): K is split over the warps only, so that the 8 key tiles fit one
+// thread-block cluster. The tiles, the K partition and the GEMM core
 // (projection.cuh) are glm5_indexer_projection's at tactic (warps, 1), so every key, head
 // weight and gate sum is bit-identical to it; the epilogue is indexer_query's arithmetic
 // (query.cuh), so all four outputs equal glm5_indexer_projection + glm5_indexer_query at that
@@ -39,7 +40,6 @@ using gemm::kMaxWarps;
 using gemm::kTileN;
 
 constexpr int kKeyTiles = kKeyRows / kTileN;   // key tiles = CTAs per cluster
-constexpr int kAutoWarps = 8;                  // warps per CTA without a tactic
 constexpr int kRowBatch = 4;                   // q rows a warp loads at once
 
 static_assert(kTileN == 2 * kGroupDims, "a LayerNorm group is half a key tile");
@@ -178,10 +178,7 @@ ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF
   const auto kd = key->dimensions(), gd = gate->dimensions();
   if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
     return check.fail("key and gate results must be bf16[M, 128]");
-  if (warps == 0) warps = kAutoWarps;
-  if (warps < 1 || warps > kMaxWarps)
-    return check.fail("attribute warps must be in 0..8 (0: automatic)");
-  const ffi::ErrorOr<gemm::Staging> st = gemm::tile_k(check, k, warps, 1);
+  const ffi::ErrorOr<gemm::Staging> st = gemm::check_tactic(check, k, warps, 1, 1);
   if (st.has_error()) return st.error();
   if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16) ||
       !aligned(q.untyped_data(), 8) || !aligned(norm_weight.untyped_data(), 16) ||
