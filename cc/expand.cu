@@ -16,6 +16,7 @@
 // id, block_table * stride_rows): done on uint32 and converted back.
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "common.h"
 #include "constants.h"
@@ -289,8 +290,10 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
     return check.fail("positions length != pool_ids rows");
   if (out->dimensions()[0] != rows || counts->dimensions()[0] != rows)
     return check.fail("out/counts rows != req_ids length");
+  // The op routes other G to the reference (its kernel_supports); this only validates.
   if (groups % kWarp != 0 || groups < kWarp || groups > kMaxGroups)
-    return check.fail("the kernel needs G % 32 == 0 and 32 <= G <= 1024");
+    return check.fail("pool_ids has G = " + std::to_string(groups) +
+                      " pools per row; the kernel needs G % 32 == 0 and 32 <= G <= 1024");
   if (width < groups * kPool + kPool - 1) return check.fail("out width < 4 * G + 3");
   if (requests <= 0 || max_blocks <= 0) return check.fail("block_table is empty");
   if (block_size <= 0 || block_size % kPool != 0 || block_size > kI32Max)
