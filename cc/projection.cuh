@@ -33,6 +33,7 @@ constexpr int kStep = 2 * kTile;            // token rows a warp handles per loo
 constexpr int kChunk = 128;                 // token rows per CTA; grid z covers more
 constexpr int kBlockK = 32;                 // K per fragment block (two mma K steps)
 constexpr int kMaxBlocks = 8;               // K blocks per warp and stage, held in registers
+constexpr int kMaxStages = 1 << 20;         // stages of kMaxBlocks (bounds the int32 stages)
 constexpr int kMaxWarps = 8;                // warps per CTA (attribute warps)
 constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (attribute split):
                                             // the portable cluster size
@@ -184,7 +185,7 @@ struct Staging {
 // The tactic (warps, split) arrives as attributes, chosen in Python at lowering; C++ only
 // validates it: warps in 1..kMaxWarps, split in 1..max_split (the fused kernel has no split
 // attribute: max_split 1), and 32 * warps * split * blocks = K with blocks in 1..kMaxBlocks
-// or a multiple of kMaxBlocks. Returns the staging of K.
+// or a multiple of kMaxBlocks (at most kMaxStages stages). Returns the staging of K.
 inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t warps,
                                           int32_t split, int32_t max_split) {
   if (warps < 1 || warps > kMaxWarps)
@@ -197,7 +198,7 @@ inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t
   const int64_t blocks = k / per_warp;
   if (k % per_warp == 0 && blocks >= 1) {
     if (blocks <= kMaxBlocks) return Staging{static_cast<int>(blocks), 1};
-    if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= (1 << 20))
+    if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= kMaxStages)
       return Staging{kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
   }
   const std::string tactic =
