@@ -1,8 +1,8 @@
-// Shared by every kernel family: FFI alias, CUDA error mapping, launch with PDL.
+// Shared by every kernel family: FFI alias, handler checks and CUDA errors, launch with PDL.
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -15,38 +15,48 @@ namespace ffi = xla::ffi;
 
 namespace glm5 {
 
-// `launch_status` is what the launch call returned; cudaGetLastError is read (and cleared)
-// anyway, so an error left by an earlier asynchronous launch is reported here too.
-inline ffi::Error cuda_status(const char* op, cudaError_t launch_status = cudaSuccess) {
-  cudaError_t last = cudaGetLastError();
-  cudaError_t err = launch_status != cudaSuccess ? launch_status : last;
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorName(err) + ": " +
-                              cudaGetErrorString(err));
-}
+constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
+
+inline bool fits_i32(int64_t v) { return v >= std::numeric_limits<int32_t>::min() && v <= kI32Max; }
+
+// The checks of one FFI handler, bound to its target name (handlers.h) so that every error
+// reads "glm5_<op>: ...", as the Python side's trace-time errors name their op. Helpers that
+// compute a value while checking return ffi::ErrorOr<T> and fail with
+// ffi::Unexpected(check.fail(...)).
+struct Check {
+  const char* op;
+
+  ffi::Error fail(std::string_view what) const {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + std::string(what));
+  }
+
+  // `launch_status` is what the launch call returned; cudaGetLastError is read (and cleared)
+  // anyway, so an error left by an earlier asynchronous launch is reported here too.
+  ffi::Error cuda(cudaError_t launch_status = cudaSuccess) const {
+    const cudaError_t last = cudaGetLastError();
+    const cudaError_t err = launch_status != cudaSuccess ? launch_status : last;
+    if (err == cudaSuccess) return ffi::Error::Success();
+    return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorName(err) + ": " +
+                                cudaGetErrorString(err));
+  }
+};
 
 // Whether a buffer can take `bytes`-wide vector accesses.
 inline bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// GLM5_JAX_PDL=0 turns programmatic dependent launch off for every kernel. Read at
-// each launch (inside a command buffer: when XLA captures it), so the benchmark can
-// compare both in one process; getenv costs far less than the launch itself.
-inline bool pdl_enabled() {
-  const char* v = std::getenv("GLM5_JAX_PDL");
-  return !(v != nullptr && std::string_view(v) == "0");
-}
-
 // cudaLaunchKernelEx on `stream`; with `pdl` the kernel may start before its predecessor
-// finishes, so it must call pdl_wait() before reading any input. `cluster` > 1 groups
+// finishes, so it must call pdl_wait() before reading any input. `pdl` is every handler's
+// "pdl" attribute, decided in Python by the routing value: part of the jit cache key, so
+// turning PDL off recompiles instead of reusing an executable built with it. `cluster` > 1 groups
 // `cluster` consecutive CTAs along x into a thread-block cluster (gridDim.x % cluster == 0).
 template <typename... Params, typename... Args>
 cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                            cudaStream_t stream, bool pdl, unsigned cluster, Args&&... args) {
   cudaLaunchAttribute attr[2] = {};
   unsigned count = 0;
-  if (pdl && pdl_enabled()) {
+  if (pdl) {
     attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[count++].val.programmaticStreamSerializationAllowed = 1;
   }

@@ -16,20 +16,18 @@
 // id, block_table * stride_rows): done on uint32 and converted back.
 #include <algorithm>
 #include <cstdint>
-#include <limits>
+#include <string>
 
 #include "common.h"
+#include "constants.h"
 #include "handlers.h"
 
 namespace glm5 {
 namespace {
 
-constexpr int kPool = 4;              // tokens per pool (SPEC §9)
 constexpr int kExpandThreads = 128;   // expand_pools: quads per CTA
 constexpr int kMaxGridY = 65535;      // CUDA's limit on gridDim.y
-constexpr int kWarp = 32;
 constexpr int kMaxGroups = 1024;      // expand_and_remap: one thread per pool, one CTA per row
-constexpr int32_t kI32Max = std::numeric_limits<int32_t>::max();
 
 __host__ __device__ __forceinline__ int32_t wrap_add(int32_t a, int32_t b) {
   return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
@@ -84,24 +82,36 @@ __host__ __device__ __forceinline__ void store_quad(int32_t* row_out, int q, int
 
 // ---------------------------------------------------------------------------------------
 // expand_pools: grid (rows, ctas), thread q of a row's quad range writes quad q. Any G.
+
+struct ExpandPoolsArgs {
+  const int32_t* pool_ids;    // s32[rows, G]
+  const int32_t* seq_lens;    // s32[rows]
+  int32_t* out;               // s32[rows, width]
+  int groups;                 // G
+  int width;                  // >= 4 G + 3
+  int32_t seq_offset;
+};
+
 template <bool kVector>
-__global__ void __launch_bounds__(kExpandThreads)
-    expand_pools_kernel(const int32_t* __restrict__ pool_ids, const int32_t* __restrict__ seq_lens,
-                        int32_t* __restrict__ out, int groups, int width, int32_t seq_offset) {
+__global__ void __launch_bounds__(kExpandThreads) expand_pools_kernel(const ExpandPoolsArgs a) {
+  // Inputs are read with __ldg (ld.global.nc, as for the restrict-qualified kernel parameters
+  // they were): nvcc does not infer read-only for pointers held in an Args struct.
+  const int groups = a.groups, width = a.width;
+  const int32_t seq_offset = a.seq_offset;
   pdl_wait();
   pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const int quads = (width + kPool - 1) / kPool;   // > groups since width >= 4G + 3
-  int32_t* row_out = out + row * width;
+  int32_t* row_out = a.out + row * width;
 #pragma unroll 1
   for (int q = static_cast<int>(blockIdx.y * kExpandThreads + threadIdx.x); q < quads;
        q += static_cast<int>(gridDim.y * kExpandThreads)) {
     int4 v = none4();
     if (q < groups) {
-      const int32_t pid = pool_ids[row * groups + q];
+      const int32_t pid = __ldg(a.pool_ids + row * groups + q);
       if (pid >= 0) v = run4(wrap_mul(pid, kPool));   // no upper bound; wraps like the reference
     } else if (q == groups) {
-      const Tail tail = tail_of(seq_lens[row], seq_offset);
+      const Tail tail = tail_of(__ldg(a.seq_lens + row), seq_offset);
       v = tail_quad(tail.start, tail.count);
     }
     store_quad<kVector>(row_out, q, width, v);
@@ -122,13 +132,30 @@ struct Remap {
   // Physical slot of the first of the 4 tokens first_token .. first_token + 3
   // (first_token % 4 == 0, so all 4 share its block); false when they are dropped
   // (a negative token id, or a block past the table).
-  __host__ __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
+  __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
     if (first_token < 0) return false;
     const int32_t block = first_token / block_size;
     if (block >= max_blocks) return false;
-    *out = wrap_add(wrap_mul(table[block], stride_rows), first_token % block_size);
+    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows), first_token % block_size);
     return true;
   }
+};
+
+struct ExpandAndRemapArgs {
+  const int32_t* pool_ids;      // s32[expanded, G]
+  const int32_t* positions;     // s32[expanded]
+  const int32_t* req_ids;       // s32[rows]
+  const int32_t* block_table;   // s32[requests, max_blocks]
+  int32_t* out;                 // s32[rows, width]
+  int32_t* counts;              // s32[rows]
+  int expanded;                 // rows with pool ids
+  int groups;                   // G
+  int width;                    // >= 4 G + 3
+  int64_t requests;             // block_table rows
+  int64_t max_blocks;
+  int32_t block_size;
+  int32_t stride_rows;
+  int32_t seq_offset;
 };
 
 // One CTA per output row, thread g owns pool g (blockDim = groups, groups % 32 == 0, so
@@ -136,12 +163,12 @@ struct Remap {
 // number of valid pools before it = valid pools in earlier warps (shared-memory totals)
 // + valid lanes below it in its warp (ballot).
 template <bool kCompact, bool kVector>
-__global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(
-    const int32_t* __restrict__ pool_ids, const int32_t* __restrict__ positions,
-    const int32_t* __restrict__ req_ids, const int32_t* __restrict__ block_table,
-    int32_t* __restrict__ out, int32_t* __restrict__ counts, int expanded, int groups,
-    int width, int64_t num_requests, int64_t max_blocks, int32_t block_size,
-    int32_t stride_rows, int32_t seq_offset) {
+__global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const ExpandAndRemapArgs a) {
+  // Inputs are read with __ldg (ld.global.nc, as for the restrict-qualified kernel parameters
+  // they were): nvcc does not infer read-only for pointers held in an Args struct.
+  const int expanded = a.expanded, groups = a.groups, width = a.width;
+  const int64_t requests = a.requests, max_blocks = a.max_blocks;
+  const int32_t block_size = a.block_size, stride_rows = a.stride_rows, seq_offset = a.seq_offset;
   __shared__ int warp_valid[kMaxGroups / kWarp];
   pdl_wait();
   pdl_launch_dependents();
@@ -149,18 +176,19 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(
   const int g = threadIdx.x;
   const int lane = g % kWarp, warp = g / kWarp;
   const int quads = (width + kPool - 1) / kPool;   // > groups since width >= 4G + 3
-  int32_t* row_out = out + static_cast<int64_t>(row) * width;
+  int32_t* row_out = a.out + static_cast<int64_t>(row) * width;
 
   // The row's loads do not depend on each other (the request only gates their use).
   const bool expanded_row = row < expanded;
-  const int32_t req = req_ids[row];
-  const int32_t pid = expanded_row ? pool_ids[static_cast<int64_t>(row) * groups + g] : -1;
-  const int32_t pos = g == 0 && expanded_row ? positions[row] : 0;
+  const int32_t req = __ldg(a.req_ids + row);
+  const int32_t pid =
+      expanded_row ? __ldg(a.pool_ids + static_cast<int64_t>(row) * groups + g) : -1;
+  const int32_t pos = g == 0 && expanded_row ? __ldg(a.positions + row) : 0;
 
   // Rows past `expanded` (no pool ids) and rows whose request is outside [0, R) hold no
   // indices: every pool and the tail are dropped, the row is all -1, its count 0.
-  const bool has_ids = expanded_row && req >= 0 && req < num_requests;
-  const Remap remap{block_table + (has_ids ? req * max_blocks : 0), max_blocks, block_size,
+  const bool has_ids = expanded_row && req >= 0 && req < requests;
+  const Remap remap{a.block_table + (has_ids ? req * max_blocks : 0), max_blocks, block_size,
                     stride_rows};
 
   // pid < 0 is unused; 4 * pid may wrap to a negative token id, which is dropped too.
@@ -203,16 +231,12 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(
   }
   if (g == 0) {
     store_quad<kVector>(row_out, tail_at, width, tail);
-    counts[row] = kPool * valid + tail_valid;
+    a.counts[row] = kPool * valid + tail_valid;
   }
 #pragma unroll 1
   for (int q = tail_at + 1 + g; q < quads; q += groups) {
     store_quad<kVector>(row_out, q, width, none4());
   }
-}
-
-bool fits_i32(int64_t v) {
-  return v >= std::numeric_limits<int32_t>::min() && v <= kI32Max;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -221,31 +245,32 @@ bool fits_i32(int64_t v) {
 
 ffi::Error ExpandPoolsImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids,
                            ffi::BufferR1<ffi::S32> seq_lens, ffi::ResultBufferR2<ffi::S32> out,
-                           int64_t seq_offset) {
+                           int64_t seq_offset, bool pdl) {
+  const Check check{targets::glm5_expand_pools};
   const int64_t rows = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
   const int64_t width = out->dimensions()[1];
-  if (out->dimensions()[0] != rows)
-    return ffi::Error::InvalidArgument("glm5_expand_pools: out rows != pool_ids rows");
-  if (seq_lens.dimensions()[0] != rows)
-    return ffi::Error::InvalidArgument("glm5_expand_pools: seq_lens length != pool_ids rows");
-  if (width < groups * kPool + kPool - 1)
-    return ffi::Error::InvalidArgument("glm5_expand_pools: out width < 4 * G + 3");
-  if (!fits_i32(seq_offset))
-    return ffi::Error::InvalidArgument("glm5_expand_pools: seq_offset does not fit int32");
+  if (out->dimensions()[0] != rows) return check.fail("out rows != pool_ids rows");
+  if (seq_lens.dimensions()[0] != rows) return check.fail("seq_lens length != pool_ids rows");
+  if (width < groups * kPool + kPool - 1) return check.fail("out width < 4 * G + 3");
+  if (!fits_i32(seq_offset)) return check.fail("seq_offset does not fit int32");
   if (rows == 0) return ffi::Error::Success();
-  if (rows > kI32Max || width > kI32Max - kPool)
-    return ffi::Error::InvalidArgument("glm5_expand_pools: rows or width too large");
-  int32_t* dst = out->typed_data();
+  if (rows > kI32Max || width > kI32Max - kPool) return check.fail("rows or width too large");
+
+  ExpandPoolsArgs args;
+  args.pool_ids = pool_ids.typed_data();
+  args.seq_lens = seq_lens.typed_data();
+  args.out = out->typed_data();
+  args.groups = static_cast<int>(groups);
+  args.width = static_cast<int>(width);
+  args.seq_offset = static_cast<int32_t>(seq_offset);
+
   const int64_t quads = (width + kPool - 1) / kPool;
   const int64_t ctas = std::min<int64_t>((quads + kExpandThreads - 1) / kExpandThreads, kMaxGridY);
-  auto kernel = width % kPool == 0 && aligned(dst, 16) ? expand_pools_kernel<true>
-                                                     : expand_pools_kernel<false>;
+  auto kernel = width % kPool == 0 && aligned(args.out, 16) ? expand_pools_kernel<true>
+                                                            : expand_pools_kernel<false>;
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(ctas)),
-                           dim3(kExpandThreads), 0, stream, /*pdl=*/true,
-                           pool_ids.typed_data(), seq_lens.typed_data(), dst,
-                           static_cast<int>(groups), static_cast<int>(width),
-                           static_cast<int32_t>(seq_offset));
-  return cuda_status("glm5_expand_pools", err);
+                           dim3(kExpandThreads), 0, stream, pdl, args);
+  return check.cuda(err);
 }
 
 ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_ids,
@@ -253,48 +278,57 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
                               ffi::BufferR2<ffi::S32> block_table,
                               ffi::ResultBufferR2<ffi::S32> out,
                               ffi::ResultBufferR1<ffi::S32> counts, int64_t block_size,
-                              int64_t stride_rows, int64_t seq_offset, bool compact) {
+                              int64_t stride_rows, int64_t seq_offset, bool compact,
+                              bool pdl) {
+  const Check check{targets::glm5_expand_and_remap};
   const int64_t expanded = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
   const int64_t rows = req_ids.dimensions()[0];
-  const int64_t num_requests = block_table.dimensions()[0];
+  const int64_t requests = block_table.dimensions()[0];
   const int64_t max_blocks = block_table.dimensions()[1];
   const int64_t width = out->dimensions()[1];
   if (positions.dimensions()[0] != expanded)
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: positions length != pool_ids rows");
+    return check.fail("positions length != pool_ids rows");
   if (out->dimensions()[0] != rows || counts->dimensions()[0] != rows)
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: out/counts rows != req_ids length");
+    return check.fail("out/counts rows != req_ids length");
+  // The op routes other G to the reference (its kernel_supports); this only validates.
   if (groups % kWarp != 0 || groups < kWarp || groups > kMaxGroups)
-    return ffi::Error::InvalidArgument(
-        "glm5_expand_and_remap: the kernel needs G % 32 == 0 and 32 <= G <= 1024");
-  if (width < groups * kPool + kPool - 1)
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: out width < 4 * G + 3");
-  if (num_requests <= 0 || max_blocks <= 0)
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: block_table is empty");
+    return check.fail("pool_ids has G = " + std::to_string(groups) +
+                      " pools per row; the kernel needs G % 32 == 0 and 32 <= G <= 1024");
+  if (width < groups * kPool + kPool - 1) return check.fail("out width < 4 * G + 3");
+  if (requests <= 0 || max_blocks <= 0) return check.fail("block_table is empty");
   if (block_size <= 0 || block_size % kPool != 0 || block_size > kI32Max)
-    return ffi::Error::InvalidArgument(
-        "glm5_expand_and_remap: block_size must be a positive multiple of 4 (int32)");
+    return check.fail("block_size must be a positive multiple of 4 (int32)");
   if (stride_rows <= 0 || stride_rows > kI32Max)
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: stride_rows must be in [1, 2^31)");
-  if (!fits_i32(seq_offset))
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: seq_offset does not fit int32");
+    return check.fail("stride_rows must be in [1, 2^31)");
+  if (!fits_i32(seq_offset)) return check.fail("seq_offset does not fit int32");
   if (rows == 0) return ffi::Error::Success();
   if (rows > kI32Max || expanded > kI32Max || width > kI32Max - kPool)
-    return ffi::Error::InvalidArgument("glm5_expand_and_remap: rows or width too large");
-  int32_t* dst = out->typed_data();
-  const bool vector = width % kPool == 0 && aligned(dst, 16);
+    return check.fail("rows or width too large");
+
+  ExpandAndRemapArgs args;
+  args.pool_ids = pool_ids.typed_data();
+  args.positions = positions.typed_data();
+  args.req_ids = req_ids.typed_data();
+  args.block_table = block_table.typed_data();
+  args.out = out->typed_data();
+  args.counts = counts->typed_data();
+  args.expanded = static_cast<int>(expanded);
+  args.groups = static_cast<int>(groups);
+  args.width = static_cast<int>(width);
+  args.requests = requests;
+  args.max_blocks = max_blocks;
+  args.block_size = static_cast<int32_t>(block_size);
+  args.stride_rows = static_cast<int32_t>(stride_rows);
+  args.seq_offset = static_cast<int32_t>(seq_offset);
+
+  const bool vector = width % kPool == 0 && aligned(args.out, 16);
   auto kernel = compact ? (vector ? expand_and_remap_kernel<true, true>
                                   : expand_and_remap_kernel<true, false>)
                         : (vector ? expand_and_remap_kernel<false, true>
                                   : expand_and_remap_kernel<false, false>);
   cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(rows)),
-                           dim3(static_cast<unsigned>(groups)), 0, stream, /*pdl=*/true,
-                           pool_ids.typed_data(), positions.typed_data(), req_ids.typed_data(),
-                           block_table.typed_data(), dst, counts->typed_data(),
-                           static_cast<int>(expanded), static_cast<int>(groups),
-                           static_cast<int>(width), num_requests, max_blocks,
-                           static_cast<int32_t>(block_size), static_cast<int32_t>(stride_rows),
-                           static_cast<int32_t>(seq_offset));
-  return cuda_status("glm5_expand_and_remap", err);
+                           dim3(static_cast<unsigned>(groups)), 0, stream, pdl, args);
+  return check.cuda(err);
 }
 
 }  // namespace
@@ -307,7 +341,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandPools, glm5::ExpandPoolsImpl,
                                   .Arg<ffi::BufferR2<ffi::S32>>()     // pool_ids
                                   .Arg<ffi::BufferR1<ffi::S32>>()     // seq_lens
                                   .Ret<ffi::BufferR2<ffi::S32>>()     // out
-                                  .Attr<int64_t>("seq_offset"),       // seq_offset
+                                  .Attr<int64_t>("seq_offset")        // seq_offset
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandAndRemap, glm5::ExpandAndRemapImpl,
@@ -322,5 +357,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandAndRemap, glm5::ExpandAndRemapImpl,
                                   .Attr<int64_t>("block_size")        // block_size
                                   .Attr<int64_t>("stride_rows")       // stride_rows
                                   .Attr<int64_t>("seq_offset")        // seq_offset
-                                  .Attr<bool>("compact"),             // compact
+                                  .Attr<bool>("compact")              // compact
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,5 +1,5 @@
 // Warp-level Hadamard-128 + FP8 (e4m3) quantisation of one 128-dim row (SPEC §2b, the tail of
-// §3), shared by kpool.cu (pooled keys) and indexer.cu (queries).
+// §3), shared by kpool.cu (pooled keys) and query.cuh (queries).
 //
 // A warp owns one row; lane l owns dims 4l .. 4l+3 (one 8-byte bf16 load, one 4-byte fp8
 // store). The arithmetic is the stock Triton kernels' PTX (SPEC §11.1), pinned with
@@ -16,11 +16,11 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace glm5 {
 
-constexpr int kDim = 128;                  // head dim = Hadamard size
-constexpr int kLanes = 32;                 // one warp per row
-constexpr int kPerLane = kDim / kLanes;    // 4 dims per lane
+constexpr int kPerLane = kDim / kWarp;    // 4 dims per lane (one warp per row)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr uint32_t kInvSqrtDimBits = 0x3DB504F3u;  // fp32(1/sqrt(128))
 constexpr uint32_t kInvFp8MaxBits = 0x3B124925u;   // fp32(1/448)

@@ -1,4 +1,4 @@
-// kpool_update (SPEC §3): per request, in token order, stash each token's key/gate score in
+// kpool_update (SPEC §3): per request, in token order, stash each token's key and gate in
 // the request's tail ring and, when a token completes a pool (pos % 4 == 3), softmax-pool the
 // pool's four tokens, rotate (Hadamard-128), quantise to e4m3 and write the entry at `loc`.
 //
@@ -6,10 +6,10 @@
 // ever reads back tail words it wrote itself. The arithmetic is the stock Triton kernel's PTX
 // (SPEC §11.1), pinned with explicit-rounding intrinsics and inline asm so nvcc cannot
 // contract or reassociate it:
-//   z   = add.rn(score, ape)                       e = ex2.approx(mul.rn(sub.rn(z, max), LOG2E))
+//   z   = add.rn(gate, ape)                        e = ex2.approx(mul.rn(sub.rn(z, max), LOG2E))
 //   den = add.rn chain from 0                      acc = fma.rn chain from +0
 //   y   = bf16(div.full(acc, den))
-// then the Hadamard + FP8 quantisation of hadamard_quant.cuh (shared with indexer.cu).
+// then the Hadamard + FP8 quantisation of hadamard_quant.cuh (shared with query.cuh).
 // Build without fast math: log2f must stay libdevice's polynomial (not lg2.approx) and the
 // bf16/e4m3 conversions round to nearest even.
 //
@@ -21,18 +21,16 @@
 
 #include <cstdint>
 #include <initializer_list>
-#include <limits>
-#include <string>
 #include <tuple>
 
 #include "common.h"
+#include "constants.h"
 #include "hadamard_quant.cuh"
 #include "handlers.h"
 
 namespace glm5 {
 namespace {
 
-constexpr int kPool = 4;                   // tokens per kpool entry
 constexpr int kEntryBytes = kDim + 4;      // fp8 bytes + 4 scale bytes per entry
 
 // Scale slot format (SPEC §0.1, D3).
@@ -44,13 +42,13 @@ struct UpdateArgs {
   // Read-only for the kernel's lifetime (never aliased with cache/tail): read via __ldg.
   const int32_t* tslot;      // [B, N]
   const uint16_t* key;       // bf16[B, N, 128]
-  const uint16_t* score;     // bf16[B, N, 128]
+  const uint16_t* gate;      // bf16[B, N, 128]
   const float* ape;          // f32[4, 128]
   const int32_t* loc;        // [B, N]
   const int32_t* pos;        // [B, N]
   int64_t capacity;          // pages * page: flat slots of the cache
   int64_t blocks;            // tail blocks
-  int32_t tokens;            // N
+  int32_t next_n;            // N
   int32_t ring;              // RING
   int32_t page;              // PAGE
 };
@@ -81,13 +79,13 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
 
 // ---------------------------------------------------------------------------------------------
 // The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
-// start+2 of the tail block at `block` with the current token (kw, sw), write entry `loc`.
+// start+2 of the tail block at `block` with the current token (kw, gw), write entry `loc`.
 template <ScaleMode kMode>
 __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
-                                                   int32_t start, uint2 kw, uint2 sw,
+                                                   int32_t start, uint2 kw, uint2 gw,
                                                    const float (&bias)[kPool][kPerLane],
                                                    int32_t loc, int lane) {
-  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> score rows
+  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> gate rows
   float k[kPool][kPerLane], z[kPool][kPerLane];
   for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
     const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
@@ -97,7 +95,7 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
     widen4(sr, z[p]);
   }
   widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
-  widen4(sw, z[kPool - 1]);
+  widen4(gw, z[kPool - 1]);
 
   float x[kPerLane];
 #pragma unroll
@@ -139,10 +137,10 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
 
 // Block `req` = request req; tokens in t order.
 template <ScaleMode kMode>
-__global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a) {
+__global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a) {
   const int lane = threadIdx.x;
   const int dim = kPerLane * lane;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * a.tokens;  // [B, N] row of req
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * a.next_n;  // [B, N] row of req
   // Unlike the seed (APE read before the wait, as a model weight), APE here is an ordinary
   // operand that the previous kernel may have produced, so every input is read after the wait.
   pdl_wait();
@@ -156,27 +154,27 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
   }
   const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
   const int64_t half = static_cast<int64_t>(a.ring) * kDim;
-  // [key | score][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
+  // [key | gate][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
   extern __shared__ uint2 staged[];
-  const int chunk = min(kLanes, a.tokens);
+  const int chunk = min(kWarp, a.next_n);
 
-  for (int32_t t0 = 0; t0 < a.tokens; t0 += kLanes) {
+  for (int32_t t0 = 0; t0 < a.next_n; t0 += kWarp) {
     // Lane u fetches token t0 + u's indices; the token loop broadcasts them.
     int32_t my_pos = -1, my_loc = -1, my_tslot = -1;
-    if (t0 + lane < a.tokens) {
+    if (t0 + lane < a.next_n) {
       my_pos = __ldg(a.pos + first + t0 + lane);
       my_loc = __ldg(a.loc + first + t0 + lane);
       my_tslot = __ldg(a.tslot + first + t0 + lane);
     }
-    const int count = min(kLanes, a.tokens - t0);
-    // Stage the chunk's key/score quads in shared memory with all loads in flight at once;
+    const int count = min(kWarp, a.next_n - t0);
+    // Stage the chunk's key/gate quads in shared memory with all loads in flight at once;
     // the token loop then waits on global memory only for the ring rows of completions.
     // Each lane reads back only its own slots (program order; no barrier needed).
 #pragma unroll 4
     for (int u = 0; u < count; ++u) {
       const int64_t tok = (first + t0 + u) * kDim + dim;
-      staged[u * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-      staged[(chunk + u) * kLanes + lane] = __ldg(reinterpret_cast<const uint2*>(a.score + tok));
+      staged[u * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+      staged[(chunk + u) * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
     }
 #pragma unroll 1
     for (int u = 0; u < count; ++u) {
@@ -185,15 +183,15 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
       const int32_t tslot = __shfl_sync(kFullMask, my_tslot, u);
       const int64_t blk = max(tslot, 0) / a.ring;
       if (pos < 0 || blk >= a.blocks) continue;  // padding; tail block past the buffer
-      const uint2 kw = staged[u * kLanes + lane];
-      const uint2 sw = staged[(chunk + u) * kLanes + lane];
+      const uint2 kw = staged[u * kWarp + lane];
+      const uint2 gw = staged[(chunk + u) * kWarp + lane];
       uint16_t* const block = a.tail + blk * block_elems + dim;
       if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
-        compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, sw, bias, loc, lane);
+        compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, gw, bias, loc, lane);
       if (tslot >= 0) {  // stash after the completion read
         const int64_t row = static_cast<int64_t>(pos % a.ring) * kDim;
         *reinterpret_cast<uint2*>(block + row) = kw;
-        *reinterpret_cast<uint2*>(block + half + row) = sw;
+        *reinterpret_cast<uint2*>(block + half + row) = gw;
       }
       // Each lane reads back only its own words, so program order already orders this
       // token's stash before the next token's ring reads; the barrier keeps the warp's
@@ -203,57 +201,57 @@ __global__ void __launch_bounds__(kLanes) kpool_update_kernel(const UpdateArgs a
   }
 }
 
-// Dynamic shared memory of the kernel: the key/score quads of up to 32 tokens.
-size_t stage_bytes(int64_t tokens) {
-  return 2 * static_cast<size_t>(tokens < kLanes ? tokens : kLanes) * kLanes * sizeof(uint2);
+// Dynamic shared memory of the kernel: the key/gate quads of up to 32 tokens of a request.
+size_t stage_bytes(int64_t next_n) {
+  return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
 
 ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                            ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
-                           ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> score,
+                           ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> gate,
                            ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc,
                            ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR3<ffi::U8> kv_out,
-                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale) {
-  auto fail = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("glm5_kpool_update: ") + what);
-  };
+                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale,
+                           bool pdl) {
+  const Check check{targets::glm5_kpool_update};
   const auto cd = kv_cache.dimensions();
   const auto td = tail.dimensions();
   const auto kd = key.dimensions();
   const int64_t pages = cd[0], page = cd[1], blocks = td[0], ring = td[2];
-  const int64_t requests = kd[0], tokens = kd[1];
-  if (cd[2] != kEntryBytes) return fail("kv_cache must be u8[pages, PAGE, 132]");
-  if (td[1] != 2 || td[3] != kDim) return fail("tail must be bf16[blocks, 2, RING, 128]");
-  if (ring < kPool || ring % kPool != 0 || ring > std::numeric_limits<int32_t>::max())
-    return fail("tail ring size (dim 2) must be a positive multiple of 4");
-  if (page > std::numeric_limits<int32_t>::max()) return fail("PAGE too large");
-  if (kd[2] != kDim) return fail("key must be bf16[B, N, 128]");
-  const auto sd = score.dimensions();
-  if (sd[0] != requests || sd[1] != tokens || sd[2] != kDim)
-    return fail("score must have key's shape [B, N, 128]");
+  const int64_t requests = kd[0], next_n = kd[1];
+  if (cd[2] != kEntryBytes) return check.fail("kv_cache must be u8[pages, PAGE, 132]");
+  if (td[1] != 2 || td[3] != kDim) return check.fail("tail must be bf16[blocks, 2, RING, 128]");
+  if (ring < kPool || ring % kPool != 0 || ring > kI32Max)
+    return check.fail("tail ring size (dim 2) must be a positive multiple of 4");
+  if (page > kI32Max) return check.fail("PAGE too large");
+  if (kd[2] != kDim) return check.fail("key must be bf16[B, N, 128]");
+  const auto gd = gate.dimensions();
+  if (gd[0] != requests || gd[1] != next_n || gd[2] != kDim)
+    return check.fail("gate must have key's shape [B, N, 128]");
   const auto ad = ape.dimensions();
-  if (ad[0] != kPool || ad[1] != kDim) return fail("ape must be f32[4, 128]");
+  if (ad[0] != kPool || ad[1] != kDim) return check.fail("ape must be f32[4, 128]");
   for (const auto* idx : {&tslot, &loc, &pos}) {
     const auto d = idx->dimensions();
-    if (d[0] != requests || d[1] != tokens) return fail("tslot, loc and pos must be s32[B, N]");
+    if (d[0] != requests || d[1] != next_n)
+      return check.fail("tslot, loc and pos must be s32[B, N]");
   }
   const auto od = kv_out->dimensions();
   const auto ud = tail_out->dimensions();
   for (int i = 0; i < 3; ++i)
-    if (od[i] != cd[i]) return fail("kv_cache result shape differs from the operand");
+    if (od[i] != cd[i]) return check.fail("kv_cache result shape differs from the operand");
   for (int i = 0; i < 4; ++i)
-    if (ud[i] != td[i]) return fail("tail result shape differs from the operand");
-  if (!round_scale && ue8m0) return fail("round_scale=false needs the fp32 scale format");
+    if (ud[i] != td[i]) return check.fail("tail result shape differs from the operand");
+  if (!round_scale && ue8m0) return check.fail("round_scale=false needs the fp32 scale format");
   // Vector accesses: 16 B APE rows, 8 B bf16 quads, 4 B fp8/scale words (XLA buffers are
   // at least 16 B aligned; checked so that a violation fails here, not as a device fault).
   if (!aligned(ape.untyped_data(), 16) || !aligned(key.untyped_data(), 8) ||
-      !aligned(score.untyped_data(), 8) || !aligned(tail_out->untyped_data(), 8) ||
+      !aligned(gate.untyped_data(), 8) || !aligned(tail_out->untyped_data(), 8) ||
       !aligned(kv_out->untyped_data(), 4))
-    return fail("operand buffers are not aligned (ape 16 B; key, score, tail 8 B; kv_cache 4 B)");
-  if (requests > std::numeric_limits<int32_t>::max() ||
-      tokens > std::numeric_limits<int32_t>::max())
-    return fail("too many requests or tokens for one grid");
-  if (requests == 0 || tokens == 0) return ffi::Error::Success();
+    return check.fail(
+        "operand buffers are not aligned (ape 16 B; key, gate, tail 8 B; kv_cache 4 B)");
+  if (requests > kI32Max || next_n > kI32Max)
+    return check.fail("too many requests or next_n for one grid");
+  if (requests == 0 || next_n == 0) return ffi::Error::Success();
   // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
   // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
   // call on jax 0.11.2): then the result starts as a copy of the operand (stream-ordered,
@@ -265,7 +263,7 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
                                             tail.size_bytes()}}) {
     if (dst == src || bytes == 0) continue;
     cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return cuda_status("glm5_kpool_update", err);
+    if (err != cudaSuccess) return check.cuda(err);
     copied = true;
   }
 
@@ -274,22 +272,22 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
   args.tail = reinterpret_cast<uint16_t*>(tail_out->typed_data());
   args.tslot = tslot.typed_data();
   args.key = reinterpret_cast<const uint16_t*>(key.typed_data());
-  args.score = reinterpret_cast<const uint16_t*>(score.typed_data());
+  args.gate = reinterpret_cast<const uint16_t*>(gate.typed_data());
   args.ape = ape.typed_data();
   args.loc = loc.typed_data();
   args.pos = pos.typed_data();
   args.capacity = pages * page;
   args.blocks = blocks;
-  args.tokens = static_cast<int32_t>(tokens);
+  args.next_n = static_cast<int32_t>(next_n);
   args.ring = static_cast<int32_t>(ring);
   args.page = static_cast<int32_t>(page);
 
   auto kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
                 : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kLanes),
-                           stage_bytes(tokens), stream, /*pdl=*/!copied, args);
-  return cuda_status("glm5_kpool_update", err);
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kWarp),
+                           stage_bytes(next_n), stream, pdl && !copied, args);
+  return check.cuda(err);
 }
 
 }  // namespace
@@ -303,12 +301,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5KpoolUpdate, glm5::KpoolUpdateImpl,
                                   .Arg<ffi::BufferR4<ffi::BF16>>()  // tail
                                   .Arg<ffi::BufferR2<ffi::S32>>()   // tslot
                                   .Arg<ffi::BufferR3<ffi::BF16>>()  // key
-                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // score
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // gate
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // ape
                                   .Arg<ffi::BufferR2<ffi::S32>>()   // loc
                                   .Arg<ffi::BufferR2<ffi::S32>>()   // pos
                                   .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
                                   .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
                                   .Attr<bool>("ue8m0")              // ue8m0
-                                  .Attr<bool>("round_scale"),       // round_scale
+                                  .Attr<bool>("round_scale")        // round_scale
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,19 +1,19 @@
 // indexer_projection (SPEC §1): x bf16[M, K] @ w_cat bf16[N = 256 + H, K]^T, written as
-// key bf16[M, 128] (rows 0..127), head weights f32[M, H] (rows 128..127+H) and gate
+// key bf16[M, 128] (w_cat rows 0..127), head_w f32[M, H] (rows 128..127+H) and gate
 // bf16[M, 128] (the last 128 rows): fp32 sums of exact bf16 products, one RNE rounding to
-// bf16 for key and gate, none for the head weights.
+// bf16 for key and gate, none for head_w.
 //
 // The GEMM core and its order of sums (fixed, so a tactic gives the same bits on every run)
 // are in projection.cuh: grid (split, N / 16, ceil(M / 128)), each warp a span of K, its sums
-// added in warp order in shared memory; the `split` CTAs of one row tile form a thread-block
+// added in warp order in shared memory; the `split` CTAs of one N tile form a thread-block
 // cluster that splits K, and the cluster adds its CTAs' sums in rank order over DSMEM. The
-// tactic (warps, split) changes the order, hence the bits within the fp32 tolerance.
+// tactic (warps, split) changes the order, hence the bits within the fp32 tolerance. It is
+// chosen in Python at lowering (shapes are static there) and arrives as the attributes warps
+// and split; the handler only validates it (check_tactic).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
-#include <string>
 
 #include "common.h"
 #include "handlers.h"
@@ -26,49 +26,47 @@ namespace cg = cooperative_groups;
 
 using namespace gemm;
 
-constexpr int kMaxSplit = 8;                // portable cluster size
-
 struct ProjectionArgs {
   Gemm gemm;              // x bf16[M, K], w bf16[256 + H, K]
   uint16_t* key;          // bf16[M, 128]
-  float* weights;         // f32[M, H]
+  float* head_w;          // f32[M, H]
   uint16_t* gate;         // bf16[M, 128]
   int32_t heads;          // H
 };
 
-// Element (token t, row) of the product, row uniform over the CTA's region.
-__device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_t row,
+// Element (token t, output n) of the product, n uniform over the CTA's region.
+__device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_t n,
                                       float total) {
-  if (row < kKeyRows)
-    a.key[t * kKeyRows + row] = bf16_bits(total);
-  else if (row < kKeyRows + a.heads)
-    a.weights[t * a.heads + (row - kKeyRows)] = total;
+  if (n < kKeyRows)
+    a.key[t * kKeyRows + n] = bf16_bits(total);
+  else if (n < kKeyRows + a.heads)
+    a.head_w[t * a.heads + (n - kKeyRows)] = total;
   else
-    a.gate[t * kKeyRows + (row - kKeyRows - a.heads)] = bf16_bits(total);
+    a.gate[t * kKeyRows + (n - kKeyRows - a.heads)] = bf16_bits(total);
 }
 
-// partial: f32[warps][chunk_pad][16] (token-major, row fastest), in dynamic shared memory.
+// partial: f32[warps][chunk_pad][16] (token-major, n fastest), in dynamic shared memory.
 template <int kBlocks, bool kStaged>
-__global__ void __launch_bounds__(kMaxWarps * kLanes)
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_kernel(const ProjectionArgs a) {
   extern __shared__ float partial[];
   const cg::cluster_group cluster = cg::this_cluster();
   const int split = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int warps = blockDim.x / kLanes;
-  const int32_t row0 = blockIdx.y * kRows;
+  const int warps = blockDim.x / kWarp;
+  const int32_t n0 = blockIdx.y * kTileN;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
-  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
-  const int warp = threadIdx.x / kLanes;
-  project<kBlocks, kStaged>(a.gemm, partial, row0, rank * warps + warp, chunk0, chunk);
+  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.rows - chunk0));
+  const int warp = threadIdx.x / kWarp;
+  project<kBlocks, kStaged>(a.gemm, partial, n0, rank * warps + warp, chunk0, chunk);
   __syncthreads();
 
   // The CTA's sums into warp 0's slab (each element read and written by one thread).
-  const int elements = chunk * kRows;
+  const int elements = chunk * kTileN;
   for (int e = threadIdx.x; e < elements; e += blockDim.x) {
     const float total = warp_total(partial, a.gemm, warps, e);
     if (split == 1)
-      store(a, chunk0 + e / kRows, row0 + e % kRows, total);
+      store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
     else
       partial[e] = total;
   }
@@ -79,7 +77,7 @@ __global__ void __launch_bounds__(kMaxWarps * kLanes)
   for (int e = threadIdx.x * split + rank; e < elements; e += blockDim.x * split) {
     float total = *cluster.map_shared_rank(partial + e, 0);
     for (int c = 1; c < split; ++c) total += *cluster.map_shared_rank(partial + e, c);
-    store(a, chunk0 + e / kRows, row0 + e % kRows, total);
+    store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
   }
   cluster.sync();  // keep this CTA's sums alive until the cluster has read them
 }
@@ -91,82 +89,65 @@ struct Pick {
   static constexpr Kernel kernel = indexer_projection_kernel<kBlocks, kStaged>;
 };
 
-struct Tactic {
-  int warps, split;
-};
-
-// (warps, split) by token count, from the H200 sweep (BENCHMARKS.md, K 4096, H 32): 8 warps
-// and a cluster of 4 up to 32 tokens (fastest at M 1-16), a cluster of 8 past that (fastest
-// at M 64: more CTAs to overlap the x reads) when K allows.
-Tactic auto_tactic(int64_t tokens, int64_t k) {
-  if (tokens > 32 && k % (kBlockK * 8 * kMaxSplit) == 0) return {8, kMaxSplit};
-  return {8, 4};
-}
-
-ffi::Error ProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
-                          ffi::BufferR2<ffi::BF16> w_cat, ffi::ResultBufferR2<ffi::BF16> key,
-                          ffi::ResultBufferR2<ffi::F32> weights,
-                          ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps, int32_t split) {
-  auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("glm5_indexer_projection: " + what);
-  };
+ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
+                                 ffi::BufferR2<ffi::BF16> w_cat,
+                                 ffi::ResultBufferR2<ffi::BF16> key,
+                                 ffi::ResultBufferR2<ffi::F32> head_w,
+                                 ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps,
+                                 int32_t split, bool pdl) {
+  const Check check{targets::glm5_indexer_projection};
   const auto xd = x.dimensions();
-  const int64_t tokens = xd[0], k = xd[1];
-  const auto wd = weights->dimensions();
+  const int64_t rows = xd[0], k = xd[1];
+  const auto wd = head_w->dimensions();
   const int64_t heads = wd[1];
-  if (wd[0] != tokens || heads <= 0 || heads % kRows != 0)
-    return fail("head weights result must be f32[M, H] with H % 16 == 0");
+  if (wd[0] != rows || heads <= 0 || heads % kTileN != 0)
+    return check.fail("head_w result must be f32[M, H] with H % 16 == 0");
   const auto cd = w_cat.dimensions();
   if (cd[0] != 2 * kKeyRows + heads || cd[1] != k)
-    return fail("w_cat must be bf16[256 + H, K]");
+    return check.fail("w_cat must be bf16[256 + H, K]");
   const auto kd = key->dimensions(), gd = gate->dimensions();
-  if (kd[0] != tokens || kd[1] != kKeyRows || gd[0] != tokens || gd[1] != kKeyRows)
-    return fail("key and gate results must be bf16[M, 128]");
-  if (heads > std::numeric_limits<int32_t>::max() / 2) return fail("too many heads");
+  if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
+    return check.fail("key and gate results must be bf16[M, 128]");
+  if (heads > kI32Max / 2) return check.fail("too many heads");
 
-  Tactic t = auto_tactic(tokens, k);
-  if (warps != 0 || split != 0) {
-    if (warps < 1 || warps > kMaxWarps || split < 1 || split > kMaxSplit)
-      return fail("attributes warps must be in 1..8 and split in 1..8 (or both 0: automatic)");
-    t = {warps, split};
-  }
-  const Staging st = tile_k(k, t.warps, t.split);
-  if (st.blocks == 0) return fail(tiling_error(k, t.warps, t.split));
+  const ffi::ErrorOr<Staging> st = check_tactic(check, k, warps, split, kMaxSplit);
+  if (st.has_error()) return st.error();
   if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16))
-    return fail("x and w_cat must be 16 B aligned");
-  if (tokens == 0) return ffi::Error::Success();
-  const int64_t chunks = (tokens + kChunk - 1) / kChunk;
-  if (chunks > 65535) return fail("too many tokens for one grid");
+    return check.fail("x and w_cat must be 16 B aligned");
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t chunks = (rows + kChunk - 1) / kChunk;
+  if (chunks > 65535) return check.fail("too many rows for one grid");
 
   ProjectionArgs args;
-  args.gemm = make_gemm(x.untyped_data(), w_cat.untyped_data(), tokens, k, st.stages);
+  args.gemm = make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st->stages);
   args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
-  args.weights = weights->typed_data();
+  args.head_w = head_w->typed_data();
   args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   args.heads = static_cast<int32_t>(heads);
 
-  const Kernel kernel = pick_kernel<Kernel, Pick>(st);
-  const size_t smem = partial_bytes(args.gemm, t.warps);
+  const Kernel kernel = pick_kernel<Kernel, Pick>(*st);
+  const size_t smem = partial_bytes(args.gemm, warps);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess)
-    return cuda_status("glm5_indexer_projection", err);
-  const dim3 grid(static_cast<unsigned>(t.split), static_cast<unsigned>(cd[0] / kRows),
+    return check.cuda(err);
+  const dim3 grid(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
                   static_cast<unsigned>(chunks));
-  cudaError_t err = launch_cluster(kernel, grid, dim3(t.warps * kLanes), smem, stream,
-                                   /*pdl=*/true, static_cast<unsigned>(t.split), args);
-  return cuda_status("glm5_indexer_projection", err);
+  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream, pdl,
+                                   static_cast<unsigned>(split), args);
+  return check.cuda(err);
 }
 
 }  // namespace
 }  // namespace glm5
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjection, glm5::ProjectionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjection, glm5::IndexerProjectionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // x
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // w_cat
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // key
-                                  .Ret<ffi::BufferR2<ffi::F32>>()         // head weights
+                                  .Ret<ffi::BufferR2<ffi::F32>>()         // head_w
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // gate
                                   .Attr<int32_t>("warps")
-                                  .Attr<int32_t>("split"),
+                                  .Attr<int32_t>("split")
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,12 +1,12 @@
-// The indexer projection's GEMM core (SPEC §1), shared by projection.cu and fused.cu so that
-// both produce every fp32 sum in the same order for the same tactic (warps, split).
+// The indexer projection's GEMM core (SPEC §1), shared by projection.cu and projection_fused.cu
+// so that both produce every fp32 sum in the same order for the same tactic (warps, split).
 //
-// Swap-AB on mma.sync m16n8k16 (bf16 in, fp32 accumulate): 16 weight rows are the A side,
-// 8 tokens the B side. A warp owns a span of stages * kBlocks * 32 consecutive K (part
-// `part` = rank * warps + warp of K). The dot product does not care which K a fragment slot
-// stands for (A and B only have to agree), so in every 32-wide K block lane (g, q) =
-// (lane / 4, lane % 4) loads the 16 contiguous bytes at K offset 8q of weight rows g and
-// g + 8 and of token g; words 0-1 feed one mma, words 2-3 the next.
+// Swap-AB on mma.sync m16n8k16 (bf16 in, fp32 accumulate): 16 rows of w_cat (outputs n) are
+// the A side, 8 token rows of x the B side. A warp owns a span of stages * kBlocks * 32
+// consecutive K (part `part` = rank * warps + warp of K). The dot product does not care which
+// K a fragment slot stands for (A and B only have to agree), so in every 32-wide K block lane
+// (g, q) = (lane / 4, lane % 4) loads the 16 contiguous bytes at K offset 8q of weight rows g
+// and g + 8 and of token row g; words 0-1 feed one mma, words 2-3 the next.
 //
 // Order of a warp's sum: its K blocks in order through one accumulator per 8-token tile; a
 // span longer than kBlocks (the weights a warp holds in registers) runs in stages whose
@@ -22,19 +22,22 @@
 #include <utility>
 
 #include "common.h"
+#include "constants.h"
 
 namespace glm5 {
 namespace gemm {
 
-constexpr int kLanes = 32;
-constexpr int kRows = 16;                   // weight rows per CTA (mma M)
-constexpr int kTile = 8;                    // tokens per mma (mma N)
-constexpr int kStep = 2 * kTile;            // tokens a warp handles per loop step
-constexpr int kChunk = 128;                 // tokens per CTA; grid z covers more
+constexpr int kTileN = 16;                  // w_cat rows (outputs n) per CTA (mma M)
+constexpr int kTile = 8;                    // token rows per mma (mma N)
+constexpr int kStep = 2 * kTile;            // token rows a warp handles per loop step
+constexpr int kChunk = 128;                 // token rows per CTA; grid z covers more
 constexpr int kBlockK = 32;                 // K per fragment block (two mma K steps)
 constexpr int kMaxBlocks = 8;               // K blocks per warp and stage, held in registers
-constexpr int kMaxWarps = 8;
-constexpr int kKeyRows = 128;               // key rows = gate rows = head dim
+constexpr int kMaxStages = 1 << 20;         // stages of kMaxBlocks (bounds the int32 stages)
+constexpr int kMaxWarps = 8;                // warps per CTA (attribute warps)
+constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (attribute split):
+                                            // the portable cluster size
+constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
 constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic smem without opting in
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
@@ -42,10 +45,10 @@ static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
 struct Gemm {
   const uint16_t* x;      // bf16[M, K]
   const uint16_t* w;      // bf16[N, K]
-  int64_t tokens;         // M
+  int64_t rows;           // M
   int64_t k;              // K
   int32_t stages;         // stages of kBlocks K blocks per warp
-  int32_t chunk_pad;      // min(M, kChunk) rounded up to kStep: smem tokens per warp
+  int32_t chunk_pad;      // min(M, kChunk) rounded up to kStep: smem token rows per warp
 };
 
 // 16 bytes of weights, streamed once: no L1 allocation.
@@ -57,7 +60,7 @@ __device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
   return v;
 }
 
-// c += A (16 rows x 16 K, bf16) * B (16 K x 8 tokens, bf16), fp32.
+// c += A (16 outputs n x 16 K, bf16) * B (16 K x 8 token rows, bf16), fp32.
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -66,7 +69,7 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One 32-wide K block: rows g (lo) and g + 8 (hi) against token g's words x.
+// One 32-wide K block: outputs g (lo) and g + 8 (hi) against token row g's words x.
 __device__ __forceinline__ void mma_block(float (&c)[4], const uint4& lo, const uint4& hi,
                                           const uint4& x) {
   mma(c, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
@@ -77,11 +80,11 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
-// Lane (g, q)'s weights of rows row0 + g and row0 + g + 8 for the kBlocks K blocks from k0.
+// Lane (g, q)'s weights of w_cat rows n0 + g and n0 + g + 8, kBlocks K blocks from k0.
 template <int kBlocks>
 __device__ __forceinline__ void load_weights(uint4 (&lo)[kBlocks], uint4 (&hi)[kBlocks],
-                                             const Gemm& a, int32_t row0, int64_t k0, int g) {
-  const uint16_t* w_lo = a.w + (row0 + g) * a.k + k0;
+                                             const Gemm& a, int32_t n0, int64_t k0, int g) {
+  const uint16_t* w_lo = a.w + (n0 + g) * a.k + k0;
   const uint16_t* w_hi = w_lo + kTile * a.k;
 #pragma unroll
   for (int b = 0; b < kBlocks; ++b) {
@@ -96,28 +99,28 @@ template <int kBlocks>
 __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uint4 (&lo)[kBlocks],
                                            const uint4 (&hi)[kBlocks], int64_t k0,
                                            int64_t chunk0, int chunk, bool resume) {
-  const int lane = threadIdx.x % kLanes, g = lane / 4, q = lane % 4;
+  const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
 #pragma unroll 1
   for (int s = 0; s < chunk; s += kStep) {
-    // Tokens past the end repeat the last one; their sums are not stored.
+    // Token rows past the end repeat the last one; their sums are not stored.
     uint4 xv[2][kBlocks];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t t = min(chunk0 + s + h * kTile + g, a.tokens - 1);
+      const int64_t t = min(chunk0 + s + h * kTile + g, a.rows - 1);
       const uint4* px = reinterpret_cast<const uint4*>(a.x + t * a.k + k0);
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
     }
-    // c[h] = rows (g, g + 8) x tokens (2q, 2q + 1) of tile h.
+    // c[h] = outputs (g, g + 8) x token rows (2q, 2q + 1) of tile h.
     float c[2][4] = {};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float* in = mine + (s + h * kTile + 2 * q) * kRows + g;
+      const float* in = mine + (s + h * kTile + 2 * q) * kTileN + g;
       if (resume) {
         c[h][0] = in[0];
-        c[h][1] = in[kRows];
+        c[h][1] = in[kTileN];
         c[h][2] = in[kTile];
-        c[h][3] = in[kRows + kTile];
+        c[h][3] = in[kTileN + kTile];
       }
     }
 #pragma unroll
@@ -127,90 +130,103 @@ __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uin
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float* const out = mine + (s + h * kTile + 2 * q) * kRows + g;
+      float* const out = mine + (s + h * kTile + 2 * q) * kTileN + g;
       out[0] = c[h][0];
-      out[kRows] = c[h][1];
+      out[kTileN] = c[h][1];
       out[kTile] = c[h][2];
-      out[kRows + kTile] = c[h][3];
+      out[kTileN + kTile] = c[h][3];
     }
   }
 }
 
-// The warp's sums of rows row0 .. row0 + 15 over its K part `part` for tokens chunk0 ..
-// chunk0 + chunk - 1, into its slab of partial f32[warps][chunk_pad][16] (token-major, row
+// The warp's sums of outputs n0 .. n0 + 15 over its K part `part` for token rows chunk0 ..
+// chunk0 + chunk - 1, into its slab of partial f32[warps][chunk_pad][16] (token-major, n
 // fastest). kStaged: a.stages stages of kBlocks blocks (a separate instantiation, so that the
 // one-stage kernels keep their registers). Programmatic dependent launch: the first stage's
 // weights (model parameters, not written by the preceding kernel) are loaded before
 // pdl_wait(); x is read after it.
 template <int kBlocks, bool kStaged>
-__device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t row0, int part,
+__device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n0, int part,
                                         int64_t chunk0, int chunk) {
-  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, q = lane % 4;
   const int64_t stage_k = kBlocks * kBlockK;
   const int64_t k0 = part * (kStaged ? a.stages * stage_k : stage_k) + 8 * q;
-  float* const mine = partial + warp * a.chunk_pad * kRows;
+  float* const mine = partial + warp * a.chunk_pad * kTileN;
   uint4 lo[kBlocks], hi[kBlocks];
-  load_weights(lo, hi, a, row0, k0, g);
+  load_weights(lo, hi, a, n0, k0, g);
   pdl_wait();
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   accumulate(a, mine, lo, hi, k0, chunk0, chunk, false);
   if constexpr (kStaged) {
 #pragma unroll 1
     for (int stage = 1; stage < a.stages; ++stage) {
-      load_weights(lo, hi, a, row0, k0 + stage * stage_k, g);
+      load_weights(lo, hi, a, n0, k0 + stage * stage_k, g);
       accumulate(a, mine, lo, hi, k0 + stage * stage_k, chunk0, chunk, true);
     }
   }
 }
 
-// Element e = (token, row) of the CTA's tile summed over its warps in warp order (after a
+// Element e = (token, n) of the CTA's tile summed over its warps in warp order (after a
 // __syncthreads() past project()).
 __device__ __forceinline__ float warp_total(const float* partial, const Gemm& a, int warps,
                                             int e) {
   float total = partial[e];
-  for (int v = 1; v < warps; ++v) total += partial[v * a.chunk_pad * kRows + e];
+  for (int v = 1; v < warps; ++v) total += partial[v * a.chunk_pad * kTileN + e];
   return total;
 }
 
 // K blocks per stage (1..kMaxBlocks) and stages when `warps * split` warps split K: one stage
-// of 1..kMaxBlocks blocks, or whole stages of kMaxBlocks; {0, 0} when K does not tile.
+// of 1..kMaxBlocks blocks, or whole stages of kMaxBlocks.
 struct Staging {
   int blocks, stages;
 };
 
-inline Staging tile_k(int64_t k, int warps, int split) {
+// The tactic (warps, split) arrives as attributes, chosen in Python at lowering; C++ only
+// validates it: warps in 1..kMaxWarps, split in 1..max_split (the fused kernel has no split
+// attribute: max_split 1), and 32 * warps * split * blocks = K with blocks in 1..kMaxBlocks
+// or a multiple of kMaxBlocks (at most kMaxStages stages). Returns the staging of K.
+inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t warps,
+                                          int32_t split, int32_t max_split) {
+  if (warps < 1 || warps > kMaxWarps)
+    return ffi::Unexpected(check.fail("attribute warps = " + std::to_string(warps) +
+                                      " must be in 1.." + std::to_string(kMaxWarps)));
+  if (split < 1 || split > max_split)
+    return ffi::Unexpected(check.fail("attribute split = " + std::to_string(split) +
+                                      " must be in 1.." + std::to_string(max_split)));
   const int64_t per_warp = int64_t{kBlockK} * warps * split;
   const int64_t blocks = k / per_warp;
-  if (k % per_warp != 0 || blocks < 1) return {0, 0};
-  if (blocks <= kMaxBlocks) return {static_cast<int>(blocks), 1};
-  if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= (1 << 20))
-    return {kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
-  return {0, 0};
-}
-
-inline std::string tiling_error(int64_t k, int warps, int split) {
-  return "K = " + std::to_string(k) + " is not 32 * warps * split * blocks with blocks in " +
-         "1..8 or a multiple of 8 (warps " + std::to_string(warps) + ", split " +
-         std::to_string(split) + ")";
+  if (k % per_warp == 0 && blocks >= 1) {
+    if (blocks <= kMaxBlocks) return Staging{static_cast<int>(blocks), 1};
+    if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= kMaxStages)
+      return Staging{kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
+  }
+  const std::string tactic =
+      max_split == 1 ? "attribute warps = " + std::to_string(warps) + " does not"
+                     : "attributes warps = " + std::to_string(warps) + ", split = " +
+                           std::to_string(split) + " do not";
+  return ffi::Unexpected(check.fail(
+      tactic + " tile K = " + std::to_string(k) + ": K must be 32 * warps * split * blocks " +
+      "with blocks in 1.." + std::to_string(kMaxBlocks) + " or a multiple of " +
+      std::to_string(kMaxBlocks)));
 }
 
 // The GEMM operands of a launch (chunk_pad from M).
-inline Gemm make_gemm(const void* x, const void* w, int64_t tokens, int64_t k, int stages) {
+inline Gemm make_gemm(const void* x, const void* w, int64_t rows, int64_t k, int stages) {
   Gemm a;
   a.x = static_cast<const uint16_t*>(x);
   a.w = static_cast<const uint16_t*>(w);
-  a.tokens = tokens;
+  a.rows = rows;
   a.k = k;
   a.stages = stages;
-  a.chunk_pad = static_cast<int32_t>((std::min<int64_t>(tokens, kChunk) + kStep - 1) / kStep *
+  a.chunk_pad = static_cast<int32_t>((std::min<int64_t>(rows, kChunk) + kStep - 1) / kStep *
                                      kStep);
   return a;
 }
 
 // Bytes of partial f32[warps][chunk_pad][16].
 inline size_t partial_bytes(const Gemm& a, int warps) {
-  return sizeof(float) * warps * a.chunk_pad * kRows;
+  return sizeof(float) * warps * a.chunk_pad * kTileN;
 }
 
 // Lets `kernel` take `smem` bytes of dynamic shared memory (past the default 48 KiB).

@@ -1,5 +1,6 @@
-// The query epilogue's arithmetic (SPEC §2), shared by indexer.cu (indexer_query) and fused.cu
-// (indexer_projection_fused) so that both give the same bits from the same inputs.
+// The query epilogue's arithmetic (SPEC §2), shared by query.cu (indexer_query) and
+// projection_fused.cu (indexer_projection_fused) so that both give the same bits from the same
+// inputs.
 //
 // q row (2b, 2c): a warp runs the Hadamard + FP8 of hadamard_quant.cuh with the power-of-two
 // scale 2^E (E = ceil(libdevice log2f(v))) on one (token, head) row, lane l storing the 4 e4m3
@@ -24,28 +25,27 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
-#include <string>
 
 #include "common.h"
+#include "constants.h"
 #include "hadamard_quant.cuh"
 
 namespace glm5 {
 
 constexpr int kGroups = 16;                     // LayerNorm groups
 constexpr int kGroupDims = kDim / kGroups;      // 8 dims per group
-constexpr int kHalf = kLanes / 2;               // a half-warp per token
+constexpr int kHalf = kWarp / 2;               // a half-warp per token
 
 static_assert(kGroups == kHalf, "a half-warp lane owns one LayerNorm group");
 static_assert(kGroupDims == 8, "a group is one 16-byte bf16 load");
 
-// w_out[row] (f32 | bf16 [M, padded]) = value.
+// w_out[q_row] (f32 | bf16 [M, padded]) = value.
 template <bool kBf16>
-__device__ __forceinline__ void store_weight(void* w_out, int64_t row, float value) {
+__device__ __forceinline__ void store_w_out(void* w_out, int64_t q_row, float value) {
   if constexpr (kBf16)
-    static_cast<__nv_bfloat16*>(w_out)[row] = __float2bfloat16_rn(value);
+    static_cast<__nv_bfloat16*>(w_out)[q_row] = __float2bfloat16_rn(value);
   else
-    static_cast<float*>(w_out)[row] = value;
+    static_cast<float*>(w_out)[q_row] = value;
 }
 
 // The lane's 8 bytes (dims 4 lane .. 4 lane + 3) of a head's q bf16[128].
@@ -53,24 +53,25 @@ __device__ __forceinline__ uint2 load_query(const uint16_t* q, int lane) {
   return __ldg(reinterpret_cast<const uint2*>(q) + lane);
 }
 
-// Row `row` of q_fp8 (e4m3[M, padded, 128] as 32 words per row) and w_out from the head's q
-// (the lane's load_query words) and weight w (used by lane 0). The whole warp must be converged.
+// q row `q_row` of q_fp8 (e4m3[M, padded, 128] as 32 words per row) and w_out from the head's
+// q (the lane's load_query words) and head weight w (used by lane 0). The whole warp must be
+// converged.
 template <bool kBf16>
 __device__ __forceinline__ void query_row(uint2 q, float w, uint32_t* q_out, void* w_out,
-                                          int64_t row, float scale, int lane) {
+                                          int64_t q_row, float scale, int lane) {
   float x[kPerLane];
   widen4(q, x);
   hadamard128(x, lane);
   const float q_scale = pow2_scale(scale_exponent(plain_scale(normalise_amax(x))));
-  q_out[row * kLanes + lane] = quantise4(x, q_scale);
-  if (lane == 0) store_weight<kBf16>(w_out, row, __fmul_rn(__fmul_rn(w, q_scale), scale));
+  q_out[q_row * kWarp + lane] = quantise4(x, q_scale);
+  if (lane == 0) store_w_out<kBf16>(w_out, q_row, __fmul_rn(__fmul_rn(w, q_scale), scale));
 }
 
-// A padding head's row (SPEC 2d): zero bytes, w_out = 0.
+// A padding head's q row (SPEC 2d): zero bytes, w_out = 0.
 template <bool kBf16>
-__device__ __forceinline__ void zero_row(uint32_t* q_out, void* w_out, int64_t row, int lane) {
-  q_out[row * kLanes + lane] = 0u;
-  if (lane == 0) store_weight<kBf16>(w_out, row, 0.0f);
+__device__ __forceinline__ void zero_row(uint32_t* q_out, void* w_out, int64_t q_row, int lane) {
+  q_out[q_row * kWarp + lane] = 0u;
+  if (lane == 0) store_w_out<kBf16>(w_out, q_row, 0.0f);
 }
 
 // The LayerNorm of a half-warp's token: `raw` = its group's 8 bf16 (lane % 16 = group g), the
@@ -134,28 +135,29 @@ __device__ __forceinline__ uint4 layernorm_group(uint4 raw, const float* norm_we
 }
 
 // Checks the LayerNorm parameters f32[128] and the results q_fp8 e4m3[M, padded >= H, 128]
-// and w_out f32 | bf16 [M, padded]: sets `padded` and returns "", or says what is wrong.
-inline std::string check_query_buffers(ffi::BufferR1<ffi::F32>& norm_weight,
-                                       ffi::BufferR1<ffi::F32>& norm_bias,
-                                       ffi::Result<ffi::AnyBuffer>& q_out,
-                                       ffi::Result<ffi::AnyBuffer>& w_out, int64_t tokens,
-                                       int64_t heads, int64_t& padded) {
+// and w_out f32 | bf16 [M, padded] of M = `rows`; returns padded.
+inline ffi::ErrorOr<int64_t> check_query_buffers(const Check& check,
+                                                 ffi::BufferR1<ffi::F32>& norm_weight,
+                                                 ffi::BufferR1<ffi::F32>& norm_bias,
+                                                 ffi::Result<ffi::AnyBuffer>& q_out,
+                                                 ffi::Result<ffi::AnyBuffer>& w_out, int64_t rows,
+                                                 int64_t heads) {
   if (norm_weight.dimensions()[0] != kDim || norm_bias.dimensions()[0] != kDim)
-    return "norm_weight and norm_bias must be f32[128]";
+    return ffi::Unexpected(check.fail("norm_weight and norm_bias must be f32[128]"));
   // e4m3 has no native C++ type in the FFI headers: q_fp8 is bound as an AnyBuffer.
   const auto od = q_out->dimensions();
-  if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != tokens ||
+  if (q_out->element_type() != ffi::DataType::F8E4M3FN || od.size() != 3 || od[0] != rows ||
       od[1] < heads || od[2] != kDim)
-    return "q_fp8 result must be e4m3[M, padded >= H, 128]";
-  padded = od[1];
+    return ffi::Unexpected(check.fail("q_fp8 result must be e4m3[M, padded >= H, 128]"));
+  const int64_t padded = od[1];
   const auto wod = w_out->dimensions();
   const ffi::DataType wtype = w_out->element_type();
   if (wtype != ffi::DataType::F32 && wtype != ffi::DataType::BF16)
-    return "w_out result must be f32 or bf16";
-  if (wod.size() != 2 || wod[0] != tokens || wod[1] != padded)
-    return "w_out result must have shape [M, padded]";
-  if (padded > std::numeric_limits<int32_t>::max()) return "too many heads";
-  return "";
+    return ffi::Unexpected(check.fail("w_out result must be f32 or bf16"));
+  if (wod.size() != 2 || wod[0] != rows || wod[1] != padded)
+    return ffi::Unexpected(check.fail("w_out result must have shape [M, padded]"));
+  if (padded > kI32Max) return ffi::Unexpected(check.fail("too many heads"));
+  return padded;
 }
 
 }  // namespace glm5

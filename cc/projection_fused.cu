@@ -2,17 +2,18 @@
 // indexer_query in one launch: q_fp8 e4m3[M, padded, 128], w_out f32 | bf16 [M, padded],
 // key bf16[M, 128] (LayerNormed), gate bf16[M, 128].
 //
-// Grid (N / 16 row tiles padded to whole clusters of 8, 1, ceil(M / 128)), CTAs of `warps`
-// warps; tactic (warps, split 1): K is split over the warps only, so that the 8 key row tiles
-// fit one thread-block cluster. The row tiles, the K partition and the GEMM core
+// Grid (N / 16 tiles of w_cat rows padded to whole clusters of 8, 1, ceil(M / 128)), CTAs of
+// `warps` warps (the attribute warps, chosen in Python at lowering; validated here); tactic
+// (warps, split 1): K is split over the warps only, so that the 8 key tiles fit one
+// thread-block cluster. The tiles, the K partition and the GEMM core
 // (projection.cuh) are glm5_indexer_projection's at tactic (warps, 1), so every key, head
 // weight and gate sum is bit-identical to it; the epilogue is indexer_query's arithmetic
 // (query.cuh), so all four outputs equal glm5_indexer_projection + glm5_indexer_query at that
-// tactic bit for bit. Roles by row tile, for the CTA's chunk of tokens:
+// tactic bit for bit. Roles by tile, for the CTA's chunk of token rows:
 //   * tiles 0..7 (key rows 16j..16j+15, the first cluster): the bf16 key sums go to shared
 //     memory; after a cluster barrier, CTA j normalises token pairs j * warps + warp, ..., a
 //     half-warp per token whose lane g reads group g (dims 8g..8g+7) from CTA g / 2 over DSMEM.
-//   * head tiles (rows 128 + 16j ..): a warp per (token, head): its head weight sum, then the
+//   * head tiles (rows 128 + 16j ..): a warp per (token, head): its head_w sum, then the
 //     q row's Hadamard + FP8 and w_out; the first head tile also writes the padded heads.
 //   * gate tiles: bf16 gate; tiles past N (cluster padding) exit at once.
 // Programmatic dependent launch as in the projection: weights before pdl_wait(), x, q and the
@@ -21,7 +22,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <string>
 
 #include "common.h"
 #include "handlers.h"
@@ -37,14 +37,12 @@ using gemm::Gemm;
 using gemm::kChunk;
 using gemm::kKeyRows;
 using gemm::kMaxWarps;
-using gemm::kRows;
+using gemm::kTileN;
 
-constexpr int kKeyTiles = kKeyRows / kRows;    // key row tiles = CTAs per cluster
-constexpr int kAutoWarps = 8;                  // warps per CTA without a tactic
+constexpr int kKeyTiles = kKeyRows / kTileN;   // key tiles = CTAs per cluster
 constexpr int kRowBatch = 4;                   // q rows a warp loads at once
 
-static_assert(kKeyRows == kDim, "the key rows are the head dim");
-static_assert(kRows == 2 * kGroupDims, "a LayerNorm group is half a key row tile");
+static_assert(kTileN == 2 * kGroupDims, "a LayerNorm group is half a key tile");
 
 struct FusedArgs {
   Gemm gemm;                  // x bf16[M, K], w bf16[256 + H, K]
@@ -62,12 +60,12 @@ struct FusedArgs {
 };
 
 // Key tile `tile` of the first cluster: bf16 sums into keys bf16[chunk_pad][16], then the
-// LayerNorm of the chunk's tokens over the cluster's 8 tiles.
+// LayerNorm of the chunk's rows over the cluster's 8 tiles.
 __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partial, uint16_t* keys,
                                          int tile, int64_t chunk0, int chunk) {
   const cg::cluster_group cluster = cg::this_cluster();
-  const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  for (int e = threadIdx.x; e < chunk * kRows; e += blockDim.x)
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int e = threadIdx.x; e < chunk * kTileN; e += blockDim.x)
     keys[e] = gemm::bf16_bits(gemm::warp_total(partial, a.gemm, warps, e));
   cluster.sync();
   const int g = lane % kHalf;
@@ -76,7 +74,7 @@ __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partia
     const bool live = t < chunk;
     // Group g = rows 8 (g % 2) .. of key tile g / 2 (cluster rank g / 2).
     const uint4 raw = live ? *cluster.map_shared_rank(
-                                 reinterpret_cast<const uint4*>(keys + t * kRows) + g % 2, g / 2)
+                                 reinterpret_cast<const uint4*>(keys + t * kTileN) + g % 2, g / 2)
                            : make_uint4(0u, 0u, 0u, 0u);
     const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
     if (live) *(reinterpret_cast<uint4*>(a.key + (chunk0 + t) * kDim) + g) = y;
@@ -84,28 +82,29 @@ __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partia
   cluster.sync();  // keep this CTA's keys alive until the cluster has read them
 }
 
-// Head tile of heads head0 .. head0 + 15: a warp per (token, head) row, kRowBatch rows' q
+// Head tile of heads head0 .. head0 + 15: a warp per (token, head) q row, kRowBatch q rows
 // loaded before quantising them (loads in flight together; independent rows interleave).
 template <bool kBf16>
 __device__ __forceinline__ void head_tile(const FusedArgs& a, const float* partial, int32_t head0,
                                           int64_t chunk0, int chunk) {
-  const int warps = blockDim.x / kLanes, warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  const int rows = chunk * kRows;  // e = (token, head) = (e / 16, e % 16), as in partial
-  for (int e0 = warp * kRowBatch; e0 < rows; e0 += warps * kRowBatch) {
+  const int warps = blockDim.x / kWarp, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int q_rows = chunk * kTileN;  // e = (token, head) = (e / 16, e % 16), as in partial
+  for (int e0 = warp * kRowBatch; e0 < q_rows; e0 += warps * kRowBatch) {
     uint2 q[kRowBatch];
 #pragma unroll
     for (int i = 0; i < kRowBatch; ++i) {
       const int e = e0 + i;
-      if (e < rows)
-        q[i] = load_query(a.q + ((chunk0 + e / kRows) * a.heads + head0 + e % kRows) * kDim, lane);
+      if (e < q_rows)
+        q[i] = load_query(
+            a.q + ((chunk0 + e / kTileN) * a.heads + head0 + e % kTileN) * kDim, lane);
     }
 #pragma unroll
     for (int i = 0; i < kRowBatch; ++i) {
       const int e = e0 + i;
-      if (e >= rows) break;
+      if (e >= q_rows) break;
       const float w = gemm::warp_total(partial, a.gemm, warps, e);
-      query_row<kBf16>(q[i], w, a.q_out, a.w_out, (chunk0 + e / kRows) * a.padded + head0 +
-                       e % kRows, a.scale, lane);
+      query_row<kBf16>(q[i], w, a.q_out, a.w_out, (chunk0 + e / kTileN) * a.padded + head0 +
+                       e % kTileN, a.scale, lane);
     }
   }
   if (head0 != 0) return;
@@ -117,28 +116,28 @@ __device__ __forceinline__ void head_tile(const FusedArgs& a, const float* parti
 
 // Dynamic shared memory: partial f32[warps][chunk_pad][16], then keys bf16[chunk_pad][16].
 template <int kBlocks, bool kStaged, bool kBf16>
-__global__ void __launch_bounds__(kMaxWarps * kLanes)
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_fused_kernel(const FusedArgs a) {
   extern __shared__ float partial[];
   const int tile = blockIdx.x;
-  const int32_t row0 = tile * kRows;
-  if (row0 >= 2 * kKeyRows + a.heads) return;  // cluster padding (never in the key cluster)
-  const int warps = blockDim.x / kLanes;
+  const int32_t n0 = tile * kTileN;
+  if (n0 >= 2 * kKeyRows + a.heads) return;  // cluster padding (never in the key cluster)
+  const int warps = blockDim.x / kWarp;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
-  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.tokens - chunk0));
-  const int warp = threadIdx.x / kLanes;
-  gemm::project<kBlocks, kStaged>(a.gemm, partial, row0, warp, chunk0, chunk);
+  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.rows - chunk0));
+  const int warp = threadIdx.x / kWarp;
+  gemm::project<kBlocks, kStaged>(a.gemm, partial, n0, warp, chunk0, chunk);
   __syncthreads();
 
   if (tile < kKeyTiles) {
-    key_tile(a, partial, reinterpret_cast<uint16_t*>(partial + warps * a.gemm.chunk_pad * kRows),
+    key_tile(a, partial, reinterpret_cast<uint16_t*>(partial + warps * a.gemm.chunk_pad * kTileN),
              tile, chunk0, chunk);
-  } else if (row0 < kKeyRows + a.heads) {
-    head_tile<kBf16>(a, partial, row0 - kKeyRows, chunk0, chunk);
+  } else if (n0 < kKeyRows + a.heads) {
+    head_tile<kBf16>(a, partial, n0 - kKeyRows, chunk0, chunk);
   } else {
-    const int32_t col0 = row0 - kKeyRows - a.heads;
-    for (int e = threadIdx.x; e < chunk * kRows; e += blockDim.x)
-      a.gate[(chunk0 + e / kRows) * kKeyRows + col0 + e % kRows] =
+    const int32_t col0 = n0 - kKeyRows - a.heads;
+    for (int e = threadIdx.x; e < chunk * kTileN; e += blockDim.x)
+      a.gate[(chunk0 + e / kTileN) * kKeyRows + col0 + e % kTileN] =
           gemm::bf16_bits(gemm::warp_total(partial, a.gemm, warps, e));
   }
 }
@@ -153,47 +152,46 @@ struct Pick {
   };
 };
 
-ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
-                     ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR3<ffi::BF16> q,
-                     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
-                     ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
-                     ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR2<ffi::BF16> gate,
-                     float scale, float eps, int32_t warps) {
-  auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("glm5_indexer_projection_fused: " + what);
-  };
+ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
+                                      ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR3<ffi::BF16> q,
+                                      ffi::BufferR1<ffi::F32> norm_weight,
+                                      ffi::BufferR1<ffi::F32> norm_bias,
+                                      ffi::Result<ffi::AnyBuffer> q_out,
+                                      ffi::Result<ffi::AnyBuffer> w_out,
+                                      ffi::ResultBufferR2<ffi::BF16> key,
+                                      ffi::ResultBufferR2<ffi::BF16> gate, float scale, float eps,
+                                      int32_t warps, bool pdl) {
+  const Check check{targets::glm5_indexer_projection_fused};
   const auto xd = x.dimensions();
-  const int64_t tokens = xd[0], k = xd[1];
+  const int64_t rows = xd[0], k = xd[1];
   const auto qd = q.dimensions();
   const int64_t heads = qd[1];
-  if (qd[0] != tokens || qd[2] != kDim || heads <= 0 || heads % kRows != 0)
-    return fail("q must be bf16[M, H, 128] with H % 16 == 0");
+  if (qd[0] != rows || qd[2] != kDim || heads <= 0 || heads % kTileN != 0)
+    return check.fail("q must be bf16[M, H, 128] with H % 16 == 0");
   const auto cd = w_cat.dimensions();
-  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
-  int64_t padded = 0;
-  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, tokens, heads,
-                                                padded);
-  if (!bad.empty()) return fail(bad);
-  const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
+  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k)
+    return check.fail("w_cat must be bf16[256 + H, K]");
+  const ffi::ErrorOr<int64_t> padded =
+      check_query_buffers(check, norm_weight, norm_bias, q_out, w_out, rows, heads);
+  if (padded.has_error()) return padded.error();
+  const bool bf16_w_out = w_out->element_type() == ffi::DataType::BF16;
   const auto kd = key->dimensions(), gd = gate->dimensions();
-  if (kd[0] != tokens || kd[1] != kKeyRows || gd[0] != tokens || gd[1] != kKeyRows)
-    return fail("key and gate results must be bf16[M, 128]");
-  if (warps == 0) warps = kAutoWarps;
-  if (warps < 1 || warps > kMaxWarps) return fail("attribute warps must be in 0..8 (0: automatic)");
-  const gemm::Staging st = gemm::tile_k(k, warps, 1);
-  if (st.blocks == 0) return fail(gemm::tiling_error(k, warps, 1));
+  if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
+    return check.fail("key and gate results must be bf16[M, 128]");
+  const ffi::ErrorOr<gemm::Staging> st = gemm::check_tactic(check, k, warps, 1, 1);
+  if (st.has_error()) return st.error();
   if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16) ||
       !aligned(q.untyped_data(), 8) || !aligned(norm_weight.untyped_data(), 16) ||
       !aligned(norm_bias.untyped_data(), 16) || !aligned(q_out->untyped_data(), 4) ||
       !aligned(key->untyped_data(), 16))
-    return fail("operand buffers are not aligned (x, w_cat, norm params, key 16 B; q 8 B; "
-                "q_fp8 4 B)");
-  if (tokens == 0) return ffi::Error::Success();
-  const int64_t chunks = (tokens + kChunk - 1) / kChunk;
-  if (chunks > 65535) return fail("too many tokens for one grid");
+    return check.fail("operand buffers are not aligned (x, w_cat, norm params, key 16 B; "
+                      "q 8 B; q_fp8 4 B)");
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t chunks = (rows + kChunk - 1) / kChunk;
+  if (chunks > 65535) return check.fail("too many rows for one grid");
 
   FusedArgs args;
-  args.gemm = gemm::make_gemm(x.untyped_data(), w_cat.untyped_data(), tokens, k, st.stages);
+  args.gemm = gemm::make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st->stages);
   args.q = reinterpret_cast<const uint16_t*>(q.untyped_data());
   args.norm_weight = norm_weight.typed_data();
   args.norm_bias = norm_bias.typed_data();
@@ -202,29 +200,29 @@ ffi::Error FusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
   args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
   args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   args.heads = static_cast<int32_t>(heads);
-  args.padded = static_cast<int32_t>(padded);
+  args.padded = static_cast<int32_t>(*padded);
   args.scale = scale;
   args.eps = eps;
 
-  const Kernel kernel = bf16_weights
-                            ? gemm::pick_kernel<Kernel, Pick<true>::Blocks>(st)
-                            : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(st);
+  const Kernel kernel = bf16_w_out
+                            ? gemm::pick_kernel<Kernel, Pick<true>::Blocks>(*st)
+                            : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(*st);
   const size_t smem = gemm::partial_bytes(args.gemm, warps) +
-                      sizeof(uint16_t) * args.gemm.chunk_pad * kRows;
+                      sizeof(uint16_t) * args.gemm.chunk_pad * kTileN;
   if (cudaError_t err = gemm::allow_smem(kernel, smem); err != cudaSuccess)
-    return cuda_status("glm5_indexer_projection_fused", err);
-  const int64_t tiles = cd[0] / kRows;
+    return check.cuda(err);
+  const int64_t tiles = cd[0] / kTileN;
   const dim3 grid(static_cast<unsigned>((tiles + kKeyTiles - 1) / kKeyTiles * kKeyTiles), 1,
                   static_cast<unsigned>(chunks));
-  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kLanes), smem, stream,
-                                   /*pdl=*/true, static_cast<unsigned>(kKeyTiles), args);
-  return cuda_status("glm5_indexer_projection_fused", err);
+  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream,
+                                   pdl, static_cast<unsigned>(kKeyTiles), args);
+  return check.cuda(err);
 }
 
 }  // namespace
 }  // namespace glm5
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::FusedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::IndexerProjectionFusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // x
@@ -238,5 +236,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerProjectionFused, glm5::FusedImpl,
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // gate
                                   .Attr<float>("scale")
                                   .Attr<float>("eps")
-                                  .Attr<int32_t>("warps"),
+                                  .Attr<int32_t>("warps")
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

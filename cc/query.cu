@@ -2,18 +2,16 @@
 // (2c) and head padding (2d), in one launch.
 //
 // Work items, one warp each, CTAs of kWarps warps sized from the shapes only:
-//   * warps [0, M * padded): the (token, head) row `row` of q_fp8 / w_out (query.cuh): real
+//   * warps [0, M * padded): the (token, head) row `q_row` of q_fp8 / w_out (query.cuh): real
 //     heads (h < H) run the Hadamard + FP8 and the head-weight scaling, padded heads
 //     (H <= h < padded) get zero bytes and w_out = 0.
-//   * warps [M * padded, M * padded + ceil(M / 2)): the key LayerNorm of two tokens, one per
+//   * warps [M * padded, M * padded + ceil(M / 2)): the key LayerNorm of two token rows, one per
 //     half-warp; lane g of a half owns LayerNorm group g (dims 8g..8g+7, one 16-byte load).
 //
 // Programmatic dependent launch: every input is read after pdl_wait().
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <limits>
-#include <string>
 
 #include "common.h"
 #include "handlers.h"
@@ -27,32 +25,32 @@ constexpr int kWarps = 4;                       // warps per CTA
 struct QueryArgs {
   const uint16_t* q;            // bf16[M, H, 128]
   const uint16_t* key_raw;      // bf16[M, 128]
-  const float* weights;         // f32[M, H]
+  const float* head_w;          // f32[M, H]
   const float* norm_weight;     // f32[128]
   const float* norm_bias;       // f32[128]
   uint32_t* q_out;              // e4m3[M, padded, 128] as 32 words per row
   void* w_out;                  // f32 | bf16 [M, padded]
   uint16_t* key_out;            // bf16[M, 128]
-  int64_t rows;                 // M * padded
-  int64_t tokens;               // M
+  int64_t q_rows;               // M * padded
+  int64_t rows;                 // M
   int32_t heads;                // H
   int32_t padded;               // padded >= H
   float scale;
   float eps;
 };
 
-// q_fp8 / w_out of row `row` = (token t, head h).
+// q_fp8 / w_out of q row `q_row` = (token t, head h).
 template <bool kBf16>
-__device__ __forceinline__ void head_row(const QueryArgs& a, int64_t row, int lane) {
-  const int64_t t = row / a.padded;
-  const int32_t h = static_cast<int32_t>(row - t * a.padded);
+__device__ __forceinline__ void head_row(const QueryArgs& a, int64_t q_row, int lane) {
+  const int64_t t = q_row / a.padded;
+  const int32_t h = static_cast<int32_t>(q_row - t * a.padded);
   if (h >= a.heads) {  // padding head
-    zero_row<kBf16>(a.q_out, a.w_out, row, lane);
+    zero_row<kBf16>(a.q_out, a.w_out, q_row, lane);
     return;
   }
   const int64_t src = t * a.heads + h;
-  const float w = lane == 0 ? __ldg(a.weights + src) : 0.0f;
-  query_row<kBf16>(load_query(a.q + src * kDim, lane), w, a.q_out, a.w_out, row, a.scale, lane);
+  const float w = lane == 0 ? __ldg(a.head_w + src) : 0.0f;
+  query_row<kBf16>(load_query(a.q + src * kDim, lane), w, a.q_out, a.w_out, q_row, a.scale, lane);
 }
 
 // Key LayerNorm of token 2 pair + (lane / 16); a half past the last token loads and stores
@@ -60,7 +58,7 @@ __device__ __forceinline__ void head_row(const QueryArgs& a, int64_t row, int la
 __device__ __forceinline__ void key_norm(const QueryArgs& a, int64_t pair, int lane) {
   const int g = lane % kHalf;
   const int64_t t = 2 * pair + lane / kHalf;
-  const bool live = t < a.tokens;
+  const bool live = t < a.rows;
   const uint4 raw = live ? __ldg(reinterpret_cast<const uint4*>(a.key_raw + t * kDim) + g)
                          : make_uint4(0u, 0u, 0u, 0u);
   const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
@@ -68,75 +66,73 @@ __device__ __forceinline__ void key_norm(const QueryArgs& a, int64_t pair, int l
 }
 
 template <bool kBf16>
-__global__ void __launch_bounds__(kWarps * kLanes) indexer_query_kernel(const QueryArgs a) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kLanes;
+__global__ void __launch_bounds__(kWarps * kWarp) indexer_query_kernel(const QueryArgs a) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
   pdl_wait();
   pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
-  if (warp < a.rows) {
+  if (warp < a.q_rows) {
     head_row<kBf16>(a, warp, lane);
   } else {
-    const int64_t pair = warp - a.rows;
-    if (2 * pair < a.tokens) key_norm(a, pair, lane);
+    const int64_t pair = warp - a.q_rows;
+    if (2 * pair < a.rows) key_norm(a, pair, lane);
   }
 }
 
 ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
-                            ffi::BufferR2<ffi::BF16> key_raw, ffi::BufferR2<ffi::F32> weights,
+                            ffi::BufferR2<ffi::BF16> key_raw, ffi::BufferR2<ffi::F32> head_w,
                             ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
                             ffi::Result<ffi::AnyBuffer> q_out,
                             ffi::Result<ffi::AnyBuffer> w_out,
-                            ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps) {
-  auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("glm5_indexer_query: " + what);
-  };
+                            ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps,
+                            bool pdl) {
+  const Check check{targets::glm5_indexer_query};
   const auto qd = q.dimensions();
-  const int64_t tokens = qd[0], heads = qd[1];
-  if (qd[2] != kDim) return fail("q must be bf16[M, H, 128]");
+  const int64_t rows = qd[0], heads = qd[1];
+  if (qd[2] != kDim) return check.fail("q must be bf16[M, H, 128]");
   const auto kd = key_raw.dimensions();
-  if (kd[0] != tokens || kd[1] != kDim) return fail("key_raw must be bf16[M, 128]");
-  const auto wd = weights.dimensions();
-  if (wd[0] != tokens || wd[1] != heads) return fail("weights must be f32[M, H]");
-  int64_t padded = 0;
-  const std::string bad = check_query_buffers(norm_weight, norm_bias, q_out, w_out, tokens, heads,
-                                                padded);
-  if (!bad.empty()) return fail(bad);
-  const bool bf16_weights = w_out->element_type() == ffi::DataType::BF16;
+  if (kd[0] != rows || kd[1] != kDim) return check.fail("key_raw must be bf16[M, 128]");
+  const auto wd = head_w.dimensions();
+  if (wd[0] != rows || wd[1] != heads) return check.fail("head_w must be f32[M, H]");
+  const ffi::ErrorOr<int64_t> padded =
+      check_query_buffers(check, norm_weight, norm_bias, q_out, w_out, rows, heads);
+  if (padded.has_error()) return padded.error();
+  const bool bf16_w_out = w_out->element_type() == ffi::DataType::BF16;
   const auto kod = key_out->dimensions();
-  if (kod[0] != tokens || kod[1] != kDim) return fail("key result must be bf16[M, 128]");
+  if (kod[0] != rows || kod[1] != kDim) return check.fail("key result must be bf16[M, 128]");
   // Vector accesses (XLA buffers are at least 16 B aligned; checked so that a violation fails
   // here, not as a device fault).
   if (!aligned(q.untyped_data(), 8) || !aligned(key_raw.untyped_data(), 16) ||
       !aligned(norm_weight.untyped_data(), 16) || !aligned(norm_bias.untyped_data(), 16) ||
       !aligned(q_out->untyped_data(), 4) || !aligned(key_out->untyped_data(), 16))
-    return fail("operand buffers are not aligned (q 8 B; key_raw, norm params, key 16 B; "
-                "q_fp8 4 B)");
-  if (tokens == 0) return ffi::Error::Success();
-  const int64_t rows = tokens * padded;
-  const int64_t warps = rows + (tokens + 1) / 2;
+    return check.fail(
+        "operand buffers are not aligned (q 8 B; key_raw, norm params, key 16 B; q_fp8 4 B)");
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t q_rows = rows * *padded;
+  const int64_t warps = q_rows + (rows + 1) / 2;
   const int64_t blocks = (warps + kWarps - 1) / kWarps;
-  if (blocks > std::numeric_limits<int32_t>::max()) return fail("too many rows for one grid");
+  if (blocks > kI32Max) return check.fail("too many rows for one grid");
 
   QueryArgs args;
   args.q = reinterpret_cast<const uint16_t*>(q.untyped_data());
   args.key_raw = reinterpret_cast<const uint16_t*>(key_raw.untyped_data());
-  args.weights = weights.typed_data();
+  args.head_w = head_w.typed_data();
   args.norm_weight = norm_weight.typed_data();
   args.norm_bias = norm_bias.typed_data();
   args.q_out = reinterpret_cast<uint32_t*>(q_out->untyped_data());
   args.w_out = w_out->untyped_data();
   args.key_out = reinterpret_cast<uint16_t*>(key_out->untyped_data());
+  args.q_rows = q_rows;
   args.rows = rows;
-  args.tokens = tokens;
   args.heads = static_cast<int32_t>(heads);
-  args.padded = static_cast<int32_t>(padded);
+  args.padded = static_cast<int32_t>(*padded);
   args.scale = scale;
   args.eps = eps;
 
-  auto kernel = bf16_weights ? indexer_query_kernel<true> : indexer_query_kernel<false>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kLanes), 0,
-                           stream, /*pdl=*/true, args);
-  return cuda_status("glm5_indexer_query", err);
+  auto kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;
+  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kWarp), 0,
+                           stream, pdl, args);
+  return check.cuda(err);
 }
 
 }  // namespace
@@ -147,12 +143,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerQuery, glm5::IndexerQueryImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::BufferR3<ffi::BF16>>()        // q
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // key_raw
-                                  .Arg<ffi::BufferR2<ffi::F32>>()         // weights
+                                  .Arg<ffi::BufferR2<ffi::F32>>()         // head_w
                                   .Arg<ffi::BufferR1<ffi::F32>>()         // norm_weight
                                   .Arg<ffi::BufferR1<ffi::F32>>()         // norm_bias
                                   .Ret<ffi::AnyBuffer>()                  // q_fp8 (e4m3)
                                   .Ret<ffi::AnyBuffer>()                  // w_out (f32 | bf16)
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // key
                                   .Attr<float>("scale")
-                                  .Attr<float>("eps"),
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

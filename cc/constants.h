@@ -1,0 +1,10 @@
+// Sizes every kernel family shares, each defined here once (SPEC §0, §9).
+#pragma once
+
+namespace glm5 {
+
+constexpr int kWarp = 32;   // lanes per warp
+constexpr int kPool = 4;    // tokens per pool (one kpool entry; one quad of expanded ids)
+constexpr int kDim = 128;   // head dim: q, key and gate rows, the Hadamard size
+
+}  // namespace glm5
