@@ -25,6 +25,9 @@ NB_MODULE(_glm5_cuda, m) {
     targets["glm5_indexer_projection_fused"] = capsule(Glm5IndexerProjectionFused);
     targets["glm5_indexer_query"] = capsule(Glm5IndexerQuery);
     targets["glm5_upcast_logits"] = capsule(Glm5UpcastLogits);
+    targets["glm5_mqa_logits"] = capsule(Glm5MqaLogits);
+    targets["glm5_pool_topk"] = capsule(Glm5PoolTopk);
+    targets["glm5_select_pools"] = capsule(Glm5SelectPools);
     return targets;
   });
   // The XLA FFI API version the handlers were compiled against (compare with the runtime jaxlib).

@@ -8,7 +8,7 @@ from ._ffi import KERNEL_TARGETS, kernels_enabled
 from .expand import expand_and_remap, expand_pools
 from .indexer import indexer_projection, indexer_projection_fused, indexer_query
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update
-from .logits import mqa_logits, pool_topk, upcast_logits
+from .logits import mqa_logits, pool_topk, select_pools, upcast_logits
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)
 
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 OPS = ("indexer_projection", "indexer_query", "indexer_projection_fused",
        "kpool_update", "kpool_compress", "kpool_seed_tail", "expand_pools",
-       "expand_and_remap", "upcast_logits", "mqa_logits", "pool_topk")
+       "expand_and_remap", "upcast_logits", "mqa_logits", "pool_topk", "select_pools")
 
 __all__ = list(OPS) + [
     "DecodeBatch", "IndexerCache", "IndexerConfig", "IndexerOutput",

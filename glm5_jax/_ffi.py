@@ -23,6 +23,9 @@ KERNEL_TARGETS = {
     "indexer_query": "glm5_indexer_query",
     "indexer_projection_fused": "glm5_indexer_projection_fused",
     "upcast_logits": "glm5_upcast_logits",
+    "mqa_logits": "glm5_mqa_logits",
+    "pool_topk": "glm5_pool_topk",
+    "select_pools": "glm5_select_pools",
 }
 
 # Kernels that lose to the jitted reference on the H200 (BENCHMARKS.md): built,

@@ -46,14 +46,39 @@ def _mqa_shapes(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
   return [((rows, max_pools), F32)]
 
 
+# The kernels' limits (cc/select.cu): 32 or 64 (padded) heads, K-cache pages of a
+# multiple of 16 entries, at most 8192 rows; the top-k keeps a row of at most
+# 32768 pools in shared memory.
+KERNEL_HEADS = (32, 64)
+PAGE_MULTIPLE = 16
+MAX_ROWS = 8192
+TOPK_MAX_POOLS = 32768
+
+
+def _logits_kernel_supports(q_fp8, kv_cache, max_pools):
+  rows = q_fp8.shape[0]
+  page = kv_cache.shape[1]
+  return (q_fp8.shape[1] in KERNEL_HEADS and page > 0 and page % PAGE_MULTIPLE == 0
+          and rows <= MAX_ROWS and rows * -(-max_pools // 64) < 2 ** 31)
+
+
+def _scale_attributes(*, scale_format, **params):
+  return dict(ue8m0=scale_format == "ue8m0", pdl=True)
+
+
 _mqa = Op("mqa_logits", ref.mqa_logits, _mqa_shapes,
-          rows=((0, 0, None, 0, 0), (0,)))
+          rows=((0, 0, None, 0, 0), (0,)), attributes=_scale_attributes,
+          kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
+              _logits_kernel_supports(q_fp8, kv_cache, max_pools)),
+          kernel_limits="32 or 64 padded heads, PAGE % 16 == 0, rows <= 8192")
 
 
 def mqa_logits(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
                scale_format="fp32"):
   """Pool scores f32[rows, max_pools] of fp8 queries against the paged K cache
-  (SPEC §5b); see glm5_jax.reference.mqa_logits for shapes."""
+  (SPEC §5b); see glm5_jax.reference.mqa_logits for shapes. The kernel's
+  summation order (cc/select.cu) differs from the reference's: equal within a
+  small multiple of fp32 rounding of sum_h |w| sum_d |q k| * scale."""
   return _mqa(q_fp8, weights, kv_cache, page_table, pool_lens,
               max_pools=int(max_pools), scale_format=scale_format)[0]
 
@@ -66,10 +91,50 @@ def _topk_shapes(logits, pool_lens, *, k):
   return [((logits.shape[0], k), I32)]
 
 
-_topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)))
+_topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
+           attributes=lambda **params: dict(pdl=True),
+           kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
+           kernel_limits=f"P <= {TOPK_MAX_POOLS}")
 
 
 def pool_topk(logits, pool_lens, *, k):
   """The k best pool ids i32[rows, k] of f32[rows, P] logits below pool_lens
-  (SPEC §5c): descending logit, ties by ascending id, -1 where fewer."""
+  (SPEC §5c): the k largest (ties by ascending id), listed in ascending id, -1
+  where fewer."""
   return _topk(logits, pool_lens, k=int(k))[0]
+
+
+def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                   scale_format):
+  op = "select_pools"
+  expect(op, "q_fp8", q_fp8, jnp.float8_e4m3fn, (None, None, DIM))
+  rows, heads = q_fp8.shape[:2]
+  expect(op, "w_out", w_out, F32, (rows, heads))
+  check_cache(op, kv_cache)
+  expect(op, "page_table", page_table, I32, (None, None))
+  expect(op, "req_ids", req_ids, I32, (rows,))
+  expect(op, "positions", positions, I32, (rows,))
+  if k <= 0:
+    fail(op, "k", f"must be > 0, got {k}")
+  if max_pools <= 0:
+    fail(op, "max_pools", f"must be > 0, got {max_pools}")
+  check_scale_format(op, scale_format)
+  return [((rows, k), I32), ((rows, max_pools), F32)]
+
+
+_select = Op(
+    "select_pools", ref.select_pools, _select_shapes,
+    rows=((0, 0, None, None, 0, 0), (0, 0)), attributes=_scale_attributes,
+    kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
+        _logits_kernel_supports(q_fp8, kv_cache, max_pools) and max_pools <= TOPK_MAX_POOLS),
+    kernel_limits="32 or 64 padded heads, PAGE % 16 == 0, rows <= 8192, max_pools <= 32768")
+
+
+def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                 scale_format="fp32"):
+  """The select path of a decode step (SPEC §5): (pool_ids i32[rows, k], logits
+  f32[rows, max_pools]). Rows with at most k pools select all of them without
+  logits; see glm5_jax.reference.select_pools for shapes and what is specified."""
+  ids, logits = _select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
+                        max_pools=int(max_pools), scale_format=scale_format)
+  return ids, logits

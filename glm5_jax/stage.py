@@ -6,7 +6,6 @@ import math
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import reference
 from .reference.numerics import DIM, POOL
@@ -120,9 +119,10 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
 
   x bf16[rows, hidden]; qr bf16[rows, q_lora]. Jit with the cache donated:
   jax.jit(indexer_stage, static_argnames=("config", "use_reference"),
-  donate_argnames="cache"). Rows whose request's tokens all fit in topk_tokens
-  select every pool (causal fill); otherwise MQA logits over the pooled cache
-  and a top-k. use_reference=True composes glm5_jax.reference directly.
+  donate_argnames="cache"). Rows whose pools all fit in topk_tokens // 4 select
+  every pool (causal fill); others the top-k of their MQA logits over the pooled
+  cache (select_pools, per row, pool ids ascending). use_reference=True composes
+  glm5_jax.reference directly.
   """
   import glm5_jax        # the package namespace: the ops as primitives
   ops = reference if use_reference else glm5_jax
@@ -145,21 +145,11 @@ def indexer_stage(weights, cache, x, qr, batch, *, config=IndexerConfig(),
       gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
       scale_format=config.scale_format)
   positions = batch.positions.reshape(rows)
-  pool_lens = jnp.maximum(positions + 1, 0) // POOL
-  groups = config.topk_tokens // POOL
-
-  def causal(_):
-    g = jnp.arange(groups)
-    return jnp.where(g < pool_lens[:, None], g, -1).astype(jnp.int32)
-
-  def top_k(kv):
-    logits = ops.mqa_logits(q_fp8, w_out.astype(jnp.float32), kv,
-                        batch.page_table[batch.req_ids], pool_lens,
-                        max_pools=config.max_pools, scale_format=config.scale_format)
-    return ops.pool_topk(logits, pool_lens, k=groups)
-
-  pool_ids = lax.cond(jnp.max(positions, initial=-1) + 1 <= config.topk_tokens,
-                      causal, top_k, kv_cache)
+  # Rows whose pools all fit in the top-k select every pool (the causal fill), others
+  # the top-k of their logits; decided per row inside select_pools: no branch here.
+  pool_ids, _ = ops.select_pools(q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table,
+                                 batch.req_ids, positions, k=config.topk_tokens // POOL,
+                                 max_pools=config.max_pools, scale_format=config.scale_format)
   slots, counts = ops.expand_and_remap(pool_ids, positions, batch.req_ids,
                                    batch.block_table, block_size=config.block_size,
                                    width=config.width)
