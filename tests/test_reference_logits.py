@@ -228,3 +228,17 @@ def test_select_pools_all_rows_fit_skips_logits():
   args = _select_case(rng, [3, 7, -1], [0, 1, 2])
   ids, _ = R.select_pools(*args, k=4, max_pools=32)
   assert np.asarray(ids).tolist() == [[0, -1, -1, -1], [0, 1, -1, -1], [-1] * 4]
+
+
+def test_vectorized_oracle_equals_loop_oracle():
+  """The GPU tests use the vectorised float64 logits; it must equal the loop."""
+  rng = np.random.default_rng(5)
+  args = _select_case(rng, [40, 60, 7], [0, 2, 1])
+  q, w, kv, table, req, pos = args
+  lens = np.array([11, 16, 3])
+  rows = np.asarray(table)[[0, 2, 1]]
+  rows[1, 1] = -1
+  want = O.mqa_logits(q, w, kv, rows, lens, max_pools=20)
+  got = O.mqa_logits_vectorized(q, w, kv, rows, lens, max_pools=20)
+  for g, x in zip(got, want):
+    np.testing.assert_allclose(g, x, rtol=1e-12)

@@ -87,7 +87,12 @@ LOGITS_HEADS, LOGITS_PAGE = 32, 16    # a shape the logits kernel takes (cc/sele
 
 
 def _logits_cache(rng):
-  return jnp.asarray(rng.integers(0, 256, (PAGES, LOGITS_PAGE, 132)), jnp.uint8)
+  """Valid entries (no NaN codes, power-of-two fp32 scales): the logits are finite."""
+  data = rng.integers(0, 256, (PAGES, LOGITS_PAGE * 128)).astype(np.uint8)
+  data[(data & 0x7F) == 0x7F] = 0
+  scales = np.exp2(rng.integers(-10, -2, (PAGES, LOGITS_PAGE))).astype(np.float32)
+  kv = np.concatenate([data, scales.view(np.uint8).reshape(PAGES, -1)], 1)
+  return jnp.asarray(kv.reshape(PAGES, LOGITS_PAGE, 132))
 
 
 def _mqa_args(rng):
