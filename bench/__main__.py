@@ -39,6 +39,9 @@ def parser():
   p.add_argument("--data-dep", action="store_true",
                  help="also chain stateless calls through a run-time-zero scalar "
                       "(one extra tiny fusion per call)")
+  p.add_argument("--groups", default="calibration,ops,sweep",
+                 help="comma-separated groups to run, of: "
+                      + ", ".join(g.NAME for g in GROUPS) + " (stage: whole decode steps)")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
                  help="measure nothing: rebuild --md and --plot from these JSON rows")
@@ -76,9 +79,14 @@ def main():
             f"CUDA module {'built' if bench.module else 'absent'}, kernel variants: "
             f"{bench.kernels}, compilation cache: {args.cache_dir or 'off'}"
             + (", --cpu-smoke sizes" if args.cpu_smoke else ""))
+  chosen = set(args.groups.replace(" ", "").split(","))
+  unknown = chosen - {g.NAME for g in GROUPS}
+  if unknown:
+    p.error(f"unknown groups {sorted(unknown)}")
   for group in GROUPS:
-    group.run(bench)
-    bench.write_json()
+    if group.NAME in chosen:
+      group.run(bench)
+      bench.write_json()
   bench.sort_rows()
   bench.write_json()
 

@@ -60,6 +60,30 @@ def tables(rows):
   return out
 
 
+def stage_table(rows):
+  """The stage group first: µs per layer of an 11-layer jitted decode step, kernels
+  (default routing) vs reference, per context (rows) and M (columns)."""
+  st = {(r["shape"], r["variant"]): r.get("device_us") for r in rows if r["op"] == "stage"}
+  if not st:
+    return []
+  shapes = list(dict.fromkeys(sh for sh, _ in st))
+  ms = list(dict.fromkeys(sh.split(",")[0] for sh in shapes))
+  ctxs = list(dict.fromkeys(sh.split(",")[1] for sh in shapes))
+  out = ["## indexer_stage: µs per layer (one jitted decode step of "
+         f"{next((r.get('layers') for r in rows if r['op'] == 'stage'), 11)} layers)", "",
+         "kernels (default routing) / reference (every op on its pure-JAX reference), "
+         "the speed-up in parentheses; caches donated, metadata on the device, steps "
+         "dispatched back to back.", "",
+         "| context | " + " | ".join(ms) + " |", "|---" * (len(ms) + 1) + "|"]
+  for ctx in ctxs:
+    cells = []
+    for m in ms:
+      k, ref = st.get((f"{m},{ctx}", KERNEL)), st.get((f"{m},{ctx}", REFERENCE))
+      cells.append(f"{_fmt(k)} / {_fmt(ref)} ({_ratio(ref, k)})")
+    out.append(f"| {ctx.split('=')[1]} | " + " | ".join(cells) + " |")
+  return out + [""]
+
+
 def markdown(rows, meta, sizes, plot_ref):
   calib = {r["shape"].split(" x")[0]: r for r in rows if r["op"] == "calibration"}
   copy = next((r for k, r in calib.items() if k.startswith("copy")), None)
@@ -75,7 +99,8 @@ def markdown(rows, meta, sizes, plot_ref):
   lines = [
       "# glm5_jax benchmarks", "",
       f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
-      f"{meta['date']} · kernel variants: {', '.join(meta['kernels']) or 'none'}", "",
+      f"{meta['date']} · kernel variants: {', '.join(meta['kernels']) or 'none'}", ""]
+  lines += stage_table(rows) + [
       "Method (`python -m bench`, bench/harness.py):", "",
       "- one jitted function runs an unrolled chain of N calls of the public op (no device "
       "loop: XLA runs a `while` on the host, about 12 µs per iteration), cycling R input "

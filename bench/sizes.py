@@ -32,8 +32,11 @@ class Sizes:
   rows: tuple = (1, 8, 16, 64)
   next_ns: tuple = (1, 4)
   upcast_pools: tuple = (8192, 32768, 262144)
-  topk_pools: tuple = (8192, 32768)
-  mqa_pools: int = 8192                        # 32K-token contexts
+  select_rows: tuple = (1, 16, 64)             # mqa_logits, pool_topk, select_pools
+  select_pools: tuple = (2048, 8192, 32768)    # 8K, 32K, 128K-token contexts
+  stage_rows: tuple = (1, 16, 64)              # the stage group (11 layers per step)
+  stage_contexts: tuple = (1024, 8192, 32768, 131072)
+  stage_layers: int = 11
   cache_bytes: int = 1 << 30
   copy_bytes: int = 2 << 30
   r_max: int = 64                              # rotated input sets of a chain
@@ -52,12 +55,12 @@ class Sizes:
 def sizes_for(quick, cpu_smoke):
   s = Sizes()
   if quick:
-    s = dataclasses.replace(s, rows=(1, 64), next_ns=(1,), upcast_pools=(32768,),
-                            topk_pools=(8192,))
+    s = dataclasses.replace(s, rows=(1, 64), next_ns=(1,), upcast_pools=(32768,))
   if cpu_smoke:
     s = dataclasses.replace(
         s, upcast_pools=tuple(p // 16 for p in s.upcast_pools),
-        topk_pools=tuple(p // 16 for p in s.topk_pools), mqa_pools=512,
+        select_rows=(1, 4), select_pools=(512, 1024), stage_rows=(1, 2),
+        stage_contexts=(1024, 4096), stage_layers=2,
         cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,
         warmup=1, empty_r=20, run_s=0.001, max_calls=8, max_passes=8)
   return s

@@ -108,6 +108,14 @@ def bytes_topk(pool_lens, k):
   return 4 * int(np.sum(pool_lens)) + 4 * len(pool_lens) * (1 + k)
 
 
+def bytes_select(pool_lens, k):
+  """mqa_logits' reads (entries, page-table entries, q_fp8 + w_out), no logits round
+  trip through memory, k ids per row out: what a fused select path must move."""
+  pages = int(np.sum(-(-np.asarray(pool_lens) // PAGE)))
+  m = len(pool_lens)
+  return ENTRY * int(np.sum(pool_lens)) + 4 * pages + m * (HEADS * DIM + 4 * HEADS + 8 + 4 * k)
+
+
 # -------------------------------------------------------------- workloads
 
 class Workload(NamedTuple):
@@ -261,24 +269,28 @@ def upcast(r, s, m, p):
                   np.mean([bytes_upcast(e) for e in ends]), mask=_upcast_mask)
 
 
-def mqa(r, s, m):
-  """Rows over 32K-token contexts (8,192 pools, max_pools 8,192), each row's
-  pages at random in a >= 1 GB cache; every 4th row shorter."""
-  p = s.mqa_pools
+def _select_rows(r, s, m, p):
+  """Rows of p pools (32K tokens at 8,192), every 4th shorter, each row's pages at
+  random in a >= 1 GB cache (the cache cold, as in the stock measurement): rotated
+  (q_fp8, w_out, page_table, pool counts)."""
   kv = r.kv_cache(s.cache_bytes)
   per_row = -(-p // PAGE)
-  rot, lens = [], []
+  rot = []
   for _ in range(s.r_max):
     n = r.ragged(m, p)
-    lens.append(n)
     q = jnp.clip(r.normal((m, HEADS, DIM), scale=8.0, dtype=F32), -448, 448)
     table = r.np.choice(kv.shape[0], m * per_row, replace=m * per_row > kv.shape[0])
-    table = table.reshape(m, per_row)
     rot.append((q.astype(jnp.float8_e4m3fn), jnp.asarray(r.np.random((m, HEADS)), F32),
-                i32(table), i32(n)))
+                i32(table.reshape(m, per_row)), n))
+  return kv, rot
+
+
+def mqa(r, s, m, p):
+  kv, rot = _select_rows(r, s, m, p)
   call = lambda st, f, a: (st, (glm5_jax.mqa_logits(a[0], a[1], f[0], a[2], a[3],
                                                     max_pools=p),))
-  return Workload("mqa_logits", "", call, None, (kv,), rot, 1,
+  lens = [n for *_, n in rot]
+  return Workload("mqa_logits", "", call, None, (kv,), [(*a[:3], i32(n)) for *a, n in rot], 1,
                   np.mean([bytes_mqa(n, p) for n in lens]), np.mean([flops_mqa(n) for n in lens]))
 
 
@@ -288,6 +300,29 @@ def topk(r, s, m, p):
   call = lambda st, f, a: (st, (glm5_jax.pool_topk(*a, k=GROUPS),))
   return Workload("pool_topk", "", call, None, (), rot, 1,
                   np.mean([bytes_topk(n, GROUPS) for n in lens]))
+
+
+def _select_mask(args, outs):
+  """The logits are workspace (specified only for rows with more than k pools)."""
+  return outs[:1]
+
+
+def select(r, s, m, p):
+  """select_pools as indexer_stage runs it: the rows' page tables by request, pool
+  counts from positions (4n - 1: n pools), top-512."""
+  kv, rot = _select_rows(r, s, m, p)
+  req = i32(np.arange(m))
+  call = lambda st, f, a: (st, glm5_jax.select_pools(a[0], a[1], f[0], a[2], f[1], a[3],
+                                                     k=GROUPS, max_pools=p))
+  lens = [n for *_, n in rot]
+  return Workload("select_pools", "", call, None, (kv, req),
+                  [(*a[:3], i32(4 * n - 1)) for *a, n in rot], 1,
+                  np.mean([bytes_select(n, GROUPS) for n in lens]),
+                  np.mean([flops_mqa(n) for n in lens]), mask=_select_mask)
+
+
+def _select_shapes(s):
+  return [(f"rows={m},P={p}", dict(m=m, p=p)) for p in s.select_pools for m in s.select_rows]
 
 
 def _rows(s, key="m", fmt="M={}"):
@@ -307,9 +342,9 @@ WORKLOADS = {
     "expand_and_remap": (remap, lambda s: _rows(s, fmt="rows={}")),
     "upcast_logits": (upcast, lambda s: [(f"rows={m},P={p}", dict(m=m, p=p))
                                         for p in s.upcast_pools for m in s.rows]),
-    "mqa_logits": (mqa, lambda s: _rows(s, fmt=f"rows={{}},P={s.mqa_pools}")),
-    "pool_topk": (topk, lambda s: [(f"rows={m},P={p}", dict(m=m, p=p))
-                                    for p in s.topk_pools for m in s.rows]),
+    "mqa_logits": (mqa, _select_shapes),
+    "pool_topk": (topk, _select_shapes),
+    "select_pools": (select, _select_shapes),
 }
 assert set(WORKLOADS) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench workload"
 

@@ -50,15 +50,45 @@ def _mqa_shapes(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
   return [((rows, max_pools), F32)]
 
 
+# The select kernels' limits (cc/select.cu), decided here and only validated there:
+# 32 or 64 (padded) heads (the mma's 8-head tiles: 4 or 8), K-cache pages of a multiple
+# of 16 entries (a warp's 16 pools share a page), at most 8192 rows (the CTA's row
+# prefix in shared memory); the top-k keeps a row of at most 32768 pools in shared memory.
+LOGITS_HEADS = (32, 64)
+LOGITS_PAGE_MULTIPLE = 16
+LOGITS_MAX_ROWS = 8192
+LOGITS_ITEM_POOLS = 64
+TOPK_MAX_POOLS = 32768
+
+
+def _logits_kernel_supports(q_fp8, kv_cache, max_pools):
+  rows, page = q_fp8.shape[0], kv_cache.shape[1]
+  return (q_fp8.shape[1] in LOGITS_HEADS and page > 0 and page % LOGITS_PAGE_MULTIPLE == 0
+          and rows <= LOGITS_MAX_ROWS and rows * -(-max_pools // LOGITS_ITEM_POOLS) < 2 ** 31)
+
+
+def _ue8m0(*avals, scale_format, **params):
+  return dict(ue8m0=scale_format == "ue8m0")
+
+
+_LOGITS_LIMITS = (f"{' or '.join(map(str, LOGITS_HEADS))} padded heads, PAGE % "
+                  f"{LOGITS_PAGE_MULTIPLE} == 0, rows <= {LOGITS_MAX_ROWS}")
+
 _mqa = Op("mqa_logits", ref.mqa_logits, _mqa_shapes,
-          rows=((0, 0, None, 0, 0), (0,)))
+          rows=((0, 0, None, 0, 0), (0,)), kernel="glm5_mqa_logits",
+          attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
+          kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
+              _logits_kernel_supports(q_fp8, kv_cache, max_pools)),
+          kernel_limits=_LOGITS_LIMITS)
 
 
 def mqa_logits(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
                page_table: jax.Array, pool_lens: jax.Array, *, max_pools: int,
                scale_format: str = "fp32", routing: Routing | None = None) -> jax.Array:
   """Pool scores f32[rows, max_pools] of fp8 queries against the paged K cache
-  (SPEC §5b); see glm5_jax.reference.mqa_logits for shapes."""
+  (SPEC §5b); see glm5_jax.reference.mqa_logits for shapes. The kernel sums in its
+  own fixed order (cc/select.cu): within 2^-12 * sum_h |w| sum_d |q k| * scale of the
+  exact value (tests/test_select_gpu.py), not bit-equal to the reference."""
   return _mqa(q_fp8, w_out, kv_cache, page_table, pool_lens,
               max_pools=int(max_pools), scale_format=scale_format, routing=routing)[0]
 
@@ -71,11 +101,55 @@ def _topk_shapes(logits, pool_lens, *, k):
   return [((logits.shape[0], k), I32)]
 
 
-_topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)))
+_topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
+           kernel="glm5_pool_topk",
+           kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
+           kernel_limits=f"P <= {TOPK_MAX_POOLS}")
 
 
 def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
               routing: Routing | None = None) -> jax.Array:
   """The k best pool ids i32[rows, k] of f32[rows, P] logits below pool_lens
-  (SPEC §5c): descending logit, ties by ascending id, -1 where fewer."""
+  (SPEC §5c): the k largest (ties by ascending id), listed in ascending id, -1 where
+  fewer. The kernel equals the reference exactly."""
   return _topk(logits, pool_lens, k=int(k), routing=routing)[0]
+
+
+def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                   scale_format):
+  op = "select_pools"
+  expect(op, "q_fp8", q_fp8, jnp.float8_e4m3fn, (None, None, DIM))
+  rows, heads = q_fp8.shape[:2]
+  expect(op, "w_out", w_out, F32, (rows, heads))
+  check_cache(op, kv_cache)
+  expect(op, "page_table", page_table, I32, (None, None))
+  expect(op, "req_ids", req_ids, I32, (rows,))
+  expect(op, "positions", positions, I32, (rows,))
+  if k <= 0:
+    fail(op, "k", f"must be > 0, got {k}")
+  if max_pools <= 0:
+    fail(op, "max_pools", f"must be > 0, got {max_pools}")
+  check_scale_format(op, scale_format)
+  return [((rows, k), I32), ((rows, max_pools), F32)]
+
+
+_select = Op(
+    "select_pools", ref.select_pools, _select_shapes,
+    rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
+    attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
+    kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
+        _logits_kernel_supports(q_fp8, kv_cache, max_pools) and max_pools <= TOPK_MAX_POOLS),
+    kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}")
+
+
+def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
+                 page_table: jax.Array, req_ids: jax.Array, positions: jax.Array, *, k: int,
+                 max_pools: int, scale_format: str = "fp32",
+                 routing: Routing | None = None) -> tuple[jax.Array, jax.Array]:
+  """The select path of a decode step (SPEC §5), one FFI call on CUDA: (pool_ids
+  i32[rows, k], logits f32[rows, max_pools]). A row with at most k pools selects all of
+  them without logits (the causal fill), the others the top-k of their logits; see
+  glm5_jax.reference.select_pools for shapes and which logits are specified."""
+  ids, logits = _select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
+                        max_pools=int(max_pools), scale_format=scale_format, routing=routing)
+  return ids, logits

@@ -8,14 +8,14 @@ import types
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import export, lax
+from jax import export
 
 from . import reference
 from ._primitive import Routing
 from .expand import expand_and_remap
 from .indexer import indexer_projection, indexer_projection_fused, indexer_query
 from .kpool import kpool_update
-from .logits import mqa_logits, pool_topk
+from .logits import select_pools
 from .reference.numerics import DIM, POOL
 
 MQA_MIN_HEADS = 32
@@ -144,7 +144,7 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         mqa_logits, pool_topk, expand_and_remap)
+         select_pools, expand_and_remap)
   if use_reference:
     return types.SimpleNamespace(**{f.__name__: getattr(reference, f.__name__) for f in fns})
   return types.SimpleNamespace(**{f.__name__: functools.partial(f, routing=config.routing)
@@ -158,11 +158,11 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
 
   x bf16[rows, hidden]; qr bf16[rows, q_lora]. Jit with the cache donated:
   jax.jit(indexer_stage, static_argnames=("config", "use_reference"),
-  donate_argnames="cache"). Rows whose request's tokens all fit in topk_tokens
-  select every pool (causal fill); otherwise MQA logits over the pooled cache
-  and a top-k. config None: IndexerConfig() when traced (pass one to choose the
-  routing: it is then part of the jit cache key). use_reference=True composes
-  glm5_jax.reference directly.
+  donate_argnames="cache"). Rows whose pools all fit in topk_tokens // 4 select
+  every pool (causal fill); others the top-k of their MQA logits over the pooled
+  cache (select_pools, per row, pool ids ascending). config None: IndexerConfig()
+  when traced (pass one to choose the routing: it is then part of the jit cache key).
+  use_reference=True composes glm5_jax.reference directly.
   """
   config = IndexerConfig() if config is None else config
   ops = _ops(config, use_reference)
@@ -185,21 +185,11 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
       gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
       scale_format=config.scale_format)
   positions = batch.positions.reshape(rows)
-  pool_lens = jnp.maximum(positions + 1, 0) // POOL
-  groups = config.topk_tokens // POOL
-
-  def causal(_):
-    g = jnp.arange(groups)
-    return jnp.where(g < pool_lens[:, None], g, -1).astype(jnp.int32)
-
-  def top_k(kv):
-    logits = ops.mqa_logits(q_fp8, w_out.astype(jnp.float32), kv,
-                            batch.page_table[batch.req_ids], pool_lens,
-                            max_pools=config.max_pools, scale_format=config.scale_format)
-    return ops.pool_topk(logits, pool_lens, k=groups)
-
-  pool_ids = lax.cond(jnp.max(positions, initial=-1) + 1 <= config.topk_tokens,
-                      causal, top_k, kv_cache)
+  # Rows whose pools all fit in the top-k select every pool (the causal fill), others
+  # the top-k of their logits; decided per row inside select_pools: no branch here.
+  pool_ids, _ = ops.select_pools(q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table,
+                                 batch.req_ids, positions, k=config.topk_tokens // POOL,
+                                 max_pools=config.max_pools, scale_format=config.scale_format)
   slots, counts = ops.expand_and_remap(pool_ids, positions, batch.req_ids,
                                        batch.block_table, block_size=config.block_size,
                                        width=config.width)

@@ -143,9 +143,9 @@ def test_pool_topk_special_values():
   ], F32)
   lens = np.array([12, 12, 5, 0, 12])
   want = _check_topk(logits, lens, k)
-  assert want[0].tolist() == [9, 10, 11, 4, 5, 6, 1, 2]
-  assert want[1].tolist() == [6, 7, 2, 9, 5, 10, 11, 0]
-  assert want[2].tolist() == [4, 3, 2, 1, 0, -1, -1, -1]
+  assert want[0].tolist() == [1, 2, 4, 5, 6, 9, 10, 11]   # the set {5s, 3s, 2s}
+  assert want[1].tolist() == [0, 2, 5, 6, 7, 9, 10, 11]   # -inf/NaN tie: id 0
+  assert want[2].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
   assert want[3].tolist() == [-1] * k
 
 
@@ -153,9 +153,93 @@ def test_pool_topk_signed_zeros_tie_by_id():
   """-0.0 and +0.0 are equal logits (they arise as sum_h w*relu(..) with w < 0), so
   the documented tie rule orders them by ascending id."""
   logits = np.array([[-0.0, 0.0, -0.0, 0.0, -1.0, 1.0]], F32)
-  want = _check_topk(logits, np.array([6]), 6)
-  assert want[0].tolist() == [5, 0, 1, 2, 3, 4]
+  want = _check_topk(logits, np.array([6]), 4)
+  assert want[0].tolist() == [0, 1, 2, 5]
 
 
 def test_pool_topk_empty():
   assert _topk_fn(4)(jnp.zeros((0, 10), jnp.float32), i32(np.zeros(0))).shape == (0, 4)
+
+
+def test_pool_topk_fewer_pools_is_the_causal_fill():
+  """A row with at most k pools lists 0..n-1 whatever its logits: the causal fill
+  (SPEC §5a) and the top-k agree, so the stage needs no branch between them."""
+  rng = np.random.default_rng(7)
+  logits = rng.standard_normal((3, 40)).astype(F32)
+  lens = np.array([40, 17, 0])
+  want = _check_topk(logits, lens, 40)
+  for r, n in enumerate(lens):
+    assert want[r].tolist() == list(range(n)) + [-1] * (40 - n)
+
+
+# ----------------------------------------------------------------- select_pools
+
+def _select_case(rng, positions, req_ids, *, heads=32, page=16, requests=3, mp=4,
+                 scale_format="fp32"):
+  rows = len(positions)
+  pages = requests * mp + 2
+  q = rng.integers(0, 256, (rows, heads, 128)).astype(np.uint8)
+  q[(q & 0x7F) == 0x7F] = 0            # no NaN codes
+  w = rng.standard_normal((rows, heads)).astype(F32)
+  data = np.asarray(jnp.asarray(rng.standard_normal((pages, page, 128)) * 8,
+                                jnp.float8_e4m3fn)).view(np.uint8)
+  exps = rng.integers(-8, -2, (pages, page))
+  if scale_format == "fp32":
+    scales = np.exp2(exps).astype(F32).view(np.uint8).reshape(pages, page * 4)
+  else:
+    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
+  kv = np.concatenate([data.reshape(pages, -1), scales.reshape(pages, -1)], 1)
+  kv = kv.reshape(pages, page, 132)
+  table = rng.permutation(pages)[:requests * mp].reshape(requests, mp).astype(np.int32)
+  table[-1, -1] = pages + 5            # out of range: never read (D4)
+  return (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
+          i32(table), i32(np.asarray(req_ids)), i32(np.asarray(positions)))
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_select_pools_against_oracle(scale_format):
+  rng = np.random.default_rng(11)
+  k, max_pools = 8, 60
+  positions = [-1, 5, 31, 32, 120, 250, 255, 2 ** 31 - 1, 60]
+  req_ids = [0, 1, 2, 0, 1, 2, 0, 1, 7]   # 7: no such request
+  args = _select_case(rng, positions, req_ids, scale_format=scale_format)
+  ids, logits = jax.jit(functools.partial(R.select_pools, k=k, max_pools=max_pools,
+                                          scale_format=scale_format))(*args)
+  want_ids, want_logits, bound, n = O.select_pools(*args, k=k, max_pools=max_pools,
+                                                   scale_format=scale_format)
+  ids, logits = np.asarray(ids), np.asarray(logits)
+  assert n.tolist() == [0, 1, 8, 8, 30, 60, 60, 60, 15]
+  for r in range(len(positions)):
+    if n[r] <= k:   # causal fill; logits unspecified
+      assert ids[r].tolist() == list(range(n[r])) + [-1] * (k - n[r])
+      continue
+    got, want = logits[r, :n[r]], want_logits[r, :n[r]]
+    none = np.isneginf(want)                       # no page: exactly -inf
+    np.testing.assert_array_equal(np.isneginf(got), none, err_msg=f"row {r}")
+    np.testing.assert_array_less(np.abs(got[~none] - want[~none]),
+                                 1e-5 * bound[r, :n[r]][~none] + 1e-30, err_msg=f"row {r}")
+  # The selection is exactly the top-k of the logits the op computed.
+  np.testing.assert_array_equal(ids, O.pool_topk(logits, n, k=k))
+  assert np.all(np.isneginf(logits[8, :15]))     # unknown request: no pages
+  assert np.isneginf(logits[5, 56:60]).all()     # page id past the cache
+
+
+def test_select_pools_all_rows_fit_skips_logits():
+  rng = np.random.default_rng(3)
+  args = _select_case(rng, [3, 7, -1], [0, 1, 2])
+  ids, _ = R.select_pools(*args, k=4, max_pools=32)
+  assert np.asarray(ids).tolist() == [[0, -1, -1, -1], [0, 1, -1, -1], [-1] * 4]
+
+
+def test_vectorized_oracle_equals_loop_oracle():
+  """The GPU tests use the vectorised float64 logits; it must equal the loop."""
+  rng = np.random.default_rng(5)
+  args = _select_case(rng, [40, 60, 7], [0, 2, 1])
+  q, w, kv, table, req, pos = args
+  lens = np.array([11, 16, 3])
+  rows = np.asarray(table)[[0, 2, 1]]
+  rows[1, 1] = -1
+  want = O.mqa_logits(q, w, kv, rows, lens, max_pools=20)
+  got = O.mqa_logits_vectorized(q, w, kv, rows, lens, max_pools=20)
+  for g, x in zip(got, want):
+    np.testing.assert_allclose(g, x, rtol=1e-12)

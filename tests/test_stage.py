@@ -79,8 +79,18 @@ def test_stage_matches_reference_composition(contexts, next_n, fused):
   (out, new), (want_out, want_new) = got, want
   loc = np.asarray(batch.loc)
   oracle.compare_cache(new.kv_cache, want_new.kv_cache, kv_before, loc[loc >= 0])
-  for g, w in zip(leaves((out, new.tail)), leaves((want_out, want_new.tail))):
+  if jax.default_backend() == "cpu":
+    for g, w in zip(leaves((out, new.tail)), leaves((want_out, want_new.tail))):
+      np.testing.assert_array_equal(g, w)
+    return
+  # GPU: the logits kernel sums in its own order, so near-tied pools at the top-k
+  # boundary may swap: equal counts, >= 99% of the selected slots (issue 10's rule).
+  for g, w in zip(leaves((out.q_fp8, out.w_out, out.counts, new.tail)),
+                  leaves((want_out.q_fp8, want_out.w_out, want_out.counts, want_new.tail))):
     np.testing.assert_array_equal(g, w)
+  for r, c in enumerate(np.asarray(out.counts)):
+    got, want = set(np.asarray(out.slots)[r, :c]), set(np.asarray(want_out.slots)[r, :c])
+    assert len(got & want) >= 0.99 * c, f"row {r}: {len(got & want)} of {c}"
 
 
 def test_causal_branch_selects_every_token():
@@ -95,6 +105,20 @@ def test_causal_branch_selects_every_token():
     want = bt[r, tok // CONFIG.block_size] * CONFIG.block_size + tok % CONFIG.block_size
     np.testing.assert_array_equal(np.asarray(out.slots)[r, :p + 1], want)
     assert (np.asarray(out.slots)[r, p + 1:] == -1).all()
+
+
+def test_rows_choose_causal_or_topk_independently():
+  """One batch with rows on both sides of topk_tokens: the short rows list every
+  token in order (causal fill) while the long ones select 2048 tokens + tail."""
+  weights, cache, x, qr, batch = state([5, 3001, 700])
+  out, _ = STEP(weights, cache, x, qr, batch, config=CONFIG)
+  counts = np.asarray(out.counts)
+  assert counts.tolist() == [6, 2048 + 3002 % 4, 701]
+  bt = np.asarray(batch.block_table)
+  for r, p in ((0, 5), (2, 700)):
+    tok = np.arange(p + 1)
+    want = bt[r, tok // CONFIG.block_size] * CONFIG.block_size + tok % CONFIG.block_size
+    np.testing.assert_array_equal(np.asarray(out.slots)[r, :p + 1], want)
 
 
 def test_topk_branch_selects_topk_pools_plus_tail():

@@ -4,7 +4,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .numerics import DIM, e4m3_to_f32
+from .numerics import DIM, POOL, e4m3_to_f32
 
 
 def upcast_logits(logits, row_ends):
@@ -57,11 +57,17 @@ def mqa_logits(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
 
 
 def pool_topk(logits, pool_lens, *, k):
-  """The k best pools of each row (SPEC §5c).
+  """The k best pools of each row (SPEC §5c), listed in ascending pool id.
 
-  logits f32[rows, P]; pool_lens i32[rows]. Returns i32[rows, k]: pool ids by
-  descending logit, ties by ascending id (-0, subnormals and +0 tie); only
-  p < pool_lens[r] are eligible (a NaN logit ranks as -inf); missing entries are -1.
+  logits f32[rows, P]; pool_lens i32[rows]. Returns i32[rows, k]: the set of the
+  k largest logits among p < pool_lens[r] (a NaN logit ranks as -inf; -0 and
+  subnormals tie with +0; ties at the k-th value go to the lower ids), listed in
+  ascending pool id, then -1. A row with at most k eligible pools lists all of them,
+  0, 1, .. -- the causal fill of SPEC §5a.
+
+  The order is a project decision (stock top-k leaves it implementation-defined and
+  the remap keeps whatever order it gets): ascending ids make a row's result
+  independent of how the selection was computed and equal to the causal fill.
   """
   rows, width = logits.shape
   cols = jnp.arange(width)
@@ -71,5 +77,50 @@ def pool_topk(logits, pool_lens, *, k):
   masked = jnp.where(jnp.abs(masked) < np.float32(2.0 ** -126), 0.0, masked)
   if width < k:
     masked = jnp.pad(masked, ((0, 0), (0, k - width)), constant_values=-jnp.inf)
-  _, ids = lax.top_k(masked, k)
-  return jnp.where(ids < jnp.minimum(pool_lens, width)[:, None], ids, -1).astype(jnp.int32)
+  _, ids = lax.top_k(masked, k)   # stable: equal values by ascending id
+  valid = ids < jnp.minimum(pool_lens, width)[:, None]
+  ids = jnp.sort(jnp.where(valid, ids, jnp.iinfo(jnp.int32).max), axis=1)
+  return jnp.where(ids < jnp.iinfo(jnp.int32).max, ids, -1).astype(jnp.int32)
+
+
+def pool_counts(positions):
+  """i32[rows] pools of each decode row: (pos + 1) // 4, 0 for pads (pos < 0).
+
+  Written as pos // 4 + (pos % 4 == 3) so that pos = 2^31 - 1 does not overflow.
+  """
+  pos = jnp.maximum(positions, 0)
+  return jnp.where(positions >= 0, pos // POOL + (pos % POOL == POOL - 1), 0).astype(jnp.int32)
+
+
+def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                 scale_format="fp32"):
+  """The select path of a decode step: MQA logits, then the k best pools (SPEC §5).
+
+  q_fp8 e4m3[rows, H, 128]; w_out f32[rows, H]; kv_cache u8[pages, PAGE, 132];
+  page_table i32[R, MP] (K-cache pages of each request); req_ids i32[rows];
+  positions i32[rows]. Row r has n = min(pool_counts(positions)[r], max_pools) pools.
+  Returns (pool_ids i32[rows, k], logits f32[rows, max_pools]):
+  pool_ids = pool_topk(logits, n, k=k): a row with n <= k selects 0..n-1 (the
+  causal fill) and needs no logits; logits = mqa_logits over the request's pages,
+  specified only for rows with n > k and columns p < n (elsewhere unspecified: the
+  kernel does not write them; this reference writes -inf or skips the logits
+  altogether when every row fits). A req_id outside [0, R) has no pages: its pools
+  score -inf (still eligible, so they are selected by ascending id).
+  """
+  requests = page_table.shape[0]
+  ok = (req_ids >= 0) & (req_ids < requests)
+  table = jnp.where(ok[:, None], page_table[jnp.clip(req_ids, 0, requests - 1)], -1)
+  n = jnp.minimum(pool_counts(positions), max_pools)
+
+  def fill(_):
+    g = jnp.arange(k)
+    ids = jnp.where(g < n[:, None], g, -1).astype(jnp.int32)
+    return ids, jnp.full((q_fp8.shape[0], max_pools), -jnp.inf, jnp.float32)
+
+  def top(_):
+    logits = mqa_logits(q_fp8, w_out, kv_cache, table, n, max_pools=max_pools,
+                        scale_format=scale_format)
+    return pool_topk(logits, n, k=k), logits
+
+  # A branch only here, in the reference: the kernel decides per row.
+  return lax.cond(jnp.max(n, initial=0) <= k, fill, top, None)

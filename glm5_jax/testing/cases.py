@@ -83,10 +83,38 @@ def _q_fp8(rng, rows, heads):
   return jnp.asarray(rng.standard_normal((rows, heads, 128)) * 8, jnp.float8_e4m3fn)
 
 
+LOGITS_HEADS, LOGITS_PAGE = 32, 16    # a shape the logits kernel takes (cc/select.cu)
+
+
+def _logits_cache(rng):
+  """Valid entries (no NaN codes, power-of-two fp32 scales): the logits are finite."""
+  data = rng.integers(0, 256, (PAGES, LOGITS_PAGE * 128)).astype(np.uint8)
+  data[(data & 0x7F) == 0x7F] = 0
+  scales = np.exp2(rng.integers(-10, -2, (PAGES, LOGITS_PAGE))).astype(np.float32)
+  kv = np.concatenate([data, scales.view(np.uint8).reshape(PAGES, -1)], 1)
+  return jnp.asarray(kv.reshape(PAGES, LOGITS_PAGE, 132))
+
+
 def _mqa_args(rng):
-  rows, heads = 3, 4
+  rows, heads = 3, LOGITS_HEADS
   return (_q_fp8(rng, rows, heads), jnp.asarray(rng.random((rows, heads)), jnp.float32),
-          cache(rng), i32(rng.integers(0, PAGES, (rows, 3))), i32([5, 20, 0]))
+          _logits_cache(rng), i32(rng.integers(0, PAGES, (rows, 3))), i32([5, 40, 0]))
+
+
+def _select_args(rng):
+  rows, heads = 4, LOGITS_HEADS
+  return (_q_fp8(rng, rows, heads), jnp.asarray(rng.random((rows, heads)), jnp.float32),
+          _logits_cache(rng), i32(rng.integers(0, PAGES, (3, 3))), i32([0, 2, 1, 2]),
+          i32([7, 150, -1, 60]))
+
+
+def _select_valid(args, outs):
+  """Logits are specified only for rows with more than k pools, below their count."""
+  positions, (ids, logits) = args[5], outs
+  n = np.asarray(glm5_jax.reference.pool_counts(np.asarray(positions)))
+  n = np.minimum(n, logits.shape[-1])
+  keep = (np.arange(logits.shape[-1]) < n[..., None]) & (n[..., None] > ids.shape[-1])
+  return np.asarray(ids), np.where(keep, np.asarray(logits), 0)
 
 
 def _topk_args(rng):
@@ -148,6 +176,8 @@ CASES = {
     "upcast_logits": Case(glm5_jax.upcast_logits, _upcast_args, valid=_upcast_valid),
     "mqa_logits": Case(P(glm5_jax.mqa_logits, max_pools=24), _mqa_args, exact=False),
     "pool_topk": Case(P(glm5_jax.pool_topk, k=5), _topk_args),
+    "select_pools": Case(P(glm5_jax.select_pools, k=5, max_pools=48), _select_args,
+                         exact=False, valid=_select_valid),
     "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=PROJECTION_HEADS),
                                _projection_args, exact=False),
     "indexer_query": Case(P(glm5_jax.indexer_query, **_query), _query_args),

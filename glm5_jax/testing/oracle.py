@@ -404,10 +404,40 @@ def mqa_logits(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
   return out, bound
 
 
+def mqa_logits_vectorized(q_fp8, weights, kv_cache, page_table, pool_lens, *, max_pools,
+                          scale_format="fp32"):
+  """mqa_logits above, vectorised over rows and pools (float64 einsum): the same
+  values (each dot of e4m3 products is exact in float64), for GPU-sized tests."""
+  q = e4m3_value(np.asarray(q_fp8).view(np.uint8))
+  w = np.asarray(weights).astype(F64)
+  kv = np.asarray(kv_cache, np.uint8)
+  pages, page, _ = kv.shape
+  table = np.asarray(page_table).astype(np.int64)
+  lens = np.asarray(pool_lens).astype(np.int64)
+  p = np.arange(max_pools)
+  slot = p // page
+  in_table = slot < table.shape[1]
+  pg = np.where(in_table, table[:, np.minimum(slot, table.shape[1] - 1)], -1)
+  ok = (p < lens[:, None]) & (pg >= 0) & (pg < pages)
+  flat = kv.reshape(pages, page * 132)
+  pgc, e = np.where(ok, pg, 0), p % page
+  data = e4m3_value(flat[pgc[..., None], (e * D)[None, :, None] + np.arange(D)])
+  sbytes = flat[pgc[..., None], (page * D + 4 * e)[None, :, None] + np.arange(4)]
+  if scale_format == "fp32":
+    ks = np.ascontiguousarray(sbytes).view("<f4")[..., 0].astype(F64)
+  else:
+    ks = np.exp2(sbytes[..., 0].astype(F64) - 127)
+  dots = np.einsum("rhd,rpd->rhp", q, data)
+  absdots = np.einsum("rhd,rpd->rhp", np.abs(q), np.abs(data))
+  out = np.einsum("rh,rhp->rp", w, np.maximum(dots, 0.0)) * ks
+  bound = np.einsum("rh,rhp->rp", np.abs(w), absdots) * ks
+  return np.where(ok, out, -np.inf), np.where(ok, bound, 0.0)
+
+
 def pool_topk(logits, pool_lens, *, k):
-  """SPEC §5c with the project tie rule: descending logit (NaN as -inf,
-  subnormals as 0), ties by ascending id, only p < pool_lens[r] eligible,
-  missing = -1."""
+  """SPEC §5c with the project rules: the k best by descending logit (NaN as
+  -inf, subnormals as 0), ties by ascending id, only p < pool_lens[r] eligible;
+  listed in ascending pool id, then -1."""
   logits = np.asarray(logits, F32)
   rows, P_ = logits.shape
   out = np.full((rows, k), -1, np.int32)
@@ -422,9 +452,31 @@ def pool_topk(logits, pool_lens, *, k):
         x = 0.0
       cand.append((-x, p))
     cand.sort()
-    for i, (_, p) in enumerate(cand[:k]):
+    for i, p in enumerate(sorted(p for _, p in cand[:k])):
       out[r, i] = p
   return out
+
+
+def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                 scale_format="fp32"):
+  """SPEC §5 as one decode row's select path, in float64 for the logits.
+
+  Returns (pool_ids i32[rows, k], logits f64[rows, max_pools], bound, n): pool
+  counts n = (pos + 1) // 4 (0 for pos < 0) capped at max_pools; a row with n <= k
+  selects 0..n-1; otherwise the top-k of the f64 logits (ties by id). A req_id
+  outside the page table has no pages (logits -inf)."""
+  positions = np.asarray(positions, np.int64)
+  n = np.minimum(np.where(positions >= 0, (positions + 1) // 4, 0), max_pools)
+  page_table = np.asarray(page_table)
+  req_ids = np.asarray(req_ids)
+  table = np.full((len(req_ids), page_table.shape[1]), -1, np.int64)
+  for r, req in enumerate(req_ids):
+    if 0 <= req < page_table.shape[0]:
+      table[r] = page_table[req]
+  logits, bound = mqa_logits(q_fp8, w_out, kv_cache, table, n, max_pools=max_pools,
+                             scale_format=scale_format)
+  ids = pool_topk(logits.astype(F32), n, k=k)
+  return ids, logits, bound, n
 
 
 # --------------------------------------------------------------------------- indexer

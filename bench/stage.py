@@ -1,0 +1,84 @@
+"""Group "stage": indexer_stage as a serving stack runs it. One jitted decode step of
+`stage_layers` (11) DSA layers, each with its own weights and caches (donated, updated
+in place, threaded from step to step), batch metadata already on the device; steps
+dispatched back to back (harness.time_step). Rows "M=<m>,ctx=<tokens>": µs per layer
+(step time / layers) in device_us, M requests of one decode token each, every request
+at the same context; variant "kernel" = the default routing, "reference" = every op on
+its pure-JAX reference (Routing(kernels=False)), in the same run."""
+import gc
+
+import numpy as np
+
+import glm5_jax
+from glm5_jax import synthetic
+
+from .harness import time_step
+from .sizes import CONFIG, POOL
+from .variants import KERNEL, REFERENCE
+
+NAME = "stage"
+
+
+def _config(ctx, routing):
+  # The logits width of a deployment serving contexts up to ctx tokens (page-padded).
+  max_pools = max(-(-(ctx // POOL + 1) // 64) * 64, CONFIG.topk_tokens // POOL)
+  return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing)
+
+
+def _state(m, ctx, layers, seed):
+  rng = np.random.default_rng(seed)
+  weights, caches = [], []
+  for _ in range(layers):
+    weights.append(synthetic.layer(rng, CONFIG))
+    cache, pt, bt = synthetic.decode_cache(rng, m, ctx + 1)
+    caches.append(cache)
+  # Every request at ctx tokens, one decode token (position ctx); tables of the last
+  # layer's cache shape (all layers have the same shapes, so the same tables serve).
+  batch = synthetic.decode_batch(np.full((m, 1), ctx), caches[-1], pt, bt)
+  x, qr = synthetic.inputs(rng, m)
+  return weights, caches, x, qr, batch
+
+
+def _step(config):
+  def step(caches, weights, x, qr, batch):
+    outs, new = [], []
+    for w, c in zip(weights, caches):
+      out, c = glm5_jax.indexer_stage(w, c, x, qr, batch, config=config)
+      outs.append(out.counts)
+      new.append(c)
+    return new, outs
+  return step
+
+
+def run(bench):
+  s = bench.s
+  variants = [KERNEL, REFERENCE] if bench.module else [REFERENCE]
+  for ctx in s.stage_contexts:
+    for m in s.stage_rows:
+      shape = f"M={m},ctx={ctx}"
+      if bench.over_budget():
+        bench.log(f"stage {shape}: skipped (over the time budget)")
+        continue
+      try:
+        weights, caches, x, qr, batch = _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
+      except Exception as e:                               # noqa: BLE001
+        for v in variants:
+          bench.error_row(NAME, shape, v, e)
+        continue
+      for variant in variants:
+        routing = (glm5_jax.Routing() if variant == KERNEL
+                   else glm5_jax.Routing(kernels=False))
+        try:
+          sec, caches, info = time_step(_step(_config(ctx, routing)), caches,
+                                        (weights, x, qr, batch), s, units=s.stage_layers)
+          bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,
+                    dispatch_us=info["dispatch_us"], run_us=info["run_us"],
+                    compile_s=info["compile_s"],
+                    notes=f"{s.stage_layers} layers per jitted step, µs per layer")
+          bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
+                    f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
+        except Exception as e:                             # noqa: BLE001
+          bench.error_row(NAME, shape, variant, e)
+        bench.write_json()
+      del weights, caches, x, qr, batch
+      gc.collect()

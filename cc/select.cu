@@ -1,0 +1,677 @@
+// The select path of a decode step (SPEC §5b, §5c): MQA logits of each row's fp8 queries
+// against its pools in the paged fp8 K cache, then the k best pools of each row.
+//
+//   glm5_mqa_logits    the logits kernel alone (op mqa_logits)
+//   glm5_pool_topk     the top-k kernel alone (op pool_topk)
+//   glm5_select_pools  both, back to back in one FFI call (op select_pools, what
+//                      indexer_stage runs): rows whose pools all fit in k skip the logits
+//                      and select every pool, so the stage needs no lax.cond.
+//
+// Logits: persistent CTAs of 4 warps; a work item is 64 pools of one row (16 per warp, the
+// mma M side). Each CTA computes the row -> item prefix itself from the row lengths (no
+// schedule kernel) and takes a contiguous range of items, so at M = 1 a 32K-pool row is
+// spread over every SM. Scores come from mma.sync m16n8k32 e4m3 x e4m3 -> f32.
+//
+// Top-k: one CTA of 1024 threads per row, exact and deterministic by construction:
+// order-preserving 32-bit keys in shared memory, a candidate bound from per-thread maxima,
+// radix select of the threshold over the candidates, then a bitmap pass that emits the
+// selected pool ids in ascending id order (ties at the threshold by ascending id). No
+// atomic decides an order; shared-memory atomics only count.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+
+#include "common.h"
+#include "handlers.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int kSelDim = 128;                         // head dim (bytes of one fp8 row)
+constexpr int kSelEntry = kSelDim + 4;               // K-cache entry: fp8 row + scale
+constexpr int kSelPool = 4;                          // tokens per pool
+constexpr int kLanesPerWarp = 32;
+constexpr int kWarpPools = 16;                       // pools per warp tile (mma M)
+constexpr int kLogitsWarps = 4;
+constexpr int kLogitsThreads = kLogitsWarps * kLanesPerWarp;
+constexpr int kItemPools = kWarpPools * kLogitsWarps;  // 64 pools per work item
+constexpr int kTopkThreads = 1024;
+constexpr int kTopkWarps = kTopkThreads / kLanesPerWarp;
+// One 32-bit word of the selection bitmap per thread: rows of up to 32768 pools.
+constexpr int kTopkMaxPools = kLanesPerWarp * kTopkThreads;
+constexpr int kCandidates = 8192;                    // candidate keys kept in shared memory
+constexpr int kRadixBits = 8;
+constexpr int kRadixBins = 1 << kRadixBits;
+
+// Pools of a row: pool_lens[r], or (positions[r] + 1) / 4 (0 for pads) without the int32
+// overflow of pos + 1; at most `width` (the logits width).
+__device__ __forceinline__ int32_t row_pools(const int32_t* lens, bool from_positions, int r,
+                                             int32_t width) {
+  const int32_t v = lens[r];
+  int32_t n;
+  if (from_positions)
+    n = v < 0 ? 0 : v / kSelPool + (v % kSelPool == kSelPool - 1 ? 1 : 0);
+  else
+    n = v < 0 ? 0 : v;
+  return min(n, width);
+}
+
+// ------------------------------------------------------------------------------ logits
+
+struct LogitsArgs {
+  const uint8_t* q;           // e4m3 [rows, padded, 128]
+  const float* w_out;         // f32 [rows, padded]
+  const uint8_t* kv;          // u8 [pages, page, 132]
+  const int32_t* page_table;  // s32 [tables, table_width]
+  const int32_t* req_ids;     // s32 [rows], or nullptr: row r reads page_table row r
+  const int32_t* lens;        // s32 [rows]: pool_lens, or positions when from_positions
+  float* logits;              // f32 [rows, width]
+  int32_t rows, tables, table_width, pages, page, width;
+  int32_t skip_upto;          // rows with at most this many pools are skipped (-1: none)
+  bool from_positions;
+  bool fill;                  // write -inf from each row's pool count up to width
+  bool ue8m0;                 // scale format: UE8M0 byte (else fp32)
+};
+
+__device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int r) {
+  if (a.fill) return (a.width + kItemPools - 1) / kItemPools;
+  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+  return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void words(uint32_t (&w)[8], const uint8_t* p) {
+  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint4 hi = __ldg(reinterpret_cast<const uint4*>(p + 64));
+  w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
+  w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
+}
+
+// ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
+__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+
+// The dot over the head dim is a sum, so the mma's k index may visit the 128 dims in any
+// order as long as A (K rows) and B (q rows) agree. Thread (g, t) of a warp loads 16 bytes
+// at dims 16t and 64 + 16t of its rows (two contiguous 64-byte runs per row per load
+// instruction); word i of those 8 becomes k-step i / 2, k-half i % 2 for both operands.
+//
+// Summation order of a logit (fixed, documented): per head, the mma's f32 dot; per thread,
+// s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads
+// h0 = 8j + 2t, h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a
+// pool add by butterfly (xor 1, then xor 2); then times the entry's scale.
+template <int kHeadTiles>
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
+  extern __shared__ int32_t first_item[];  // [rows + 1]: items before row r
+  __shared__ int32_t warp_total[kLogitsWarps];
+  const int lane = threadIdx.x % kLanesPerWarp, warp = threadIdx.x / kLanesPerWarp;
+  const int g = lane >> 2, t = lane & 3;
+  pdl_wait();
+
+  // Exclusive prefix of items over rows (every CTA computes the same one).
+  int32_t carry = 0;
+  for (int base = 0; base < a.rows; base += kLogitsThreads) {
+    const int r = base + threadIdx.x;
+    const int32_t own = r < a.rows ? row_items(a, r) : 0;
+    int32_t incl = own;
+#pragma unroll
+    for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+      const int32_t o = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += o;
+    }
+    if (lane == kLanesPerWarp - 1) warp_total[warp] = incl;
+    __syncthreads();
+    int32_t before = carry, total = 0;
+    for (int w = 0; w < kLogitsWarps; ++w) {
+      if (w < warp) before += warp_total[w];
+      total += warp_total[w];
+    }
+    if (r < a.rows) first_item[r] = before + incl - own;
+    carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) first_item[a.rows] = carry;
+  __syncthreads();
+
+  const int64_t items = carry;
+  const int32_t begin = static_cast<int32_t>(items * blockIdx.x / gridDim.x);
+  const int32_t end = static_cast<int32_t>(items * (blockIdx.x + 1) / gridDim.x);
+  // The row of item `begin`: the last r with first_item[r] <= begin.
+  int lo = 0, hi = a.rows - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_item[mid] <= begin) lo = mid; else hi = mid - 1;
+  }
+  int r = lo, row = -1;
+  uint32_t qw[kHeadTiles][8];
+  float w0[kHeadTiles], w1[kHeadTiles];
+  int32_t n = 0;
+  const int32_t* table = nullptr;
+  const int32_t padded = kHeadTiles * 8;
+  const int64_t page_bytes = static_cast<int64_t>(a.page) * kSelEntry;
+
+  for (int32_t item = begin; item < end; ++item) {
+    while (first_item[r + 1] <= item) ++r;
+    if (r != row) {
+      row = r;
+      n = row_pools(a.lens, a.from_positions, r, a.width);
+      const int32_t req = a.req_ids != nullptr ? a.req_ids[r] : r;
+      table = req >= 0 && req < a.tables
+                  ? a.page_table + static_cast<int64_t>(req) * a.table_width : nullptr;
+      const uint8_t* qrow = a.q + static_cast<int64_t>(r) * padded * kSelDim;
+#pragma unroll
+      for (int j = 0; j < kHeadTiles; ++j) {
+        words(qw[j], qrow + (8 * j + g) * kSelDim + 16 * t);
+        const float* wr = a.w_out + static_cast<int64_t>(r) * padded + 8 * j + 2 * t;
+        w0[j] = __ldg(wr);
+        w1[j] = __ldg(wr + 1);
+      }
+    }
+    const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
+    float* out = a.logits + static_cast<int64_t>(r) * a.width;
+    // Lane t = 0 stores pool g, lane t = 1 pool g + 8.
+    const int32_t mine = p0 + g + (t == 1 ? 8 : 0);
+    if (p0 >= n) {  // the warp's pools are all past the row's end (fill mode only)
+      if (t < 2 && mine < a.width) out[mine] = -INFINITY;
+      continue;
+    }
+    // a.page % 16 == 0, so the warp's 16 pools share one page.
+    const int32_t slot = p0 / a.page;
+    const int32_t pg = table != nullptr && slot < a.table_width ? table[slot] : -1;
+    float s_lo = -INFINITY, s_hi = -INFINITY;
+    if (pg >= 0 && pg < a.pages) {
+      const uint8_t* page = a.kv + pg * page_bytes;
+      const int e = p0 % a.page + g;
+      uint32_t ka[8], kb[8];
+      words(ka, page + e * kSelDim + 16 * t);
+      words(kb, page + (e + 8) * kSelDim + 16 * t);
+      const uint8_t* scales = page + static_cast<int64_t>(a.page) * kSelDim;
+      float scale_lo, scale_hi;
+      if (a.ue8m0) {
+        scale_lo = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * e)) << 23);
+        scale_hi = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * (e + 8))) << 23);
+      } else {
+        scale_lo = __ldg(reinterpret_cast<const float*>(scales) + e);
+        scale_hi = __ldg(reinterpret_cast<const float*>(scales) + e + 8);
+      }
+      float acc[kHeadTiles][4];
+#pragma unroll
+      for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < kHeadTiles; ++j)
+          mma_e4m3(acc[j], ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qw[j][2 * s],
+                   qw[j][2 * s + 1]);
+      float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+      for (int j = 0; j < kHeadTiles; ++j) {
+        sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
+        sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
+        sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
+        sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
+      }
+      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
+      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
+      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
+      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
+      s_lo = sum_lo * scale_lo;
+      s_hi = sum_hi * scale_hi;
+    }
+    if (t < 2) {
+      if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+      else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+    }
+  }
+  pdl_launch_dependents();
+}
+
+// ------------------------------------------------------------------------------ top-k
+
+struct TopkArgs {
+  const float* logits;  // f32 [rows, width]
+  const int32_t* lens;  // s32 [rows]: pool_lens, or positions when from_positions
+  int32_t* out;         // s32 [rows, k]
+  int32_t rows, width, k;
+  bool from_positions;
+  // Select path: rows that keep every pool do not read the logits, so they write their
+  // ids before waiting for the logits kernel (whose own wait already covered `lens`).
+  bool early_rows;
+};
+
+// Order-preserving key: larger float -> larger key. NaN ranks as -inf, -0 and subnormals
+// as +0 (the reference's rule). Every eligible key is >= key(-inf) = 0x007fffff > 0, so 0
+// marks "no pool".
+__device__ __forceinline__ uint32_t order_key(float f) {
+  uint32_t b = __float_as_uint(f);
+  if (f != f) b = 0xff800000u;
+  else if (fabsf(f) < 1.17549435e-38f) b = 0u;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Exclusive prefix sum over the 1024 threads of the CTA (thread order).
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_sums) {
+  const int lane = threadIdx.x % kLanesPerWarp, warp = threadIdx.x / kLanesPerWarp;
+  uint32_t incl = v;
+#pragma unroll
+  for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += o;
+  }
+  if (lane == kLanesPerWarp - 1) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t x = warp_sums[lane], xi = x;
+#pragma unroll
+    for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+      const uint32_t o = __shfl_up_sync(0xffffffffu, xi, d);
+      if (lane >= d) xi += o;
+    }
+    warp_sums[lane] = xi - x;
+  }
+  __syncthreads();
+  const uint32_t out = warp_sums[warp] + incl - v;
+  __syncthreads();  // warp_sums is reused by the caller
+  return out;
+}
+
+__global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) {
+  extern __shared__ uint32_t keys[];  // [roundup(width, 32)] then [kCandidates]
+  __shared__ uint32_t hist[kRadixBins];
+  __shared__ uint32_t scan[kTopkThreads];
+  __shared__ uint32_t warp_sums[kTopkWarps];
+  __shared__ uint32_t warp_max[kTopkWarps];
+  __shared__ uint32_t shared_count, shared_digit, shared_above, shared_bound, shared_top;
+  const int lane = threadIdx.x % kLanesPerWarp, warp = threadIdx.x / kLanesPerWarp;
+  const int r = blockIdx.x;
+  const int32_t k = a.k;
+  int32_t* out = a.out + static_cast<int64_t>(r) * k;
+
+  if (!a.early_rows) pdl_wait();
+  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+  if (n <= k) {  // every pool is selected: ids 0..n-1 in order, then -1
+    for (int32_t i = threadIdx.x; i < k; i += kTopkThreads) out[i] = i < n ? i : -1;
+    if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
+    pdl_launch_dependents();
+    return;
+  }
+  if (a.early_rows) pdl_wait();
+
+  // 1. Keys into shared memory (pads up to a whole word are 0 = no pool), per-thread max.
+  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
+  const int32_t words_n = (n + kLanesPerWarp - 1) / kLanesPerWarp;
+  const int32_t padded_n = words_n * kLanesPerWarp;
+  uint32_t* candidates = keys + ((a.width + kLanesPerWarp - 1) / kLanesPerWarp) * kLanesPerWarp;
+  uint32_t own_max = 0;
+  constexpr int kBatch = 8;  // loads in flight per thread
+  for (int32_t base = threadIdx.x; base < padded_n; base += kBatch * kTopkThreads) {
+    float v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int32_t i = base + b * kTopkThreads;
+      v[b] = i < n ? __ldg(row + i) : 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int32_t i = base + b * kTopkThreads;
+      if (i < padded_n) {
+        const uint32_t key = i < n ? order_key(v[b]) : 0u;
+        keys[i] = key;
+        own_max = max(own_max, key);
+      }
+    }
+  }
+  // 2. A lower bound on the k-th largest key: every warp holds at least c = ceil(k / 32)
+  //    per-thread maxima >= its c-th largest one, and 32 warps * c >= k such keys exist,
+  //    so the k-th largest key is >= the smallest of the warps' c-th largest maxima.
+  uint32_t sorted = own_max;  // bitonic sort of the warp's maxima, descending
+#pragma unroll
+  for (int size = 2; size <= kLanesPerWarp; size <<= 1)
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, sorted, stride);
+      const bool descending = (lane & size) == 0 || size == kLanesPerWarp;
+      const bool lower = (lane & stride) == 0;
+      sorted = lower == descending ? max(sorted, other) : min(sorted, other);
+    }
+  const int c = (k + kTopkWarps - 1) / kTopkWarps;
+  const uint32_t warp_bound = c <= kLanesPerWarp ? __shfl_sync(0xffffffffu, sorted, c - 1) : 0u;
+  if (lane == 0) {
+    warp_sums[warp] = warp_bound;
+    warp_max[warp] = sorted;  // lane 0 holds the warp's largest
+  }
+  if (threadIdx.x == 0) shared_count = 0;
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t bound = __reduce_min_sync(0xffffffffu, warp_sums[lane]);
+    const uint32_t top = __reduce_max_sync(0xffffffffu, warp_max[lane]);
+    if (lane == 0) {
+      shared_bound = bound;
+      shared_top = top;
+    }
+  }
+  __syncthreads();
+  const uint32_t bound = shared_bound, top = shared_top;
+
+  // 3. Candidates: the keys >= bound (order irrelevant: only counted below).
+  for (int32_t i = threadIdx.x; i < padded_n; i += kTopkThreads) {
+    const uint32_t key = keys[i];
+    const bool take = key != 0u && key >= bound;
+    const uint32_t mask = __ballot_sync(0xffffffffu, take);
+    uint32_t at = 0;
+    if (lane == 0 && mask != 0u) at = atomicAdd(&shared_count, __popc(mask));
+    at = __shfl_sync(0xffffffffu, at, 0) + __popc(mask & ((1u << lane) - 1u));
+    if (take && at < static_cast<uint32_t>(kCandidates)) candidates[at] = key;
+  }
+  __syncthreads();
+  const uint32_t count = shared_count;
+  const uint32_t* source = count <= static_cast<uint32_t>(kCandidates) ? candidates : keys;
+  const int32_t source_n = count <= static_cast<uint32_t>(kCandidates)
+                               ? static_cast<int32_t>(count) : padded_n;
+
+  // 4. Radix select of the k-th largest key T among keys in [bound, top], 8 bits at a time
+  //    below the bits bound and top share. `remaining` ends as the number of keys equal
+  //    to T that are selected (the rest of k are the keys above T).
+  int bits = bound == top ? 0 : 32 - __clz(bound ^ top);
+  uint32_t prefix = bits == 32 ? 0u : top & ~((1u << bits) - 1u);
+  uint32_t remaining = static_cast<uint32_t>(k);
+  while (bits > 0) {
+    const int shift = bits > kRadixBits ? bits - kRadixBits : 0;
+    const uint32_t digit_mask = (1u << (bits - shift)) - 1u;
+    for (int i = threadIdx.x; i < kRadixBins; i += kTopkThreads) hist[i] = 0;
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < source_n; i += kTopkThreads) {
+      const uint32_t key = source[i];
+      if (key != 0u && key >= bound && (bits == 32 || (key >> bits) == (prefix >> bits)))
+        atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+    }
+    __syncthreads();
+    if (warp == 0) {  // the digit holding the remaining-th largest, scanning from the top
+      constexpr int kPer = kRadixBins / kLanesPerWarp;
+      uint32_t mine = 0;
+#pragma unroll
+      for (int b = 0; b < kPer; ++b) mine += hist[lane * kPer + b];
+      uint32_t suffix = mine;  // bins of this lane and above
+#pragma unroll
+      for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+        const uint32_t o = __shfl_down_sync(0xffffffffu, suffix, d);
+        if (lane + d < kLanesPerWarp) suffix += o;
+      }
+      uint32_t above = suffix - mine;
+      if (above < remaining && remaining <= suffix) {
+        for (int b = kPer - 1; b >= 0; --b) {
+          const uint32_t h = hist[lane * kPer + b];
+          if (above + h >= remaining) {
+            shared_digit = lane * kPer + b;
+            shared_above = above;
+            break;
+          }
+          above += h;
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= shared_digit << shift;
+    remaining -= shared_above;
+    bits = shift;
+    __syncthreads();
+  }
+  const uint32_t threshold = prefix;
+
+  // 5. Bitmap of the selection, one 32-pool word per thread: warp w takes words
+  //    w, w + 32, ... and lane i keeps the i-th of them (ballots of keys > T and == T).
+  uint32_t gt = 0, eq = 0;
+  const int32_t word = warp + kTopkWarps * lane;
+  for (int i = 0; i < kLanesPerWarp; ++i) {
+    const int32_t w = warp + kTopkWarps * i;
+    if (w >= words_n) break;  // warp-uniform
+    const uint32_t key = keys[w * kLanesPerWarp + lane];
+    const uint32_t above = __ballot_sync(0xffffffffu, key > threshold);
+    const uint32_t equal = __ballot_sync(0xffffffffu, key == threshold);
+    if (lane == i) {
+      gt = above;
+      eq = equal;
+    }
+  }
+  // Counts in word order (packed: keys above T in the high half, equal in the low half;
+  // each total is at most 32768 < 2^16).
+  scan[word] = (static_cast<uint32_t>(__popc(gt)) << 16) | static_cast<uint32_t>(__popc(eq));
+  __syncthreads();
+  const uint32_t before_word = block_exclusive_scan(scan[threadIdx.x], warp_sums);
+  scan[threadIdx.x] = before_word;
+  __syncthreads();
+  const uint32_t before = scan[word];
+  const uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
+  // Ties at T: the first `remaining` of them by ascending id.
+  int take = static_cast<int>(min(max(static_cast<int64_t>(remaining) - eq_before, int64_t{0}),
+                                  static_cast<int64_t>(__popc(eq))));
+  uint32_t chosen = 0, rest = eq;
+  for (; take > 0; --take) {
+    const uint32_t low = rest & (~rest + 1u);
+    chosen |= low;
+    rest ^= low;
+  }
+  uint32_t selected = gt | chosen;
+  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
+  while (selected != 0u) {
+    out[at++] = word * kLanesPerWarp + (__ffs(selected) - 1);
+    selected &= selected - 1u;
+  }
+  pdl_launch_dependents();
+}
+
+// ------------------------------------------------------------------------------ launch
+
+int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return sms > 0 ? sms : 1;
+  }();
+  return count;
+}
+
+
+cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                          int32_t padded) {
+  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
+  static int resident[2] = {0, 0};  // CTAs per SM, per instantiation
+  int& per_sm = resident[padded == 64];
+  const int smem = (args.rows + 1) * static_cast<int>(sizeof(int32_t));  // <= 32 KiB
+  if (per_sm == 0) {
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
+    per_sm = std::max(per_sm, 1);
+  }
+  // Grid from shapes only (command-buffer contract): at most one CTA per possible item,
+  // at most what is resident at once; the kernel spreads the actual items over it.
+  const int64_t bound = static_cast<int64_t>(args.rows) *
+                        ((args.width + kItemPools - 1) / kItemPools);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
+  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
+                pdl, args);
+}
+
+int topk_smem(int32_t width) {
+  return ((width + kLanesPerWarp - 1) / kLanesPerWarp * kLanesPerWarp + kCandidates) *
+         static_cast<int>(sizeof(uint32_t));
+}
+
+cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  // A kernel attribute is process state, not stream work: set once, before the first launch.
+  static const cudaError_t allowed = cudaFuncSetAttribute(
+      pool_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, topk_smem(kTopkMaxPools));
+  if (allowed != cudaSuccess) return allowed;
+  const int smem = topk_smem(args.width);
+  return launch(pool_topk_kernel, dim3(static_cast<unsigned>(args.rows)), dim3(kTopkThreads),
+                smem, stream, pdl, args);
+}
+
+// --------------------------------------------------------------------------- handlers
+
+// Shapes shared by the logits handlers; returns an error message or nullptr.
+const char* check_logits(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
+                         ffi::BufferR3<ffi::U8>& kv, int64_t rows, int64_t width) {
+  const auto qd = q.dimensions();
+  if (q.element_type() != ffi::DataType::F8E4M3FN || qd.size() != 3 || qd[0] != rows ||
+      qd[2] != kSelDim)
+    return "q_fp8 must be e4m3[rows, padded, 128]";
+  if (qd[1] != 32 && qd[1] != 64) return "q_fp8 must have 32 or 64 (padded) heads";
+  if (w_out.dimensions()[0] != rows || w_out.dimensions()[1] != qd[1])
+    return "w_out must be f32[rows, padded]";
+  const auto cd = kv.dimensions();
+  if (cd[2] != kSelEntry || cd[1] % kWarpPools != 0 || cd[1] == 0)
+    return "kv_cache must be u8[pages, PAGE, 132] with PAGE % 16 == 0";
+  if (rows > 8192) return "at most 8192 rows";
+  if (rows * ((width + kItemPools - 1) / kItemPools) > std::numeric_limits<int32_t>::max())
+    return "rows * max_pools / 64 must fit in 32 bits";
+  if (width > std::numeric_limits<int32_t>::max() / 2 ||
+      cd[0] * cd[1] > std::numeric_limits<int32_t>::max())
+    return "logits width or cache too large for 32-bit pool ids";
+  if (!aligned(q.untyped_data(), 16) || !aligned(kv.untyped_data(), 16))
+    return "q_fp8 and kv_cache must be 16-byte aligned";
+  return nullptr;
+}
+
+LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
+                       ffi::BufferR3<ffi::U8>& kv, ffi::BufferR2<ffi::S32>& page_table,
+                       float* logits, int64_t rows, int64_t width, bool ue8m0) {
+  LogitsArgs a{};
+  a.q = static_cast<const uint8_t*>(q.untyped_data());
+  a.w_out = w_out.typed_data();
+  a.kv = kv.typed_data();
+  a.page_table = page_table.typed_data();
+  a.logits = logits;
+  a.rows = static_cast<int32_t>(rows);
+  a.tables = static_cast<int32_t>(page_table.dimensions()[0]);
+  a.table_width = static_cast<int32_t>(page_table.dimensions()[1]);
+  a.pages = static_cast<int32_t>(kv.dimensions()[0]);
+  a.page = static_cast<int32_t>(kv.dimensions()[1]);
+  a.width = static_cast<int32_t>(width);
+  a.skip_upto = -1;
+  a.ue8m0 = ue8m0;
+  return a;
+}
+
+ffi::Error MqaLogitsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
+                         ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
+                         ffi::BufferR1<ffi::S32> pool_lens, ffi::ResultBufferR2<ffi::F32> logits,
+                         bool ue8m0, bool pdl) {
+  const int64_t rows = logits->dimensions()[0], width = logits->dimensions()[1];
+  if (const char* bad = check_logits(q, w_out, kv, rows, width))
+    return ffi::Error::InvalidArgument(std::string("glm5_mqa_logits: ") + bad);
+  if (page_table.dimensions()[0] != rows || pool_lens.dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_mqa_logits: page_table and pool_lens need `rows` rows");
+  if (rows == 0 || width == 0) return ffi::Error::Success();
+  LogitsArgs a = logits_args(q, w_out, kv, page_table, logits->typed_data(), rows, width, ue8m0);
+  a.lens = pool_lens.typed_data();
+  a.fill = true;
+  return cuda_status("glm5_mqa_logits", launch_logits(stream, pdl, a, q.dimensions()[1]));
+}
+
+ffi::Error PoolTopkImpl(cudaStream_t stream, ffi::BufferR2<ffi::F32> logits,
+                        ffi::BufferR1<ffi::S32> pool_lens, ffi::ResultBufferR2<ffi::S32> ids,
+                        bool pdl) {
+  const int64_t rows = logits.dimensions()[0], width = logits.dimensions()[1];
+  const int64_t k = ids->dimensions()[1];
+  if (ids->dimensions()[0] != rows || pool_lens.dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_pool_topk: pool_lens and the result need `rows` rows");
+  if (width > kTopkMaxPools)
+    return ffi::Error::InvalidArgument("glm5_pool_topk: logits wider than 32768 pools");
+  if (rows > std::numeric_limits<int32_t>::max() || k > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("glm5_pool_topk: too many rows or k");
+  if (rows == 0 || k == 0) return ffi::Error::Success();
+  TopkArgs a{};
+  a.logits = logits.typed_data();
+  a.lens = pool_lens.typed_data();
+  a.out = ids->typed_data();
+  a.rows = static_cast<int32_t>(rows);
+  a.width = static_cast<int32_t>(width);
+  a.k = static_cast<int32_t>(k);
+  return cuda_status("glm5_pool_topk", launch_topk(stream, pdl, a));
+}
+
+ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
+                           ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
+                           ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
+                           ffi::ResultBufferR2<ffi::S32> ids,
+                           ffi::ResultBufferR2<ffi::F32> logits, bool ue8m0, bool pdl) {
+  const int64_t rows = logits->dimensions()[0], width = logits->dimensions()[1];
+  const int64_t k = ids->dimensions()[1];
+  if (const char* bad = check_logits(q, w_out, kv, rows, width))
+    return ffi::Error::InvalidArgument(std::string("glm5_select_pools: ") + bad);
+  if (req_ids.dimensions()[0] != rows || positions.dimensions()[0] != rows ||
+      ids->dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("glm5_select_pools: req_ids, positions and the ids need `rows` rows");
+  if (width > kTopkMaxPools)
+    return ffi::Error::InvalidArgument("glm5_select_pools: max_pools above 32768");
+  if (k > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("glm5_select_pools: k too large");
+  if (rows == 0 || k == 0) return ffi::Error::Success();
+  LogitsArgs a = logits_args(q, w_out, kv, page_table, logits->typed_data(), rows, width, ue8m0);
+  a.req_ids = req_ids.typed_data();
+  a.lens = positions.typed_data();
+  a.from_positions = true;
+  a.skip_upto = static_cast<int32_t>(std::min<int64_t>(k, width));
+  cudaError_t err = launch_logits(stream, pdl, a, q.dimensions()[1]);
+  if (err != cudaSuccess) return cuda_status("glm5_select_pools", err);
+  TopkArgs b{};
+  b.logits = logits->typed_data();
+  b.lens = positions.typed_data();
+  b.from_positions = true;
+  b.early_rows = pdl;
+  b.out = ids->typed_data();
+  b.rows = static_cast<int32_t>(rows);
+  b.width = static_cast<int32_t>(width);
+  b.k = static_cast<int32_t>(k);
+  // Without PDL the top-k simply runs after the logits; with it, it overlaps their tail.
+  return cuda_status("glm5_select_pools", launch_topk(stream, pdl, b));
+}
+
+}  // namespace
+}  // namespace glm5
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5MqaLogits, glm5::MqaLogitsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // w_out
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // pool_lens
+                                  .Ret<ffi::BufferR2<ffi::F32>>()   // logits
+                                  .Attr<bool>("ue8m0")              // ue8m0
+                                  .Attr<bool>("pdl"),               // pdl
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PoolTopk, glm5::PoolTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // logits
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // pool_lens
+                                  .Ret<ffi::BufferR2<ffi::S32>>()   // pool_ids
+                                  .Attr<bool>("pdl"),               // pdl
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectPools, glm5::SelectPoolsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // w_out
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // positions
+                                  .Ret<ffi::BufferR2<ffi::S32>>()   // pool_ids
+                                  .Ret<ffi::BufferR2<ffi::F32>>()   // logits
+                                  .Attr<bool>("ue8m0")              // ue8m0
+                                  .Attr<bool>("pdl"),               // pdl
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,236 @@
+"""The select-path kernels (cc/select.cu) on the GPU: pool_topk equal to the reference
+top-k exactly on the same logits, mqa_logits within a documented fp32 bound of a float64
+evaluation, select_pools = logits + top-k with the causal fill decided per row, vmap,
+out-of-range page/request ids (SPEC D4), and a stage with no conditional."""
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from glm5_jax import reference as ref
+from glm5_jax.testing import oracle as O
+
+from graphs import run_and_check_graphed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
+I32 = np.int32
+
+# The kernel sums each dot on the tensor cores (f32 accumulation of exact e4m3 products),
+# then the head terms in its own fixed order: its error against the exact value must stay
+# below LOGITS_BOUND * sum_h |w| sum_d |q k| * scale (fp32's 2^-24 times ~200 terms is
+# ~1.2e-5; tensor-core accumulation is allowed up to 2^-12).
+LOGITS_BOUND = 2.0 ** -12
+
+
+def _topk(k):
+  return jax.jit(functools.partial(glm5_jax.pool_topk, k=k))
+
+
+def _ref_topk(k):
+  return jax.jit(functools.partial(ref.pool_topk, k=k), backend="cpu")
+
+
+def _logit_rows(rng, rows, width, kind):
+  if kind == "normal":
+    return (rng.standard_normal((rows, width)) * 10).astype(np.float32)
+  if kind == "ties":       # few distinct values: ties at the threshold
+    return np.round(rng.standard_normal((rows, width)) * 2).astype(np.float32)
+  if kind == "rising":     # the k best at the end (worst case for the candidate bound)
+    return np.tile(np.arange(width, dtype=np.float32), (rows, 1))
+  if kind == "falling":
+    return np.tile(-np.arange(width, dtype=np.float32), (rows, 1))
+  if kind == "equal":
+    return np.full((rows, width), 3.0, np.float32)
+  if kind == "special":
+    vals = np.array([np.nan, -np.inf, np.inf, 0.0, -0.0, 1e-40, -1e-40, 1.0, -1.0,
+                     3e38, -3e38], np.float32)
+    return rng.choice(vals, (rows, width)).astype(np.float32)
+  raise ValueError(kind)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 2048), (16, 8192), (64, 32768), (3, 8195),
+                                        (5, 700), (2, 32768)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
+def test_topk_kernel_equals_reference(rows, width, kind):
+  rng = np.random.default_rng(rows * 7 + width)
+  logits = _logit_rows(rng, rows, width, kind)
+  lens = rng.integers(0, width + 10, rows).astype(I32)
+  edge = [width, 0, 512, 513, -3, width + 100, 511, 1]
+  lens[:min(rows, len(edge))] = edge[:rows]
+  for k in (512, 1, 37):
+    got = np.asarray(_topk(k)(jnp.asarray(logits), jnp.asarray(lens)))
+    want = np.asarray(_ref_topk(k)(logits, lens))
+    np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
+
+
+def test_topk_kernel_k_above_1024_and_wider_than_rows():
+  rng = np.random.default_rng(1)
+  logits = _logit_rows(rng, 4, 5000, "ties")
+  lens = np.array([5000, 1500, 2000, 2001], I32)
+  for k in (2000, 4096):
+    np.testing.assert_array_equal(np.asarray(_topk(k)(jnp.asarray(logits), jnp.asarray(lens))),
+                                  np.asarray(_ref_topk(k)(logits, lens)))
+
+
+def _cache(rng, requests, pools, page, scale_format, spare=3):
+  pages_per = -(-pools // page) + 1
+  pages = requests * pages_per + spare
+  data = np.asarray(jnp.asarray(rng.standard_normal((pages, page * 128)) * 40,
+                                jnp.float8_e4m3fn)).view(np.uint8)
+  exps = rng.integers(-12, -4, (pages, page))
+  if scale_format == "fp32":
+    scales = np.exp2(exps).astype(np.float32).view(np.uint8).reshape(pages, -1)
+  else:
+    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
+  kv = np.concatenate([data, scales], 1).reshape(pages, page, 132)
+  table = rng.permutation(pages)[:requests * pages_per].reshape(requests, pages_per)
+  return kv, table.astype(I32)
+
+
+def _queries(rng, rows, padded, heads):
+  q = np.asarray(jnp.asarray(rng.standard_normal((rows, padded, 128)) * 3,
+                             jnp.float8_e4m3fn)).view(np.uint8)
+  q[:, heads:] = 0
+  w = (rng.standard_normal((rows, padded)) * 0.05).astype(np.float32)
+  w[:, heads:] = 0
+  return q, w
+
+
+def _check_logits(got, want, bound, n):
+  worst = 0.0
+  for r in range(got.shape[0]):
+    g, x, b = got[r, :n[r]], want[r, :n[r]], bound[r, :n[r]]
+    none = np.isneginf(x)
+    np.testing.assert_array_equal(np.isneginf(g), none, err_msg=f"row {r}")
+    err = np.abs(g[~none].astype(np.float64) - x[~none])
+    assert np.all(err <= LOGITS_BOUND * b[~none] + 1e-30), f"row {r}"
+    if err.size:
+      worst = max(worst, float(np.max(err / np.maximum(b[~none], 1e-300))))
+  print(f"max |kernel - f64| / bound = {worst:.3g} (allowed {LOGITS_BOUND:.3g})")
+
+
+@pytest.mark.parametrize("rows,pools,page,heads,scale_format", [
+    (1, 2048, 64, 32, "fp32"), (16, 8192, 64, 32, "fp32"), (4, 3000, 32, 16, "ue8m0"),
+    (3, 1000, 16, 64, "fp32"), (64, 2048, 64, 32, "ue8m0")])
+def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format):
+  rng = np.random.default_rng(rows + pools)
+  padded = max(heads, 32)
+  kv, table = _cache(rng, rows, pools, page, scale_format)
+  table[0, 1] = -1                       # a missing page
+  table[-1, -1] = kv.shape[0] + 7        # a page id past the cache (D4: not read)
+  q, w = _queries(rng, rows, padded, heads)
+  lens = rng.integers(0, pools + 1, rows).astype(I32)
+  lens[0] = pools
+  if rows > 2:
+    lens[1:3] = [0, -4]
+  width = pools + 64
+  fn = jax.jit(functools.partial(glm5_jax.mqa_logits, max_pools=width,
+                                 scale_format=scale_format))
+  got = np.asarray(fn(jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w),
+                      jnp.asarray(kv), jnp.asarray(table), jnp.asarray(lens)))
+  want, bound = O.mqa_logits_vectorized(q.view(jnp.float8_e4m3fn), w, kv, table, lens,
+                                        max_pools=width, scale_format=scale_format)
+  n = np.clip(lens, 0, width)
+  _check_logits(got, want, bound, n)
+  for r in range(rows):     # the op's contract: -inf from the row's pool count on
+    assert np.all(np.isneginf(got[r, n[r]:]))
+
+
+def _select_inputs(rng, contexts, next_n, *, heads=32, page=64, scale_format="fp32",
+                   max_pools=None):
+  requests = len(contexts)
+  positions = (np.asarray(contexts)[:, None] + np.arange(next_n)).reshape(-1).astype(I32)
+  pools = int(max(contexts)) // 4 + next_n + 1
+  max_pools = max_pools or -(-pools // 64) * 64
+  kv, table = _cache(rng, requests, max_pools, page, scale_format)
+  rows = positions.size
+  q, w = _queries(rng, rows, max(heads, 32), heads)
+  req = np.repeat(np.arange(requests), next_n).astype(I32)
+  return (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
+          jnp.asarray(table), jnp.asarray(req), jnp.asarray(positions)), max_pools
+
+
+@pytest.mark.parametrize("contexts,next_n", [([30000], 1), ([8000] * 16, 1),
+                                             ([100, 3000, 2047, 9000, 20000, 5], 2),
+                                             ([2100, 400, 7000], 4), ([500, 1000], 1)])
+def test_select_kernel(contexts, next_n):
+  rng = np.random.default_rng(len(contexts) * 10 + next_n)
+  args, max_pools = _select_inputs(rng, contexts, next_n)
+  k = 512
+  fn = jax.jit(functools.partial(glm5_jax.select_pools, k=k, max_pools=max_pools))
+  ids, logits = (np.asarray(a) for a in fn(*args))
+  q, w, kv, table, req, pos = (np.asarray(a) for a in args)
+  n = np.minimum(np.where(pos >= 0, (pos.astype(np.int64) + 1) // 4, 0), max_pools)
+  big = n > k
+  if big.any():
+    want, bound = O.mqa_logits_vectorized(q[big], w[big], kv, table[req[big]], n[big],
+                                          max_pools=max_pools)
+    _check_logits(logits[big], want, bound, n[big])
+  # The selection is exactly the reference top-k of the logits the kernel computed; rows
+  # that fit select every pool (the causal fill).
+  np.testing.assert_array_equal(ids, np.asarray(_ref_topk(k)(np.where(
+      big[:, None], logits, 0).astype(np.float32), n.astype(I32))))
+  for r in np.flatnonzero(~big):
+    assert ids[r].tolist() == list(range(n[r])) + [-1] * (k - n[r])
+
+
+def test_select_kernel_out_of_range_ids():
+  """Unknown requests and page ids past the cache score -inf and are never read (D4);
+  pads (pos < 0) and positions past max_pools * 4 are clamped as the reference does."""
+  rng = np.random.default_rng(9)
+  args, max_pools = _select_inputs(rng, [9000, 9000, 9000, 9000], 1)
+  q, w, kv, table, req, pos = args
+  req = jnp.asarray([0, 5, -1, 1], I32)
+  pos = jnp.asarray([9000, 9000, -1, 2 ** 31 - 1], I32)
+  table = table.at[0, 3].set(10 ** 6).at[0, 4].set(-2)
+  fn = jax.jit(functools.partial(glm5_jax.select_pools, k=512, max_pools=max_pools))
+  ids, logits = (np.asarray(a) for a in fn(q, w, kv, table, req, pos))
+  want_ids, want_logits = (np.asarray(a) for a in jax.jit(functools.partial(
+      ref.select_pools, k=512, max_pools=max_pools), backend="cpu")(
+          *(np.asarray(a) for a in (q, w, kv, table, req, pos))))
+  assert np.all(np.isneginf(logits[0, 192:320])) and np.all(np.isneginf(logits[1, :2250]))
+  np.testing.assert_array_equal(ids[1], np.arange(512))     # all -inf: lowest ids
+  assert ids[2].tolist() == [-1] * 512
+  np.testing.assert_array_equal(ids, np.asarray(_ref_topk(512)(
+      np.where(np.arange(4)[:, None] != 2, logits, 0), np.asarray(ref.pool_counts(
+          np.asarray(pos))).clip(0, max_pools))))
+  overlap = np.mean([len(set(ids[r]) & set(want_ids[r])) / 512 for r in (0, 3)])
+  assert overlap >= 0.99
+
+
+def test_select_kernel_under_vmap_folds_rows():
+  rng = np.random.default_rng(4)
+  args, max_pools = _select_inputs(rng, [5000, 7000, 100], 2)
+  stacked = tuple(jnp.stack([a, a]) if a.ndim and i in (0, 1, 4, 5) else a
+                  for i, a in enumerate(args))
+  fn = functools.partial(glm5_jax.select_pools, k=512, max_pools=max_pools)
+  batched = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, None, 0, 0)))(*stacked)
+  single = jax.jit(fn)(*args)
+  np.testing.assert_array_equal(np.asarray(batched[0][1]), np.asarray(single[0]))
+  text = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, None, 0, 0))).lower(*stacked).as_text()
+  assert text.count("glm5_select_pools") == 1 and "while" not in text
+
+
+def test_stage_is_one_command_buffer_without_branches(tmp_path):
+  """indexer_stage compiles to straight-line work: no conditional or while in the
+  optimised HLO, and every thunk inside one command buffer."""
+  script = (
+      "import numpy as np, jax, glm5_jax\n"
+      "from glm5_jax import synthetic\n"
+      "cfg = glm5_jax.IndexerConfig(max_pools=2048)\n"
+      "rng = np.random.default_rng(0)\n"
+      "w = synthetic.layer(rng, cfg)\n"
+      "cache, pt, bt = synthetic.decode_cache(rng, 2, 8000)\n"
+      "batch = synthetic.decode_batch(np.array([[7000], [300]]), cache, pt, bt)\n"
+      "x, qr = synthetic.inputs(rng, 2)\n"
+      "step = jax.jit(glm5_jax.indexer_stage, static_argnames=('config', 'use_reference'),"
+      " donate_argnames='cache')\n"
+      "out, cache = step(w, cache, x, qr, batch, config=cfg)\n"
+      "print(int(out.counts[0]), int(out.counts[1]))\n")
+  out = run_and_check_graphed(script, ["glm5_select_pools", "glm5_kpool_update"], tmp_path)
+  assert out.split() == ["2049", "301"]   # 512 pools + the 1-token tail; causal
+  hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
+  assert " conditional(" not in hlo and " while(" not in hlo
