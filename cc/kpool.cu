@@ -31,7 +31,6 @@
 namespace glm5 {
 namespace {
 
-constexpr int kEntryBytes = kDim + 4;      // fp8 bytes + 4 scale bytes per entry
 
 // Scale slot format (SPEC §0.1, D3).
 enum class ScaleMode { kPow2Fp32, kPow2Ue8m0, kPlainFp32 };

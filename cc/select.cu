@@ -23,23 +23,20 @@
 #include <mutex>
 
 #include "common.h"
+#include "constants.h"
 #include "handlers.h"
 
 namespace glm5 {
 namespace {
 
-constexpr int kSelDim = 128;                         // head dim (bytes of one fp8 row)
-constexpr int kSelEntry = kSelDim + 4;               // K-cache entry: fp8 row + scale
-constexpr int kSelPool = 4;                          // tokens per pool
-constexpr int kLanesPerWarp = 32;
 constexpr int kWarpPools = 16;                       // pools per warp tile (mma M)
 constexpr int kLogitsWarps = 4;
-constexpr int kLogitsThreads = kLogitsWarps * kLanesPerWarp;
+constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kItemPools = kWarpPools * kLogitsWarps;  // 64 pools per work item
 constexpr int kTopkThreads = 1024;
-constexpr int kTopkWarps = kTopkThreads / kLanesPerWarp;
+constexpr int kTopkWarps = kTopkThreads / kWarp;
 // One 32-bit word of the selection bitmap per thread: rows of up to 32768 pools.
-constexpr int kTopkMaxPools = kLanesPerWarp * kTopkThreads;
+constexpr int kTopkMaxPools = kWarp * kTopkThreads;
 constexpr int kCandidates = 8192;                    // candidate keys kept in shared memory
 constexpr int kRadixBits = 8;
 constexpr int kRadixBins = 1 << kRadixBits;
@@ -51,7 +48,7 @@ __device__ __forceinline__ int32_t row_pools(const int32_t* lens, bool from_posi
   const int32_t v = lens[r];
   int32_t n;
   if (from_positions)
-    n = v < 0 ? 0 : v / kSelPool + (v % kSelPool == kSelPool - 1 ? 1 : 0);
+    n = v < 0 ? 0 : v / kPool + (v % kPool == kPool - 1 ? 1 : 0);
   else
     n = v < 0 ? 0 : v;
   return min(n, width);
@@ -112,7 +109,7 @@ template <int kHeadTiles>
 __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
   extern __shared__ int32_t first_item[];  // [rows + 1]: items before row r
   __shared__ int32_t warp_total[kLogitsWarps];
-  const int lane = threadIdx.x % kLanesPerWarp, warp = threadIdx.x / kLanesPerWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int g = lane >> 2, t = lane & 3;
   pdl_wait();
 
@@ -123,11 +120,11 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
     const int32_t own = r < a.rows ? row_items(a, r) : 0;
     int32_t incl = own;
 #pragma unroll
-    for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+    for (int d = 1; d < kWarp; d <<= 1) {
       const int32_t o = __shfl_up_sync(0xffffffffu, incl, d);
       if (lane >= d) incl += o;
     }
-    if (lane == kLanesPerWarp - 1) warp_total[warp] = incl;
+    if (lane == kWarp - 1) warp_total[warp] = incl;
     __syncthreads();
     int32_t before = carry, total = 0;
     for (int w = 0; w < kLogitsWarps; ++w) {
@@ -156,7 +153,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
   int32_t n = 0;
   const int32_t* table = nullptr;
   const int32_t padded = kHeadTiles * 8;
-  const int64_t page_bytes = static_cast<int64_t>(a.page) * kSelEntry;
+  const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
 
   for (int32_t item = begin; item < end; ++item) {
     while (first_item[r + 1] <= item) ++r;
@@ -166,10 +163,10 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
       const int32_t req = a.req_ids != nullptr ? a.req_ids[r] : r;
       table = req >= 0 && req < a.tables
                   ? a.page_table + static_cast<int64_t>(req) * a.table_width : nullptr;
-      const uint8_t* qrow = a.q + static_cast<int64_t>(r) * padded * kSelDim;
+      const uint8_t* qrow = a.q + static_cast<int64_t>(r) * padded * kDim;
 #pragma unroll
       for (int j = 0; j < kHeadTiles; ++j) {
-        words(qw[j], qrow + (8 * j + g) * kSelDim + 16 * t);
+        words(qw[j], qrow + (8 * j + g) * kDim + 16 * t);
         const float* wr = a.w_out + static_cast<int64_t>(r) * padded + 8 * j + 2 * t;
         w0[j] = __ldg(wr);
         w1[j] = __ldg(wr + 1);
@@ -191,9 +188,9 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
       const uint8_t* page = a.kv + pg * page_bytes;
       const int e = p0 % a.page + g;
       uint32_t ka[8], kb[8];
-      words(ka, page + e * kSelDim + 16 * t);
-      words(kb, page + (e + 8) * kSelDim + 16 * t);
-      const uint8_t* scales = page + static_cast<int64_t>(a.page) * kSelDim;
+      words(ka, page + e * kDim + 16 * t);
+      words(kb, page + (e + 8) * kDim + 16 * t);
+      const uint8_t* scales = page + static_cast<int64_t>(a.page) * kDim;
       float scale_lo, scale_hi;
       if (a.ue8m0) {
         scale_lo = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * e)) << 23);
@@ -259,19 +256,19 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 // Exclusive prefix sum over the 1024 threads of the CTA (thread order).
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_sums) {
-  const int lane = threadIdx.x % kLanesPerWarp, warp = threadIdx.x / kLanesPerWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   uint32_t incl = v;
 #pragma unroll
-  for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+  for (int d = 1; d < kWarp; d <<= 1) {
     const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
     if (lane >= d) incl += o;
   }
-  if (lane == kLanesPerWarp - 1) warp_sums[warp] = incl;
+  if (lane == kWarp - 1) warp_sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
     uint32_t x = warp_sums[lane], xi = x;
 #pragma unroll
-    for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+    for (int d = 1; d < kWarp; d <<= 1) {
       const uint32_t o = __shfl_up_sync(0xffffffffu, xi, d);
       if (lane >= d) xi += o;
     }
@@ -290,7 +287,7 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
   __shared__ uint32_t warp_sums[kTopkWarps];
   __shared__ uint32_t warp_max[kTopkWarps];
   __shared__ uint32_t shared_count, shared_digit, shared_above, shared_bound, shared_top;
-  const int lane = threadIdx.x % kLanesPerWarp, warp = threadIdx.x / kLanesPerWarp;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x;
   const int32_t k = a.k;
   int32_t* out = a.out + static_cast<int64_t>(r) * k;
@@ -307,9 +304,9 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
 
   // 1. Keys into shared memory (pads up to a whole word are 0 = no pool), per-thread max.
   const float* row = a.logits + static_cast<int64_t>(r) * a.width;
-  const int32_t words_n = (n + kLanesPerWarp - 1) / kLanesPerWarp;
-  const int32_t padded_n = words_n * kLanesPerWarp;
-  uint32_t* candidates = keys + ((a.width + kLanesPerWarp - 1) / kLanesPerWarp) * kLanesPerWarp;
+  const int32_t words_n = (n + kWarp - 1) / kWarp;
+  const int32_t padded_n = words_n * kWarp;
+  uint32_t* candidates = keys + ((a.width + kWarp - 1) / kWarp) * kWarp;
   uint32_t own_max = 0;
   constexpr int kBatch = 8;  // loads in flight per thread
   for (int32_t base = threadIdx.x; base < padded_n; base += kBatch * kTopkThreads) {
@@ -334,16 +331,16 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
   //    so the k-th largest key is >= the smallest of the warps' c-th largest maxima.
   uint32_t sorted = own_max;  // bitonic sort of the warp's maxima, descending
 #pragma unroll
-  for (int size = 2; size <= kLanesPerWarp; size <<= 1)
+  for (int size = 2; size <= kWarp; size <<= 1)
 #pragma unroll
     for (int stride = size / 2; stride > 0; stride >>= 1) {
       const uint32_t other = __shfl_xor_sync(0xffffffffu, sorted, stride);
-      const bool descending = (lane & size) == 0 || size == kLanesPerWarp;
+      const bool descending = (lane & size) == 0 || size == kWarp;
       const bool lower = (lane & stride) == 0;
       sorted = lower == descending ? max(sorted, other) : min(sorted, other);
     }
   const int c = (k + kTopkWarps - 1) / kTopkWarps;
-  const uint32_t warp_bound = c <= kLanesPerWarp ? __shfl_sync(0xffffffffu, sorted, c - 1) : 0u;
+  const uint32_t warp_bound = c <= kWarp ? __shfl_sync(0xffffffffu, sorted, c - 1) : 0u;
   if (lane == 0) {
     warp_sums[warp] = warp_bound;
     warp_max[warp] = sorted;  // lane 0 holds the warp's largest
@@ -395,15 +392,15 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
     }
     __syncthreads();
     if (warp == 0) {  // the digit holding the remaining-th largest, scanning from the top
-      constexpr int kPer = kRadixBins / kLanesPerWarp;
+      constexpr int kPer = kRadixBins / kWarp;
       uint32_t mine = 0;
 #pragma unroll
       for (int b = 0; b < kPer; ++b) mine += hist[lane * kPer + b];
       uint32_t suffix = mine;  // bins of this lane and above
 #pragma unroll
-      for (int d = 1; d < kLanesPerWarp; d <<= 1) {
+      for (int d = 1; d < kWarp; d <<= 1) {
         const uint32_t o = __shfl_down_sync(0xffffffffu, suffix, d);
-        if (lane + d < kLanesPerWarp) suffix += o;
+        if (lane + d < kWarp) suffix += o;
       }
       uint32_t above = suffix - mine;
       if (above < remaining && remaining <= suffix) {
@@ -430,10 +427,10 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
   //    w, w + 32, ... and lane i keeps the i-th of them (ballots of keys > T and == T).
   uint32_t gt = 0, eq = 0;
   const int32_t word = warp + kTopkWarps * lane;
-  for (int i = 0; i < kLanesPerWarp; ++i) {
+  for (int i = 0; i < kWarp; ++i) {
     const int32_t w = warp + kTopkWarps * i;
     if (w >= words_n) break;  // warp-uniform
-    const uint32_t key = keys[w * kLanesPerWarp + lane];
+    const uint32_t key = keys[w * kWarp + lane];
     const uint32_t above = __ballot_sync(0xffffffffu, key > threshold);
     const uint32_t equal = __ballot_sync(0xffffffffu, key == threshold);
     if (lane == i) {
@@ -462,7 +459,7 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
   uint32_t selected = gt | chosen;
   int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
   while (selected != 0u) {
-    out[at++] = word * kLanesPerWarp + (__ffs(selected) - 1);
+    out[at++] = word * kWarp + (__ffs(selected) - 1);
     selected &= selected - 1u;
   }
   pdl_launch_dependents();
@@ -501,7 +498,7 @@ cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
 }
 
 int topk_smem(int32_t width) {
-  return ((width + kLanesPerWarp - 1) / kLanesPerWarp * kLanesPerWarp + kCandidates) *
+  return ((width + kWarp - 1) / kWarp * kWarp + kCandidates) *
          static_cast<int>(sizeof(uint32_t));
 }
 
@@ -517,28 +514,29 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
 
 // --------------------------------------------------------------------------- handlers
 
-// Shapes shared by the logits handlers; returns an error message or nullptr.
-const char* check_logits(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
-                         ffi::BufferR3<ffi::U8>& kv, int64_t rows, int64_t width) {
+// Shapes shared by the logits handlers (the limits are decided in glm5_jax/logits.py;
+// here they are only validated).
+ffi::Error check_logits(const Check& check, ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
+                        ffi::BufferR3<ffi::U8>& kv, int64_t rows, int64_t width) {
   const auto qd = q.dimensions();
   if (q.element_type() != ffi::DataType::F8E4M3FN || qd.size() != 3 || qd[0] != rows ||
-      qd[2] != kSelDim)
-    return "q_fp8 must be e4m3[rows, padded, 128]";
-  if (qd[1] != 32 && qd[1] != 64) return "q_fp8 must have 32 or 64 (padded) heads";
+      qd[2] != kDim)
+    return check.fail("q_fp8 must be e4m3[rows, padded, 128]");
+  if (qd[1] != 32 && qd[1] != 64) return check.fail("q_fp8 must have 32 or 64 (padded) heads");
   if (w_out.dimensions()[0] != rows || w_out.dimensions()[1] != qd[1])
-    return "w_out must be f32[rows, padded]";
+    return check.fail("w_out must be f32[rows, padded]");
   const auto cd = kv.dimensions();
-  if (cd[2] != kSelEntry || cd[1] % kWarpPools != 0 || cd[1] == 0)
-    return "kv_cache must be u8[pages, PAGE, 132] with PAGE % 16 == 0";
-  if (rows > 8192) return "at most 8192 rows";
-  if (rows * ((width + kItemPools - 1) / kItemPools) > std::numeric_limits<int32_t>::max())
-    return "rows * max_pools / 64 must fit in 32 bits";
-  if (width > std::numeric_limits<int32_t>::max() / 2 ||
-      cd[0] * cd[1] > std::numeric_limits<int32_t>::max())
-    return "logits width or cache too large for 32-bit pool ids";
+  if (cd[2] != kEntryBytes || cd[1] % kWarpPools != 0 || cd[1] == 0)
+    return check.fail("kv_cache must be u8[pages, PAGE, 132] with PAGE % 16 == 0");
+  if (rows > 8192) return check.fail("at most 8192 rows");
+  if (rows * ((width + kItemPools - 1) / kItemPools) > kI32Max)
+    return check.fail("rows * max_pools / 64 must fit in 32 bits");
+  if (width > kI32Max / 2 ||
+      cd[0] * cd[1] > kI32Max)
+    return check.fail("logits width or cache too large for 32-bit pool ids");
   if (!aligned(q.untyped_data(), 16) || !aligned(kv.untyped_data(), 16))
-    return "q_fp8 and kv_cache must be 16-byte aligned";
-  return nullptr;
+    return check.fail("q_fp8 and kv_cache must be 16-byte aligned");
+  return ffi::Error::Success();
 }
 
 LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
@@ -565,29 +563,28 @@ ffi::Error MqaLogitsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ff
                          ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
                          ffi::BufferR1<ffi::S32> pool_lens, ffi::ResultBufferR2<ffi::F32> logits,
                          bool ue8m0, bool pdl) {
+  const Check check{targets::glm5_mqa_logits};
   const int64_t rows = logits->dimensions()[0], width = logits->dimensions()[1];
-  if (const char* bad = check_logits(q, w_out, kv, rows, width))
-    return ffi::Error::InvalidArgument(std::string("glm5_mqa_logits: ") + bad);
+  if (ffi::Error err = check_logits(check, q, w_out, kv, rows, width); err.failure()) return err;
   if (page_table.dimensions()[0] != rows || pool_lens.dimensions()[0] != rows)
-    return ffi::Error::InvalidArgument("glm5_mqa_logits: page_table and pool_lens need `rows` rows");
+    return check.fail("page_table and pool_lens need `rows` rows");
   if (rows == 0 || width == 0) return ffi::Error::Success();
   LogitsArgs a = logits_args(q, w_out, kv, page_table, logits->typed_data(), rows, width, ue8m0);
   a.lens = pool_lens.typed_data();
   a.fill = true;
-  return cuda_status("glm5_mqa_logits", launch_logits(stream, pdl, a, q.dimensions()[1]));
+  return check.cuda(launch_logits(stream, pdl, a, q.dimensions()[1]));
 }
 
 ffi::Error PoolTopkImpl(cudaStream_t stream, ffi::BufferR2<ffi::F32> logits,
                         ffi::BufferR1<ffi::S32> pool_lens, ffi::ResultBufferR2<ffi::S32> ids,
                         bool pdl) {
+  const Check check{targets::glm5_pool_topk};
   const int64_t rows = logits.dimensions()[0], width = logits.dimensions()[1];
   const int64_t k = ids->dimensions()[1];
   if (ids->dimensions()[0] != rows || pool_lens.dimensions()[0] != rows)
-    return ffi::Error::InvalidArgument("glm5_pool_topk: pool_lens and the result need `rows` rows");
-  if (width > kTopkMaxPools)
-    return ffi::Error::InvalidArgument("glm5_pool_topk: logits wider than 32768 pools");
-  if (rows > std::numeric_limits<int32_t>::max() || k > std::numeric_limits<int32_t>::max())
-    return ffi::Error::InvalidArgument("glm5_pool_topk: too many rows or k");
+    return check.fail("pool_lens and the result need `rows` rows");
+  if (width > kTopkMaxPools) return check.fail("logits wider than 32768 pools");
+  if (rows > kI32Max || k > kI32Max) return check.fail("too many rows or k");
   if (rows == 0 || k == 0) return ffi::Error::Success();
   TopkArgs a{};
   a.logits = logits.typed_data();
@@ -596,7 +593,7 @@ ffi::Error PoolTopkImpl(cudaStream_t stream, ffi::BufferR2<ffi::F32> logits,
   a.rows = static_cast<int32_t>(rows);
   a.width = static_cast<int32_t>(width);
   a.k = static_cast<int32_t>(k);
-  return cuda_status("glm5_pool_topk", launch_topk(stream, pdl, a));
+  return check.cuda(launch_topk(stream, pdl, a));
 }
 
 ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
@@ -604,17 +601,15 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
                            ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
                            ffi::ResultBufferR2<ffi::S32> ids,
                            ffi::ResultBufferR2<ffi::F32> logits, bool ue8m0, bool pdl) {
+  const Check check{targets::glm5_select_pools};
   const int64_t rows = logits->dimensions()[0], width = logits->dimensions()[1];
   const int64_t k = ids->dimensions()[1];
-  if (const char* bad = check_logits(q, w_out, kv, rows, width))
-    return ffi::Error::InvalidArgument(std::string("glm5_select_pools: ") + bad);
+  if (ffi::Error err = check_logits(check, q, w_out, kv, rows, width); err.failure()) return err;
   if (req_ids.dimensions()[0] != rows || positions.dimensions()[0] != rows ||
       ids->dimensions()[0] != rows)
-    return ffi::Error::InvalidArgument("glm5_select_pools: req_ids, positions and the ids need `rows` rows");
-  if (width > kTopkMaxPools)
-    return ffi::Error::InvalidArgument("glm5_select_pools: max_pools above 32768");
-  if (k > std::numeric_limits<int32_t>::max())
-    return ffi::Error::InvalidArgument("glm5_select_pools: k too large");
+    return check.fail("req_ids, positions and the ids need `rows` rows");
+  if (width > kTopkMaxPools) return check.fail("max_pools above 32768");
+  if (k > kI32Max) return check.fail("k too large");
   if (rows == 0 || k == 0) return ffi::Error::Success();
   LogitsArgs a = logits_args(q, w_out, kv, page_table, logits->typed_data(), rows, width, ue8m0);
   a.req_ids = req_ids.typed_data();
@@ -622,7 +617,7 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   a.from_positions = true;
   a.skip_upto = static_cast<int32_t>(std::min<int64_t>(k, width));
   cudaError_t err = launch_logits(stream, pdl, a, q.dimensions()[1]);
-  if (err != cudaSuccess) return cuda_status("glm5_select_pools", err);
+  if (err != cudaSuccess) return check.cuda(err);
   TopkArgs b{};
   b.logits = logits->typed_data();
   b.lens = positions.typed_data();
@@ -633,7 +628,7 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   b.width = static_cast<int32_t>(width);
   b.k = static_cast<int32_t>(k);
   // Without PDL the top-k simply runs after the logits; with it, it overlaps their tail.
-  return cuda_status("glm5_select_pools", launch_topk(stream, pdl, b));
+  return check.cuda(launch_topk(stream, pdl, b));
 }
 
 }  // namespace
