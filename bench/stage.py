@@ -19,6 +19,18 @@ from .variants import KERNEL, REFERENCE
 NAME = "stage"
 
 
+def add_arguments(parser):
+  parser.add_argument("--stage-contexts", default="",
+                      help="comma-separated contexts (tokens) of the stage group "
+                           "(default 1024,8192,32768,131072)")
+  parser.add_argument("--stage-rows", default="",
+                      help="comma-separated M of the stage group (default 1,16,64)")
+
+
+def _ints(text, default):
+  return tuple(int(v) for v in text.split(",")) if text else default
+
+
 def _config(ctx, routing):
   # The logits width of a deployment serving contexts up to ctx tokens (page-padded).
   max_pools = max(-(-(ctx // POOL + 1) // 64) * 64, CONFIG.topk_tokens // POOL)
@@ -53,8 +65,8 @@ def _step(config):
 def run(bench):
   s = bench.s
   variants = [KERNEL, REFERENCE] if bench.module else [REFERENCE]
-  for ctx in s.stage_contexts:
-    for m in s.stage_rows:
+  for ctx in _ints(bench.args.stage_contexts, s.stage_contexts):
+    for m in _ints(bench.args.stage_rows, s.stage_rows):
       shape = f"M={m},ctx={ctx}"
       if bench.over_budget():
         bench.log(f"stage {shape}: skipped (over the time budget)")
