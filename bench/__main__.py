@@ -36,9 +36,10 @@ def parser():
   p.add_argument("--cache-dir", default=os.path.join(HERE, ".jax_cache"),
                  help="persistent XLA compilation cache ('' = off); reruns skip "
                       "the unchanged compiles")
-  p.add_argument("--data-dep", action="store_true",
-                 help="also chain stateless calls through a run-time-zero scalar "
-                      "(one extra tiny fusion per call)")
+  p.add_argument("--data-dep", action=argparse.BooleanOptionalAction, default=True,
+                 help="chain stateless calls through a run-time-zero scalar (one extra tiny "
+                      "fusion per call; the default: without it XLA merges the calls of a "
+                      "chain that share an input set, see bench/harness.py chain)")
   p.add_argument("--groups", default="calibration,ops,sweep",
                  help="comma-separated groups to run, of: "
                       + ", ".join(g.NAME for g in GROUPS) + " (stage: whole decode steps)")

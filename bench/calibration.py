@@ -1,8 +1,6 @@
 """Group "calibration": the copy bandwidth (the floors' denominator) and the per-call
 cost of an empty XLA fusion, an empty Pallas kernel and, with the CUDA module, an
 (almost) empty FFI call, each timed like an op (bench/harness.py)."""
-import dataclasses
-
 import jax.numpy as jnp
 
 import glm5_jax
@@ -16,7 +14,7 @@ NAME = "calibration"
 
 
 def run(bench):
-  s = dataclasses.replace(bench.s, data_dep=False)
+  s = bench.s
   try:
     # One call per run (a chain of elementwise ops would fuse into one), in place;
     # a run of >= 1 ms hides its dispatch.
@@ -47,9 +45,11 @@ def run(bench):
 
 
 def empty(bench, s, name, notes, call, rotated, fixed=()):
-  """One calibration row: µs per call of a chain of `call` on the rotated inputs."""
+  """One calibration row: µs per call of a chain of `call` on the rotated inputs, each
+  call depending on the previous one like the op rows (Sizes.data_dep: + one tiny
+  fusion per call, part of this row too)."""
   try:
-    sec, _, info = amortised(call, None, fixed, rotated, None, s)
+    sec, _, info = amortised(call, None, fixed, rotated, 0, s)
     bench.row(NAME, f"{name} x{len(rotated)}", NAME, sec * 1e6, None, True,
               R=info["R"], calls=info["calls"], notes=notes)
     bench.log(f"calibration: {name} {sec * 1e6:.2f} us ({info['calls']} calls per run)")

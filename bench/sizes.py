@@ -49,7 +49,7 @@ class Sizes:
   run_s: float = 0.001                         # least device time of one timed run
   max_passes: int = 4096                       # Triton: most graph replays per timed run
   empty_r: int = 100
-  data_dep: bool = False                       # chain stateless calls by a scalar, not barriers
+  data_dep: bool = True                        # chain stateless calls by a run-time scalar
 
 
 def sizes_for(quick, cpu_smoke):

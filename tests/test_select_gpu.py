@@ -91,8 +91,8 @@ def _cache(rng, requests, pools, page, scale_format, spare=3):
 
 
 def _queries(rng, rows, padded, heads):
-  q = np.asarray(jnp.asarray(rng.standard_normal((rows, padded, 128)) * 3,
-                             jnp.float8_e4m3fn)).view(np.uint8)
+  q = np.array(jnp.asarray(rng.standard_normal((rows, padded, 128)) * 3,
+                           jnp.float8_e4m3fn)).view(np.uint8)   # a writable copy
   q[:, heads:] = 0
   w = (rng.standard_normal((rows, padded)) * 0.05).astype(np.float32)
   w[:, heads:] = 0
