@@ -48,12 +48,12 @@ def chain(call, dep, data_dep, calls):
   (Sizes.data_dep): XLA drops optimization barriers before its CSE, so without it the
   calls that share an input set merge (measured on the CPU backend: 9 calls over 3
   input sets compiled to 3), and the H200 rows of a barrier-only chain that returned
-  only its last outputs came out below the bandwidth floor. Every call's outputs are
-  returned: an output nothing reads is dead code, and XLA removes the call that makes
-  it. `done` is a scalar to wait on (all outputs of a run
+  only its last outputs came out below the bandwidth floor. The last call's outputs are
+  returned (with the dependency every earlier call is live; returning all of them made
+  the dispatch of a run as long as the run). `done` is a scalar to wait on (all outputs of a run
   are ready together)."""
   def fn(state, fixed, flag, rotated):
-    prev, every = None, []
+    prev = None
     for i in range(calls):
       args = rotated[i % len(rotated)]
       if state is None:
@@ -65,10 +65,9 @@ def chain(call, dep, data_dep, calls):
       if data_dep and dep is not None:
         flag = _sentinel(outs)
       prev = outs
-      every.append(outs)
     # Not a read of the state: XLA would copy a state that is read besides being updated.
     done = ~flag if state is not None else _token(prev)
-    return state, (done, every)
+    return state, (done, prev)
   return fn
 
 
@@ -133,23 +132,26 @@ def amortised(call, state, fixed, rotated, dep, sizes, calls=None, max_calls=Non
   return run / n, state, info
 
 
-def time_step(step, state, args, sizes, units=1):
+def time_step(step, state, args, sizes, units=1, steps=1):
   """Seconds per unit of a whole jitted step, e.g. a decode step of 11 layers with
-  units=11 for µs per layer. step(state, *args) -> (state, outs) is compiled once
-  with the state donated (None for a stateless step) and timed by time_runs (runs
-  back to back, one queued); no chaining: a step is long enough to hide its dispatch
-  (info's dispatch_us says whether it did). Returns (s, state, info)."""
+  units=11 for µs per layer. step(state, *args) -> (state, outs); `steps` steps run
+  back to back inside one executable (the state threaded, donated), so the host's
+  per-dispatch cost (it was as long as a 1K-context step of 11 layers on the H200)
+  is paid once per `steps` steps; runs are timed by time_runs (back to back, one
+  queued; info's dispatch_us says how long a dispatch took). Returns (s, state, info)."""
   flag = jnp.zeros((), jnp.bool_)
 
   def fn(state, flag, *args):
-    state, outs = step(state, *args)
+    outs = None
+    for _ in range(steps):
+      state, outs = step(state, *args)
     return state, (~flag, outs)
 
   compiled, _, seconds = compile_fn(fn, state, flag, *args)
   state, run, dispatch = time_runs(compiled, state, (flag, *args), sizes)
   info = dict(compile_s=seconds, temp=temp_bytes(compiled), dispatch_us=dispatch * 1e6,
-              run_us=run * 1e6)
-  return run / units, state, info
+              run_us=run * 1e6, steps=steps)
+  return run / (units * steps), state, info
 
 
 def grow_passes(probe, sizes):
