@@ -134,17 +134,21 @@ def amortised(call, state, fixed, rotated, dep, sizes, calls=None, max_calls=Non
 
 def time_step(step, state, args, sizes, units=1, steps=1):
   """Seconds per unit of a whole jitted step, e.g. a decode step of 11 layers with
-  units=11 for µs per layer. step(state, *args) -> (state, outs); `steps` steps run
-  back to back inside one executable (the state threaded, donated), so the host's
-  per-dispatch cost (it was as long as a 1K-context step of 11 layers on the H200)
-  is paid once per `steps` steps; runs are timed by time_runs (back to back, one
-  queued; info's dispatch_us says how long a dispatch took). Returns (s, state, info)."""
+  units=11 for µs per layer. step(state, k, *args) -> (state, outs) is step k of
+  `steps` run back to back inside one executable (the state threaded, donated), so
+  the host's per-dispatch cost (as long as a 1K-context step of 11 layers on the
+  H200) is paid once per `steps` steps. Step k must read inputs of its own (e.g.
+  args[0][k]): steps on the same inputs share their stateless work (XLA's CSE; a
+  first H200 run of 4 identical steps read 6.6 µs per layer). Runs are timed by
+  time_runs (back to back, one queued; info's dispatch_us says how long a dispatch
+  took). Returns (s, state, info)."""
   flag = jnp.zeros((), jnp.bool_)
 
   def fn(state, flag, *args):
-    outs = None
-    for _ in range(steps):
-      state, outs = step(state, *args)
+    outs = []     # every step's outputs: an output nothing reads is dead code to XLA
+    for k in range(steps):
+      state, out = step(state, k, *args)
+      outs.append(out)
     return state, (~flag, outs)
 
   compiled, _, seconds = compile_fn(fn, state, flag, *args)

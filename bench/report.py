@@ -156,6 +156,8 @@ def routing(rows):
   by = _lookup(rows)
   lines = ["Routing (kernel vs jitted reference, same run):", ""]
   for op in dict.fromkeys(r["op"] for r in rows if r["variant"] == "kernel"):
+    if op not in Op.registry:   # a group of whole steps (stage): its own table
+      continue
     pairs = [(sh, by.get((op, sh, REFERENCE)), k) for (o, sh, v), k in by.items()
              if o == op and v == "kernel"]
     slower = lambda other, op=op, pairs=pairs: [

@@ -52,15 +52,16 @@ def _state(m, ctx, layers, seed):
   caches = [cache] + [jax.tree.map(jnp.copy, cache) for _ in range(layers - 1)]
   # Every request at ctx tokens with this step's token (position ctx - 1): ctx / 4 pools.
   batch = synthetic.decode_batch(np.full((m, 1), ctx - 1), cache, pt, bt)
-  x, qr = synthetic.inputs(rng, m)
-  return weights, caches, x, qr, batch
+  # Each of the STEPS steps of a run gets its own x and qr (no work shared between them).
+  xs, qrs = zip(*(synthetic.inputs(rng, m) for _ in range(STEPS)))
+  return weights, caches, list(xs), list(qrs), batch
 
 
 def _step(config):
-  def step(caches, weights, x, qr, batch):
+  def step(caches, k, weights, xs, qrs, batch):
     outs, new = [], []
     for w, c in zip(weights, caches):
-      out, c = glm5_jax.indexer_stage(w, c, x, qr, batch, config=config)
+      out, c = glm5_jax.indexer_stage(w, c, xs[k], qrs[k], batch, config=config)
       outs.append(out.counts)
       new.append(c)
     return new, outs
@@ -77,7 +78,7 @@ def run(bench):
         bench.log(f"stage {shape}: skipped (over the time budget)")
         continue
       try:
-        weights, caches, x, qr, batch = _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
+        weights, caches, xs, qrs, batch = _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
       except Exception as e:                               # noqa: BLE001
         for v in variants:
           bench.error_row(NAME, shape, v, e)
@@ -87,7 +88,7 @@ def run(bench):
                    else glm5_jax.Routing(kernels=False))
         try:
           sec, caches, info = time_step(_step(_config(ctx, routing)), caches,
-                                        (weights, x, qr, batch), s, units=s.stage_layers,
+                                        (weights, xs, qrs, batch), s, units=s.stage_layers,
                                         steps=STEPS)
           bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,
                     dispatch_us=info["dispatch_us"], run_us=info["run_us"],
@@ -99,5 +100,5 @@ def run(bench):
         except Exception as e:                             # noqa: BLE001
           bench.error_row(NAME, shape, variant, e)
         bench.write_json()
-      del weights, caches, x, qr, batch
+      del weights, caches, xs, qrs, batch
       gc.collect()

@@ -54,8 +54,9 @@ def test_time_step_threads_state():
   from bench.sizes import sizes_for
 
   sizes = sizes_for(True, True)
-  step = lambda state, x: (state + x, (state.sum(),))
-  sec, state, info = time_step(step, jnp.zeros(1024), (jnp.ones(1024),), sizes, units=11)
+  step = lambda state, k, xs: (state + xs[k], (state.sum(),))
+  xs = [jnp.ones(1024), 2 * jnp.ones(1024)]
+  sec, state, info = time_step(step, jnp.zeros(1024), (xs,), sizes, units=11, steps=2)
   runs = 1 + sizes.warmup + sizes.reps
-  assert float(state[0]) == runs
-  assert 0 < sec * 11 <= info["run_us"] * 1e-6 * 1.0001 and info["dispatch_us"] > 0
+  assert float(state[0]) == 3 * runs
+  assert 0 < sec * 22 <= info["run_us"] * 1e-6 * 1.0001 and info["dispatch_us"] > 0
