@@ -35,18 +35,24 @@ def upcast_logits(logits: jax.Array, row_ends: jax.Array, *,
   return _upcast(logits, row_ends, routing=routing)[0]
 
 
-def _mqa_shapes(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
-                scale_format):
-  op = "mqa_logits"
+def _check_queries(op, q_fp8, w_out, kv_cache, scale_format):
+  """The logits ops' shared arguments; returns the row count."""
   expect(op, "q_fp8", q_fp8, jnp.float8_e4m3fn, (None, None, DIM))
   rows, heads = q_fp8.shape[:2]
   expect(op, "w_out", w_out, F32, (rows, heads))
   check_cache(op, kv_cache)
+  check_scale_format(op, scale_format)
+  return rows
+
+
+def _mqa_shapes(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
+                scale_format):
+  op = "mqa_logits"
+  rows = _check_queries(op, q_fp8, w_out, kv_cache, scale_format)
   expect(op, "page_table", page_table, I32, (rows, None))
   expect(op, "pool_lens", pool_lens, I32, (rows,))
   if max_pools < 0:
     fail(op, "max_pools", f"must be >= 0, got {max_pools}")
-  check_scale_format(op, scale_format)
   return [((rows, max_pools), F32)]
 
 
@@ -118,10 +124,7 @@ def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
 def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
                    scale_format):
   op = "select_pools"
-  expect(op, "q_fp8", q_fp8, jnp.float8_e4m3fn, (None, None, DIM))
-  rows, heads = q_fp8.shape[:2]
-  expect(op, "w_out", w_out, F32, (rows, heads))
-  check_cache(op, kv_cache)
+  rows = _check_queries(op, q_fp8, w_out, kv_cache, scale_format)
   expect(op, "page_table", page_table, I32, (None, None))
   expect(op, "req_ids", req_ids, I32, (rows,))
   expect(op, "positions", positions, I32, (rows,))
@@ -129,7 +132,6 @@ def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k,
     fail(op, "k", f"must be > 0, got {k}")
   if max_pools <= 0:
     fail(op, "max_pools", f"must be > 0, got {max_pools}")
-  check_scale_format(op, scale_format)
   return [((rows, k), I32), ((rows, max_pools), F32)]
 
 
