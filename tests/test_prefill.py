@@ -24,11 +24,12 @@ class Requests:
   """Requests of up to `max_context` tokens each: one layer, a random cache (random fp8
   pages, random tail ring), the layer input of every token of every request."""
 
-  def __init__(self, requests, max_context, seed=0):
+  def __init__(self, requests, max_context, seed=0, next_n=1):
     rng = np.random.default_rng(seed)
     self.weights = synthetic.layer(rng, CONFIG, hidden=HIDDEN, q_lora=Q_LORA)
     self.cache, self.pt, self.bt = synthetic.decode_cache(rng, requests, max_context,
-                                                          page=16, spare_pages=2)
+                                                          next_n=next_n, page=16,
+                                                          spare_pages=2)
     self.x = synthetic.inputs(rng, requests * max_context, hidden=HIDDEN,
                               q_lora=Q_LORA)[0].reshape(requests, max_context, HIDDEN)
     self.qr = synthetic.inputs(rng, requests * max_context, hidden=HIDDEN,
@@ -43,13 +44,13 @@ class Requests:
     x = self.x[np.maximum(np.asarray(req), 0), np.maximum(pos, 0)]
     return PREFILL(self.weights, cache, x, batch, config=CONFIG, **kw)
 
-  def decode(self, cache, positions):
-    """One decode step of every request at positions i32[B] (next_n 1)."""
-    pos = np.asarray(positions)[:, None]
+  def decode(self, cache, positions, next_n=1):
+    """One decode step of every request at positions starts i32[B] + 0 .. next_n - 1."""
+    pos = np.asarray(positions)[:, None] + np.arange(next_n)
     batch = synthetic.decode_batch(pos, cache, self.pt, self.bt)
-    b = np.arange(len(pos))
-    _, cache = STEP(self.weights, cache, self.x[b, pos[:, 0]], self.qr[b, pos[:, 0]],
-                    batch, config=CONFIG)
+    b = np.arange(len(pos))[:, None]
+    x, qr = self.x[b, pos].reshape(pos.size, -1), self.qr[b, pos].reshape(pos.size, -1)
+    _, cache = STEP(self.weights, cache, x, qr, batch, config=CONFIG)
     return cache
 
 
@@ -78,6 +79,25 @@ def test_prefill_then_decode_is_a_longer_prefill(lengths, n):
     cache = reqs.decode(cache, np.asarray(lengths) + t)
   want = reqs.prefill(reqs.fresh(), starts, [n_ + n for n_ in lengths])
   assert_same(cache, want)
+
+
+@pytest.mark.parametrize("lengths", [[8, 13, 3, 30], [0, 6, 1, 17]])
+def test_prefill_then_next_n_decode(lengths):
+  """With next_n 2 (RING 8) the ring holds more than the seed writes: the K cache is
+  byte-equal to the longer prefill's, and so are the ring rows of each request's last
+  four tokens (the rows a later pool reads)."""
+  steps, next_n = 3, 2
+  reqs = Requests(len(lengths), max(lengths) + steps * next_n + 1, next_n=next_n)
+  cache = reqs.prefill(reqs.fresh(), [0] * len(lengths), lengths)
+  for t in range(steps):
+    cache = reqs.decode(cache, np.asarray(lengths) + t * next_n, next_n)
+  total = [n + steps * next_n for n in lengths]
+  want = reqs.prefill(reqs.fresh(), [0] * len(lengths), total)
+  np.testing.assert_array_equal(bytes_of(cache)[0], bytes_of(want)[0])
+  ring = cache.tail.shape[2]
+  for b, n in enumerate(total):
+    rows = np.arange(n - POOL, n) % ring
+    np.testing.assert_array_equal(bytes_of(cache)[1][b][:, rows], bytes_of(want)[1][b][:, rows])
 
 
 @pytest.mark.parametrize("first,second", [
