@@ -19,6 +19,7 @@ from .logits import upcast_logits, mqa_logits, pool_topk, select_pools  # noqa: 
 # isort: on
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)
+from .prefill import PrefillBatch, indexer_prefill
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,6 @@ def export_checks() -> list[_export.DisabledSafetyCheck]:
 
 __all__ = list(OPS) + [
     "DecodeBatch", "IndexerCache", "IndexerConfig", "IndexerOutput",
-    "IndexerWeights", "KERNEL_TARGETS", "OPS", "Routing", "export_checks",
-    "indexer_stage", "prepare_weights", "reference",
+    "IndexerWeights", "KERNEL_TARGETS", "OPS", "PrefillBatch", "Routing", "export_checks",
+    "indexer_prefill", "indexer_stage", "prepare_weights", "reference",
 ]

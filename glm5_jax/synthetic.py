@@ -1,10 +1,11 @@
-"""Synthetic GLM-5.3-Flash-shaped layers, caches and decode batches for demos,
+"""Synthetic GLM-5.3-Flash-shaped layers, caches, prefill and decode batches for demos,
 tests and benchmarks (random weights; valid fp8 cache contents)."""
 import math
 
 import numpy as np
 import jax.numpy as jnp
 
+from .prefill import PrefillBatch
 from .reference.numerics import DIM, POOL
 from .stage import DecodeBatch, IndexerCache, prepare_weights
 
@@ -57,17 +58,36 @@ def decode_cache(rng, requests, max_context, *, next_n=1, page=64, block_size=12
           jnp.asarray(block_table.reshape(requests, -1), jnp.int32))
 
 
+def _slots(pos, req, cache, page_table):
+  """(loc, tslot) of positions `pos` of requests `req` (request r owns tail block r)."""
+  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
+  pid = pos // POOL
+  loc = np.where((pos >= 0) & ((pos + 1) % POOL == 0),
+                 np.asarray(page_table)[req, pid // page] * page + pid % page, -1)
+  return loc, np.where(pos >= 0, req * ring + pos % ring, -1)
+
+
+def prefill_batch(starts, lengths, cache, page_table, rows=None):
+  """PrefillBatch of request r's positions starts[r] .. starts[r] + lengths[r] - 1,
+  request-major (request r owns tail block r), padded to `rows` rows (None: no pads).
+  Returns (batch, req_ids i32[rows]: each row's request, -1 pads)."""
+  req = np.concatenate([np.full(n, r) for r, n in enumerate(lengths)] + [np.zeros(0, int)])
+  pos = np.concatenate([s + np.arange(n) for s, n in zip(starts, lengths)] + [req[:0]])
+  pad = (len(pos) if rows is None else rows) - len(pos)
+  if pad < 0:
+    raise ValueError(f"prefill_batch: rows {rows} < the {len(pos)} tokens")
+  req, pos = np.pad(req, (0, pad), constant_values=-1), np.pad(pos, (0, pad), constant_values=-1)
+  loc, tslot = _slots(pos, np.maximum(req, 0), cache, page_table)
+  i32 = lambda a: jnp.asarray(a, jnp.int32)
+  return PrefillBatch(i32(pos), i32(loc), i32(tslot)), i32(req)
+
+
 def decode_batch(positions, cache, page_table, block_table):
   """DecodeBatch of positions i32[B, N] (request b owns tail block b): pool
   slots for the tokens that complete a pool, tail slots for every token."""
   pos = np.asarray(positions)
   b, n = pos.shape
-  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
-  pid = pos // POOL
-  pt = np.asarray(page_table)
-  loc = np.where((pos + 1) % POOL == 0, pt[np.arange(b)[:, None], pid // page] * page
-                 + pid % page, -1)
-  tslot = np.where(pos >= 0, np.arange(b)[:, None] * ring + pos % ring, -1)
+  loc, tslot = _slots(pos, np.arange(b)[:, None], cache, page_table)
   i32 = lambda a: jnp.asarray(a, jnp.int32)
   return DecodeBatch(i32(pos), i32(loc), i32(tslot), i32(np.repeat(np.arange(b), n)),
                      page_table, block_table)

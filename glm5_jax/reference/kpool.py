@@ -134,3 +134,30 @@ def kpool_seed_tail(tail, key, gate, tslot):
   later = (ahead >= 0) & (ahead // ring == blk)
   write = (tslot >= 0) & ~later & (blk < blocks)
   return _stash(tail, jnp.where(write, blk, blocks), jnp.maximum(tslot, 0) % ring, key, gate)
+
+
+def prefill_windows(tail, key, gate, positions, tslot):
+  """The four (key, gate) rows of the pool each prefill row completes (SPEC §4a, §4c).
+
+  tail bf16[blocks, 2, RING, 128]; key, gate bf16[rows, 128]; positions i32[rows]
+  (-1 pad); tslot i32[rows] (tail block * RING + pos % RING). Returns (slot_key,
+  slot_gate) bf16[rows, 4, 128]: slot s of row i is token pos[i] - 3 + s, taken from
+  row i - 3 + s where that row holds it (same tail block, that position), else from
+  ring row (pos[i] - 3 + s) % RING of row i's tail block, as stashed before this call
+  (a chunk's first pool continues one an earlier chunk or decode step began). The
+  rows of a request must be contiguous and in position order; a block past the tail
+  reads block blocks - 1 (kpool_compress's write mask drops those rows).
+  """
+  blocks, _, ring, _ = tail.shape
+  rows = key.shape[0]
+  blk = jnp.minimum(jnp.maximum(tslot, 0) // ring, blocks - 1)
+  pairs = jnp.stack([_bf16_bits(key), _bf16_bits(gate)], 1)                 # [rows, 2, 128]
+  back = jnp.arange(POOL - 1, -1, -1)                                       # slot s: 3 - s
+  want = positions[:, None] - back                                          # [rows, 4]
+  src = jnp.arange(rows)[:, None] - back
+  srcc = jnp.maximum(src, 0)
+  in_call = (src >= 0) & (positions[srcc] == want) & (blk[srcc] == blk[:, None])
+  ring_rows = _bf16_bits(tail)[blk[:, None], :, want % ring]                # [rows, 4, 2, 128]
+  window = jnp.where(in_call[:, :, None, None], pairs[srcc], ring_rows)
+  window = lax.bitcast_convert_type(window, jnp.bfloat16)
+  return window[:, :, 0], window[:, :, 1]

@@ -1,0 +1,183 @@
+"""Prefill into the caches: prefill then decode == one longer prefill (bit-exact on
+CPU), chunked prefill == one prefill, the stock pool-aligned formulation (SPEC §4a),
+in-place caches under donation, trace-time errors."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from glm5_jax import synthetic
+from glm5_jax.reference.numerics import POOL
+
+from graphs import copied_shapes
+
+PREFILL = jax.jit(glm5_jax.indexer_prefill, static_argnames=("config", "use_reference"),
+                  donate_argnames="cache")
+STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
+               donate_argnames="cache")
+CONFIG = glm5_jax.IndexerConfig(max_pools=256)
+HIDDEN, Q_LORA = 512, 256
+
+
+class Requests:
+  """Requests of up to `max_context` tokens each: one layer, a random cache (random fp8
+  pages, random tail ring), the layer input of every token of every request."""
+
+  def __init__(self, requests, max_context, seed=0, next_n=1):
+    rng = np.random.default_rng(seed)
+    self.weights = synthetic.layer(rng, CONFIG, hidden=HIDDEN, q_lora=Q_LORA)
+    self.cache, self.pt, self.bt = synthetic.decode_cache(rng, requests, max_context,
+                                                          next_n=next_n, page=16,
+                                                          spare_pages=2)
+    self.x = synthetic.inputs(rng, requests * max_context, hidden=HIDDEN,
+                              q_lora=Q_LORA)[0].reshape(requests, max_context, HIDDEN)
+    self.qr = synthetic.inputs(rng, requests * max_context, hidden=HIDDEN,
+                               q_lora=Q_LORA)[1].reshape(requests, max_context, Q_LORA)
+
+  def fresh(self):
+    return jax.tree.map(jnp.copy, self.cache)
+
+  def prefill(self, cache, starts, lengths, rows=None, **kw):
+    batch, req = synthetic.prefill_batch(starts, lengths, cache, self.pt, rows=rows)
+    pos = np.asarray(batch.positions)
+    x = self.x[np.maximum(np.asarray(req), 0), np.maximum(pos, 0)]
+    return PREFILL(self.weights, cache, x, batch, config=CONFIG, **kw)
+
+  def decode(self, cache, positions, next_n=1):
+    """One decode step of every request at positions starts i32[B] + 0 .. next_n - 1."""
+    pos = np.asarray(positions)[:, None] + np.arange(next_n)
+    batch = synthetic.decode_batch(pos, cache, self.pt, self.bt)
+    b = np.arange(len(pos))[:, None]
+    x, qr = self.x[b, pos].reshape(pos.size, -1), self.qr[b, pos].reshape(pos.size, -1)
+    _, cache = STEP(self.weights, cache, x, qr, batch, config=CONFIG)
+    return cache
+
+
+def bytes_of(cache):
+  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(cache)]
+
+
+def assert_same(got, want):
+  for g, w, name in zip(bytes_of(got), bytes_of(want), ("kv_cache", "tail")):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+@pytest.mark.parametrize("lengths,n", [
+    ([8, 13, 3, 30], 1), ([8, 13, 3, 30], 3), ([16, 1, 6, 21], 6), ([0, 4, 9, 2], 5),
+    ([5, 5, 5, 5], 9)])
+def test_prefill_then_decode_is_a_longer_prefill(lengths, n):
+  """Prefill of L tokens then n decode steps (indexer_stage, next_n 1: RING 4, every
+  row live) leaves every byte of both caches as one prefill of L + n tokens, for
+  pool-aligned and unaligned L; L 0 is decode from scratch."""
+  reqs = Requests(len(lengths), max(lengths) + n + 1)
+  starts = [0] * len(lengths)
+  cache = reqs.fresh()
+  if sum(lengths):
+    cache = reqs.prefill(cache, starts, lengths)
+  for t in range(n):
+    cache = reqs.decode(cache, np.asarray(lengths) + t)
+  want = reqs.prefill(reqs.fresh(), starts, [n_ + n for n_ in lengths])
+  assert_same(cache, want)
+
+
+@pytest.mark.parametrize("lengths", [[8, 13, 3, 30], [0, 6, 1, 17]])
+def test_prefill_then_next_n_decode(lengths):
+  """With next_n 2 (RING 8) the ring holds more than the seed writes: the K cache is
+  byte-equal to the longer prefill's, and so are the ring rows of each request's last
+  four tokens (the rows a later pool reads)."""
+  steps, next_n = 3, 2
+  reqs = Requests(len(lengths), max(lengths) + steps * next_n + 1, next_n=next_n)
+  cache = reqs.prefill(reqs.fresh(), [0] * len(lengths), lengths)
+  for t in range(steps):
+    cache = reqs.decode(cache, np.asarray(lengths) + t * next_n, next_n)
+  total = [n + steps * next_n for n in lengths]
+  want = reqs.prefill(reqs.fresh(), [0] * len(lengths), total)
+  np.testing.assert_array_equal(bytes_of(cache)[0], bytes_of(want)[0])
+  ring = cache.tail.shape[2]
+  for b, n in enumerate(total):
+    rows = np.arange(n - POOL, n) % ring
+    np.testing.assert_array_equal(bytes_of(cache)[1][b][:, rows], bytes_of(want)[1][b][:, rows])
+
+
+@pytest.mark.parametrize("first,second", [
+    ([8, 12, 4], [4, 9, 16]), ([5, 2, 13], [7, 1, 3]), ([1, 3, 6], [2, 2, 11]),
+    ([0, 9, 14], [10, 0, 1])])
+def test_chunked_prefill_is_one_prefill(first, second):
+  """A chunk continues its request, starting at any position (the first pool of an
+  unaligned chunk takes its earlier tokens from the tail ring); padded rows too."""
+  reqs = Requests(len(first), max(a + b for a, b in zip(first, second)) + 1, seed=1)
+  cache = reqs.prefill(reqs.fresh(), [0] * len(first), first, rows=sum(first) + 3)
+  cache = reqs.prefill(cache, first, second, rows=sum(second) + 5)
+  want = reqs.prefill(reqs.fresh(), [0] * len(first), [a + b for a, b in zip(first, second)])
+  assert_same(cache, want)
+
+
+def test_prefill_writes_the_stock_pool_aligned_form():
+  """One request from position 0: the stock caller's windows [i-3, i] of every token
+  with write_mask loc >= 0 and i >= 3 (SPEC §4a) and the seed of §4b; the keys from
+  indexer_projection + indexer_query's key LayerNorm."""
+  reqs = Requests(1, 23, seed=2)
+  length = 22
+  got = reqs.prefill(reqs.fresh(), [0], [length], use_reference=True)
+  batch, _ = synthetic.prefill_batch([0], [length], reqs.cache, reqs.pt)
+  w = reqs.weights
+  key_raw, head_w, gate = glm5_jax.reference.indexer_projection(
+      reqs.x[0, :length], w.w_cat, heads=CONFIG.heads)
+  q = jnp.zeros((length, CONFIG.heads, 128), jnp.bfloat16)
+  _, _, key = glm5_jax.reference.indexer_query(q, key_raw, head_w, w.norm_weight,
+                                               w.norm_bias, scale=CONFIG.scale)
+  window = np.maximum(np.arange(length)[:, None] - 3 + np.arange(POOL), 0)
+  loc = batch.loc
+  kv = glm5_jax.reference.kpool_compress(reqs.cache.kv_cache, key[window], gate[window], w.ape,
+                                         loc, (loc >= 0) & (jnp.arange(length) >= 3))
+  tail = glm5_jax.reference.kpool_seed_tail(reqs.cache.tail, key, gate, batch.tslot)
+  assert_same(got, glm5_jax.IndexerCache(kv, tail))
+
+
+def test_prefill_matches_reference_composition():
+  reqs = Requests(3, 20, seed=3)
+  got = reqs.prefill(reqs.fresh(), [0, 0, 0], [19, 6, 11])
+  want = reqs.prefill(reqs.fresh(), [0, 0, 0], [19, 6, 11], use_reference=True)
+  assert_same(got, want)
+
+
+def test_donated_prefill_is_in_place():
+  """No copy of the paged K cache (nor, off CPU, of the tail ring: the CPU backend
+  materialises the tail's bf16 <-> u16 bitcasts), and the donated buffer is reused."""
+  reqs = Requests(2, 40, seed=4)
+  batch, req = synthetic.prefill_batch([0, 3], [30, 17], reqs.cache, reqs.pt)
+  x = reqs.x[np.asarray(req), np.asarray(batch.positions)]
+  cache = reqs.fresh()
+  shapes = [cache.kv_cache.shape, cache.tail.shape]
+  text = PREFILL.lower(reqs.weights, cache, x, batch, config=CONFIG).compile().as_text()
+  copies = copied_shapes(text, shapes)
+  if jax.default_backend() == "cpu":
+    copies.discard(tuple(cache.tail.shape))
+  assert copies == set()
+  undonated = jax.jit(glm5_jax.indexer_prefill, static_argnames=("config", "use_reference"))
+  text = undonated.lower(reqs.weights, cache, x, batch, config=CONFIG).compile().as_text()
+  assert copied_shapes(text, shapes), "the check must see copies without donation"
+  before = cache.kv_cache.unsafe_buffer_pointer()
+  new = PREFILL(reqs.weights, cache, x, batch, config=CONFIG)
+  assert cache.kv_cache.is_deleted()
+  assert new.kv_cache.unsafe_buffer_pointer() == before
+
+
+def test_prefill_rejects_bad_input():
+  reqs = Requests(1, 8, seed=5)
+  batch, _ = synthetic.prefill_batch([0], [8], reqs.cache, reqs.pt)
+  x = reqs.x[0]
+  run = lambda **kw: glm5_jax.indexer_prefill(
+      **{**dict(weights=reqs.weights, cache=reqs.fresh(), x=x, batch=batch,
+                config=CONFIG), **kw})
+  with pytest.raises(ValueError, match=r"glm5_jax.indexer_prefill: batch.positions must "
+                     r"have shape \(7\)"):
+    run(x=x[:7])
+  with pytest.raises(TypeError, match="glm5_jax.indexer_prefill: x must be bfloat16"):
+    run(x=x.astype(jnp.float32))
+  with pytest.raises(TypeError, match="glm5_jax.indexer_prefill: batch.loc must be int32"):
+    run(batch=glm5_jax.PrefillBatch(batch.positions, batch.loc.astype(jnp.int16),
+                                    batch.tslot))
+  with pytest.raises(ValueError, match="glm5_jax.indexer_prefill: weights.w_cat"):
+    run(config=glm5_jax.IndexerConfig(heads=16))
