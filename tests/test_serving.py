@@ -1,5 +1,9 @@
 """Per-step metadata of a serving loop: DecodeBatch.pack / unpack, the packed step
 (glm5_jax.serving.indexer_step) against the DecodeBatch step, donation kept."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -100,3 +104,15 @@ def test_pack_errors_name_the_argument():
     glm5_jax.DecodeBatch.unpack(np.zeros((3, 2, 1), np.int32), None, None)
   with pytest.raises(TypeError, match=r"DecodeBatch.unpack: packed must be int32"):
     glm5_jax.DecodeBatch.unpack(np.zeros((4, 2, 1), np.int64), None, None)
+
+
+@pytest.mark.slow
+def test_decode_loop_demo_runs():
+  """The README's demo, small: runs, and its check against the reference passes."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "examples/decode_loop.py", "--layers", "1",
+                         "--contexts", "30,2100", "--steps", "3"], cwd=root,
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=root))
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "check:" in done.stdout and done.stdout.rstrip().endswith("ok")
