@@ -1,5 +1,6 @@
 """Per-step metadata of a serving loop: DecodeBatch.pack / unpack, the packed step
 (glm5_jax.serving.indexer_step) against the DecodeBatch step, donation kept."""
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,21 @@ def test_decode_loop_demo_runs():
                         env=dict(os.environ, PYTHONPATH=root))
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   assert "check:" in done.stdout and done.stdout.rstrip().endswith("ok")
+
+
+@pytest.mark.slow
+def test_bench_serving_group_cpu_smoke(tmp_path):
+  """`python -m bench --groups serving` measures every variant (no error rows)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "b.json"
+  done = subprocess.run(
+      [sys.executable, "-m", "bench", "--groups", "serving", "--cpu-smoke", "--cache-dir", "",
+       "--serving-rows", "1", "--out", str(out), "--md", str(tmp_path / "b.md"),
+       "--plot", str(tmp_path / "b.png")], cwd=root, capture_output=True, text=True,
+      timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  rows = json.loads(out.read_text())
+  assert {r["variant"] for r in rows if r["op"] == "serving"} == {
+      "device metadata", "host metadata, packed", "host metadata, fields"}
+  assert all(r["device_us"] > 0 for r in rows if r["op"] == "serving"), rows
+  assert any("the device-metadata step" in r["notes"] for r in rows if r["op"] == "serving")
