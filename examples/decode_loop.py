@@ -1,14 +1,16 @@
 """The glm5_jax demo: a serving engine's decode loop of the GLM-5.3-Flash indexer.
 
 Synthetic GLM-5.3-Flash-shaped indexer weights for --layers layers, requests whose
-prompts have mixed lengths (--contexts) already in every layer's caches, then --steps
-decode steps of one jitted step (every layer's indexer_stage) with the caches donated
-(updated in place) and the step's metadata built with numpy on the host as one packed
-int32 array (glm5_jax.serving: one host->device transfer per step). Prints the compile
-time, the per-step latency (p50/p90, host metadata + dispatch + device, waited on) and
-steps/s; then replays the same steps on the pure-JAX reference composition
-(use_reference=True) from the same initial caches and checks every step's selected
-slots and the final caches against it.
+prompts have mixed lengths (--contexts) prefilled into every layer's caches
+(glm5_jax.indexer_prefill, --chunk rows per call; where this version has no prefill,
+synthetic caches stand in and the demo says so), then --steps decode steps of one
+jitted step (every layer's indexer_stage) with the caches donated (updated in place)
+and the step's metadata built with numpy on the host as one packed int32 array
+(glm5_jax.serving: one host->device transfer per step). Prints the compile time, the
+per-step latency (p50/p90, host metadata + dispatch + device, waited on) and steps/s;
+then replays the same steps on the pure-JAX reference composition
+(use_reference=True), prefill included, from the same initial caches and checks every
+step's selected slots and the final caches against it.
 
   python examples/decode_loop.py [--layers N] [--contexts 300,1200,3000] [--steps 20]
 
@@ -39,21 +41,47 @@ def parse():
   p.add_argument("--contexts", default="300,5000,30000" if gpu else "300,1200,3000",
                  help="prompt length (tokens) of each request")
   p.add_argument("--steps", type=int, default=200 if gpu else 20)
+  p.add_argument("--chunk", type=int, default=4096 if gpu else 1024,
+                 help="prefill rows per call (prompts are cut into chunks of this many)")
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args()
 
 
-def fill_caches(rng, layers, contexts, steps):
-  """Per layer, the caches of requests whose prompts are in place. glm5_jax has no
-  prefill op in this version, so the caches are synthetic: every pool of each prompt a
-  random valid fp8 K-cache entry, the tail ring random (what a prefill would leave,
-  in shape and range, not in value)."""
+def empty_caches(rng, layers, contexts, steps):
+  """Per layer, caches with room for every request's prompt and decode steps (random
+  valid fp8 contents, shuffled page and block tables; the prefill overwrites what
+  the requests read), and the two tables (one set for all layers)."""
   caches = []
   for _ in range(layers):
     cache, page_table, block_table = synthetic.decode_cache(
         rng, len(contexts), int(contexts.max()) + steps, page=PAGE, spare_pages=4)
     caches.append(cache)
-  return caches, page_table, block_table, "synthetic (random fp8 pools, random tail rings)"
+  return caches, page_table, block_table
+
+
+def prefill_chunks(contexts, chunk, cache, page_table, key):
+  """[(PrefillBatch, x bf16[chunk, hidden])]: the prompts laid out request-major and
+  cut into chunks of `chunk` rows (the last one padded), each chunk continuing the
+  requests the one before left off; x random on the device."""
+  ends = np.cumsum(contexts)
+  begins = ends - contexts
+  out = []
+  for i, a in enumerate(range(0, int(ends[-1]), chunk)):
+    lo, hi = np.clip(a, begins, ends), np.clip(a + chunk, begins, ends)
+    batch, _ = synthetic.prefill_batch(lo - begins, hi - lo, cache, page_table, rows=chunk)
+    x = jax.random.normal(jax.random.fold_in(key, i), (chunk, synthetic.HIDDEN), jnp.bfloat16)
+    out.append((batch, x))
+  return out
+
+
+def prefill(weights, caches, chunks, config, use_reference=False):
+  """Every layer's indexer_prefill over the chunks (jitted, caches donated)."""
+  fn = jax.jit(glm5_jax.indexer_prefill, static_argnames=("config", "use_reference"),
+               donate_argnames="cache")
+  for batch, x in chunks:
+    caches = [fn(w, c, x, batch, config=config, use_reference=use_reference)
+              for w, c in zip(weights, caches)]
+  return jax.block_until_ready(caches)
 
 
 def model_step(config, use_reference=False):
@@ -94,11 +122,11 @@ def run(step, weights, caches, inputs, metadata, page_table, block_table, progre
   return outs, caches, np.array(seconds)
 
 
-def written_entries(metadata, pages):
-  """Mask bool[pages * PAGE] of the K-cache entries the steps wrote (loc >= 0)."""
+def written_entries(metadata, chunks, pages):
+  """Mask bool[pages * PAGE] of the K-cache entries the prefill and the decode steps
+  wrote (loc >= 0)."""
   mask = np.zeros(pages * PAGE, bool)
-  for m in metadata:
-    loc = m()[1]
+  for loc in [m()[1] for m in metadata] + [np.asarray(b.loc) for b, _ in chunks]:
     mask[loc[loc >= 0]] = True
   return mask
 
@@ -113,7 +141,7 @@ def entry_bytes(kv):
   return np.concatenate([data, scales], 1)
 
 
-def check(outs, caches, want_outs, want_caches, metadata):
+def check(outs, caches, want_outs, want_caches, metadata, chunks):
   """Raises SystemExit on a mismatch; returns the lines describing what was checked."""
   gpu = jax.default_backend() == "gpu"
   got, want = jax.device_get((outs, caches)), jax.device_get((want_outs, want_caches))
@@ -125,7 +153,8 @@ def check(outs, caches, want_outs, want_caches, metadata):
     if not exact:
       raise SystemExit("mismatch: the jitted step differs from the reference composition")
     return ["check: every step's selected slots and counts and the final caches of every "
-            "layer are bit-identical to the reference composition (use_reference=True).",
+            "layer are bit-identical to the reference composition (use_reference=True; "
+            "prefill and decode).",
             "  On the CPU both run the same pure-JAX reference code (no CUDA kernels), so "
             "this checks the jitted loop (donation, packed metadata, layer threading), "
             "not the kernels."]
@@ -143,7 +172,7 @@ def check(outs, caches, want_outs, want_caches, metadata):
         total += c
   if agree < 0.99 * total:
     raise SystemExit(f"mismatch: only {agree / total:.2%} of the selected slots agree")
-  written = written_entries(metadata, caches[0].kv_cache.shape[0])
+  written = written_entries(metadata, chunks, caches[0].kv_cache.shape[0])
   differ = 0
   for c, w in zip(caches, want_caches):
     g, r = entry_bytes(c.kv_cache), entry_bytes(w.kv_cache)
@@ -169,15 +198,26 @@ def main():
                                                 glm5_jax.IndexerConfig.topk_tokens // POOL))
   t0 = time.perf_counter()
   weights = [synthetic.layer(rng, config) for _ in range(args.layers)]
-  caches, page_table, block_table, how = fill_caches(rng, args.layers, contexts, args.steps)
+  caches, page_table, block_table = empty_caches(rng, args.layers, contexts, args.steps)
   start = jax.tree.map(jnp.copy, caches)         # for the reference replay
   inputs = [synthetic.inputs(rng, len(contexts)) for _ in range(INPUT_SETS)]
   jax.block_until_ready((weights, caches, start, inputs))
-  setup_s = time.perf_counter() - t0
   print(f"glm5_jax {glm5_jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}): {args.layers} layers, {len(contexts)} requests, "
         f"prompts {contexts.tolist()} tokens, {args.steps} decode steps")
-  print(f"setup {setup_s:.1f} s: weights, caches {how}")
+  print(f"setup {time.perf_counter() - t0:.1f} s (weights, caches)")
+  chunks = []
+  if hasattr(glm5_jax, "indexer_prefill"):
+    chunks = prefill_chunks(contexts, args.chunk, caches[0], page_table,
+                            jax.random.key(args.seed))
+    t0 = time.perf_counter()
+    caches = prefill(weights, caches, chunks, config)
+    print(f"prefill {time.perf_counter() - t0:.1f} s (compile included): "
+          f"{int(contexts.sum())} prompt tokens in {len(chunks)} chunks of {args.chunk} "
+          f"rows x {args.layers} layers (glm5_jax.indexer_prefill)")
+  else:
+    print("prefill: glm5_jax.indexer_prefill is not in this version; the caches are "
+          "synthetic (random valid fp8 pools and tail rings, not the prompts' keys)")
 
   # The engine's host copy of the page table: each step's metadata is built from it.
   host_pages = np.asarray(page_table)
@@ -206,10 +246,12 @@ def main():
 
   reference = model_step(config, use_reference=True)
   t0 = time.perf_counter()
+  if chunks:
+    start = prefill(weights, start, chunks, config, use_reference=True)
   want_outs, want_caches, _ = run(reference, weights, start, inputs, metadata, page_table,
                                   block_table, progress=False)
   print(f"reference replay {time.perf_counter() - t0:.1f} s (compile included)")
-  for line in check(outs, caches, want_outs, want_caches, metadata):
+  for line in check(outs, caches, want_outs, want_caches, metadata, chunks):
     print(line)
   print("ok")
 
