@@ -154,7 +154,7 @@ def check(outs, caches, want_outs, want_caches, metadata, chunks):
       raise SystemExit("mismatch: the jitted step differs from the reference composition")
     return ["check: every step's selected slots and counts and the final caches of every "
             "layer are bit-identical to the reference composition (use_reference=True; "
-            "prefill and decode).",
+            f"{'prefill and decode' if chunks else 'decode'}).",
             "  On the CPU both run the same pure-JAX reference code (no CUDA kernels), so "
             "this checks the jitted loop (donation, packed metadata, layer threading), "
             "not the kernels."]
