@@ -42,7 +42,8 @@ def parser():
                       "chain that share an input set, see bench/harness.py chain)")
   p.add_argument("--groups", default="calibration,ops,sweep",
                  help="comma-separated groups to run, of: "
-                      + ", ".join(g.NAME for g in GROUPS) + " (stage: whole decode steps)")
+                      + ", ".join(g.NAME for g in GROUPS)
+                      + " (stage: whole decode steps; serving: the decode loop)")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
                  help="measure nothing: rebuild --md and --plot from these JSON rows")

@@ -37,6 +37,9 @@ class Sizes:
   stage_rows: tuple = (1, 16, 64)              # the stage group (11 layers per step)
   stage_contexts: tuple = (1024, 8192, 32768, 131072)
   stage_layers: int = 11
+  serving_rows: tuple = (1, 16, 64)            # the serving group (stage_layers per step)
+  serving_contexts: tuple = (1024, 32768)
+  serving_steps: int = 200                     # timed decode steps per serving row
   cache_bytes: int = 1 << 30
   copy_bytes: int = 2 << 30
   r_max: int = 64                              # rotated input sets of a chain
@@ -61,6 +64,7 @@ def sizes_for(quick, cpu_smoke):
         s, upcast_pools=tuple(p // 16 for p in s.upcast_pools),
         select_rows=(1, 4), select_pools=(512, 1024), stage_rows=(1, 2),
         stage_contexts=(1024, 4096), stage_layers=2,
+        serving_rows=(1, 2), serving_contexts=(1024,), serving_steps=5,
         cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,
         warmup=1, empty_r=20, run_s=0.001, max_calls=8, max_passes=8)
   return s

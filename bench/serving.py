@@ -1,0 +1,154 @@
+"""Group "serving": the decode loop of a serving engine, one jitted step of
+`stage_layers` (11) layers per decode step (each layer its own weights and caches,
+donated and threaded), one dispatch per step. What differs between the variants is
+where each step's metadata (positions, loc, tslot, req_ids) comes from:
+
+- "device metadata": already on the device (built once, the same every step): the
+  step alone, what the loop can at best reach.
+- "host metadata, packed": built fresh with numpy on the host every step
+  (glm5_jax.serving.decode_metadata, the positions advancing), one i32[4, B, N] array
+  passed to the jitted step (one host->device transfer), unpacked inside
+  (glm5_jax.serving.indexer_step); page and block tables stay on the device.
+- "host metadata, fields": the same fresh numpy fields passed as a DecodeBatch of four
+  numpy arrays (four transfers), the tables on the device.
+
+Runs are timed by harness.time_runs: dispatched back to back with one queued, so
+the host's work for step k+1 (building metadata, dispatch, transfer) overlaps the
+device's step k, as in an engine that knows the next positions before the sampled
+token comes back; µs per step = the median interval between step completions, so a
+host-bound loop shows its host time. Rows "M=<m>,ctx=<tokens>" (M requests of one
+decode token each); device_us is µs per decode step (all layers), not per layer.
+Issue 11's target: the packed loop within 1.15x of device metadata."""
+import dataclasses
+import gc
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+import glm5_jax
+from glm5_jax import serving, synthetic
+
+from .harness import compile_fn, time_runs
+from .sizes import CONFIG
+from .stage import _config, _ints
+
+NAME = "serving"
+DEVICE, PACKED, FIELDS = "device metadata", "host metadata, packed", "host metadata, fields"
+MARGIN = 64   # decode positions the caches have room for past the context (they cycle)
+
+
+def add_arguments(parser):
+  parser.add_argument("--serving-contexts", default="",
+                      help="comma-separated contexts (tokens) of the serving group "
+                           "(default 1024,32768)")
+  parser.add_argument("--serving-rows", default="",
+                      help="comma-separated M of the serving group (default 1,16,64)")
+
+
+def _step(config, packed):
+  """fn(caches, flag, weights, x, qr, meta, page_table, block_table) -> (caches,
+  (done, counts)): one decode step of every layer; meta is the packed array or the
+  four fields."""
+  def fn(caches, flag, weights, x, qr, meta, page_table, block_table):
+    if packed:
+      batch = glm5_jax.DecodeBatch.unpack(meta, page_table, block_table)
+    else:
+      batch = glm5_jax.DecodeBatch(*meta, page_table, block_table)
+    new, counts = [], []
+    for w, c in zip(weights, caches):
+      out, c = glm5_jax.indexer_stage(w, c, x, qr, batch, config=config)
+      new.append(c)
+      counts.append(out.counts)
+    return new, (~flag, counts)
+  return fn
+
+
+class _Metadata:
+  """Each call: the next step's packed metadata, built with numpy (positions
+  ctx - 1 + i, cycling over MARGIN steps)."""
+
+  def __init__(self, m, ctx, page_table, page, ring):
+    self.start, self.i = np.full((m, 1), ctx - 1), 0
+    self.pages, self.page, self.ring = np.asarray(page_table), page, ring
+
+  def __call__(self):
+    pos = self.start + self.i % MARGIN
+    self.i += 1
+    return serving.decode_metadata(pos, self.pages, page=self.page, ring=self.ring)
+
+
+def _variants(config, host):
+  """(variant, step fn, metadata source) of each variant; host: a _Metadata."""
+  on_device = jnp.asarray(host())
+
+  def unpacked():                              # the same numpy fields, not packed
+    positions, loc, tslot, req_ids = host()
+    return positions, loc, tslot, req_ids.reshape(-1)
+  return ((DEVICE, _step(config, True), lambda: on_device),
+          (PACKED, _step(config, True), host),
+          (FIELDS, _step(config, False), unpacked))
+
+
+def _state(m, ctx, layers, seed):
+  rng = np.random.default_rng(seed)
+  weights = [synthetic.layer(rng, CONFIG) for _ in range(layers)]
+  cache, pt, bt = synthetic.decode_cache(rng, m, ctx + MARGIN)
+  caches = [cache] + [jax.tree.map(jnp.copy, cache) for _ in range(layers - 1)]
+  x, qr = synthetic.inputs(rng, m)
+  return weights, caches, x, qr, pt, bt
+
+
+def _measure(bench, shape, variant, fn, caches, fixed, meta_of, sizes, layers):
+  """Compiles fn, times runs whose metadata comes from meta_of() (called on the host
+  before every dispatch), adds the row; returns (caches, row)."""
+  flag = jnp.zeros((), jnp.bool_)
+  weights, x, qr, pt, bt = fixed
+  compiled, _, compile_s = compile_fn(fn, caches, flag, weights, x, qr, meta_of(), pt, bt)
+  run = lambda state, flag: compiled(state, flag, weights, x, qr, meta_of(), pt, bt)
+  caches, sec, dispatch = time_runs(run, caches, (flag,), sizes)
+  us = sec * 1e6
+  row = bench.row(NAME, shape, variant, us, None, None, layers=layers, reps=sizes.reps,
+                  dispatch_us=dispatch * 1e6, compile_s=round(compile_s, 2),
+                  notes=f"{layers} layers per decode step, µs per step, one dispatch "
+                        "per step")
+  bench.log(f"serving {shape} {variant}: {us:.1f} us per step "
+            f"(host dispatch {dispatch * 1e6:.0f} us)")
+  return caches, row
+
+
+def run(bench):
+  s = bench.s
+  layers = s.stage_layers
+  sizes = dataclasses.replace(s, reps=s.serving_steps)
+  for ctx in _ints(bench.args.serving_contexts, s.serving_contexts):
+    for m in _ints(bench.args.serving_rows, s.serving_rows):
+      shape = f"M={m},ctx={ctx}"
+      if bench.over_budget():
+        bench.log(f"serving {shape}: skipped (over the time budget)")
+        continue
+      try:
+        weights, caches, x, qr, pt, bt = _state(m, ctx, layers, seed=m * 11 + ctx)
+      except Exception as e:                               # noqa: BLE001
+        for v in (DEVICE, PACKED, FIELDS):
+          bench.error_row(NAME, shape, v, e)
+        continue
+      config = _config(ctx + MARGIN, glm5_jax.Routing())
+      fixed = (weights, x, qr, pt, bt)
+      page, ring = caches[0].kv_cache.shape[1], caches[0].tail.shape[2]
+      measured = {}
+      for variant, fn, meta_of in _variants(config, _Metadata(m, ctx, pt, page, ring)):
+        try:
+          caches, measured[variant] = _measure(bench, shape, variant, fn, caches, fixed,
+                                               meta_of, sizes, layers)
+        except Exception as e:                             # noqa: BLE001
+          bench.error_row(NAME, shape, variant, e)
+          if any(a.is_deleted() for a in jax.tree.leaves(caches)):
+            break                                          # the caches were donated away
+        bench.write_json()
+      if DEVICE in measured and PACKED in measured:
+        ratio = measured[PACKED]["device_us"] / measured[DEVICE]["device_us"]
+        measured[PACKED]["notes"] += f"; {ratio:.2f}x the device-metadata step (target <= 1.15x)"
+        bench.log(f"serving {shape}: packed host metadata {ratio:.2f}x the device step")
+      del weights, caches, x, qr, pt, bt
+      gc.collect()

@@ -1,0 +1,85 @@
+"""A serving loop's decode step: per-step metadata built on the host as one packed
+int32 array (one host->device transfer), the tables resident on the device.
+
+The pattern (examples/decode_loop.py runs it on 11 layers):
+
+  step = jax.jit(glm5_jax.serving.indexer_step, static_argnames=("config", "use_reference"),
+                 donate_argnames="cache")
+  page_table_np = ...           # the engine's host copy; page_table = its device copy
+  for each decode step:
+    packed = glm5_jax.serving.decode_metadata(positions, page_table_np, page=PAGE, ring=RING)
+    out, cache = step(weights, cache, x, qr, packed, page_table, block_table, config=config)
+
+`packed` is a numpy array passed straight to the jitted step: jax copies it to the
+device as one argument (16 bytes per row). Building a DecodeBatch of device arrays
+every step (jnp.asarray or jax.device_put per field) costs one transfer per field
+and, on the H200, several times the device time of an 11-layer step (issue 11).
+
+page_table and block_table change only when a request is admitted, finishes or grows
+a page/block: keep them as device arrays and pass them unchanged; when they change,
+update the device copy (e.g. `table.at[rows].set(values)` in a jitted function with
+the table donated, an in-place scatter) rather than transferring the whole table.
+The packed operand itself could likewise live in a persistent donated device buffer
+updated in place, but its content is new every step, so that still takes one
+host->device copy of the same bytes: the numpy argument is the simplest form of it.
+"""
+import numpy as np
+import jax
+
+from .reference.numerics import POOL
+from .stage import (
+  DecodeBatch,
+  IndexerCache,
+  IndexerConfig,
+  IndexerOutput,
+  IndexerWeights,
+  indexer_stage,
+)
+
+
+def indexer_step(weights: IndexerWeights, cache: IndexerCache, x: jax.Array, qr: jax.Array,
+                 packed: jax.Array, page_table: jax.Array, block_table: jax.Array, *,
+                 config: IndexerConfig | None = None,
+                 use_reference: bool = False) -> tuple[IndexerOutput, IndexerCache]:
+  """indexer_stage on DecodeBatch.unpack(packed, page_table, block_table).
+
+  packed i32[4, B, N] (DecodeBatch.pack / decode_metadata; a numpy array is fine);
+  page_table i32[R, MP]; block_table i32[R, MB]; the rest as indexer_stage. Jit it with
+  the cache donated: jax.jit(indexer_step, static_argnames=("config", "use_reference"),
+  donate_argnames="cache"). Inside a model's own jitted step, call it once per layer
+  with that layer's weights and cache and the same packed metadata and tables.
+  """
+  batch = DecodeBatch.unpack(packed, page_table, block_table)
+  return indexer_stage(weights, cache, x, qr, batch, config=config,
+                       use_reference=use_reference)
+
+
+def decode_metadata(positions, page_table, *, page: int, ring: int, requests=None,
+                    tail_blocks=None) -> np.ndarray:
+  """The packed metadata (DecodeBatch.pack) of one decode step, with numpy on the host.
+
+  positions i32[B, N]: each row's token position (-1 pads); page_table i32[R, MP]: the
+  host copy of the K-cache page table; page: entries per K-cache page
+  (kv_cache.shape[1]); ring: tail-ring rows (tail.shape[2]); requests i32[B]: each
+  request's page_table row (default 0..B-1); tail_blocks i32[B]: each request's tail
+  block (default: requests). loc is the K-cache slot of the pool a token completes
+  (-1 if it completes none), tslot its tail-ring slot (SPEC §0).
+  """
+  pos = np.asarray(positions)
+  if pos.ndim != 2:
+    raise ValueError(f"glm5_jax.serving.decode_metadata: positions must have shape (B, N), "
+                     f"got {pos.shape}")
+  b, n = pos.shape
+  req = np.arange(b) if requests is None else np.asarray(requests)
+  tail = req if tail_blocks is None else np.asarray(tail_blocks)
+  for name, value in (("requests", req), ("tail_blocks", tail)):
+    if value.shape != (b,):
+      raise ValueError(f"glm5_jax.serving.decode_metadata: {name} must have shape ({b},), "
+                       f"got {value.shape}")
+  pt = np.asarray(page_table)
+  pid = pos // POOL
+  completes = (pos >= 0) & ((pos + 1) % POOL == 0)
+  page_of = pt[req[:, None], np.where(completes, pid // page, 0)]
+  loc = np.where(completes, page_of * page + pid % page, -1)
+  tslot = np.where(pos >= 0, tail[:, None] * ring + pos % ring, -1)
+  return DecodeBatch.pack(pos, loc, tslot, np.repeat(req, n))

@@ -1,0 +1,137 @@
+"""Per-step metadata of a serving loop: DecodeBatch.pack / unpack, the packed step
+(glm5_jax.serving.indexer_step) against the DecodeBatch step, donation kept."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from glm5_jax import serving, synthetic
+
+from graphs import copied_shapes
+
+STAGE = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
+                donate_argnames="cache")
+STEP = jax.jit(serving.indexer_step, static_argnames=("config", "use_reference"),
+               donate_argnames="cache")
+CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
+
+
+def state(contexts, next_n=1, seed=0):
+  rng = np.random.default_rng(seed)
+  weights = synthetic.layer(rng, CONFIG, hidden=512, q_lora=256)
+  cache, pt, bt = synthetic.decode_cache(rng, len(contexts), max(contexts) + next_n,
+                                         next_n=next_n, page=16, spare_pages=2)
+  pos = np.asarray(contexts)[:, None] + np.arange(next_n)
+  batch = synthetic.decode_batch(pos, cache, pt, bt)
+  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
+  return weights, cache, x, qr, batch
+
+
+def bits(tree):
+  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+
+
+def test_pack_unpack_round_trip():
+  _, _, _, _, batch = state([10, 1500, 3001], next_n=2)
+  packed = batch.packed()
+  assert isinstance(packed, np.ndarray) and packed.dtype == np.int32
+  assert packed.shape == (4, 3, 2)
+  got = glm5_jax.DecodeBatch.unpack(packed, batch.page_table, batch.block_table)
+  for name in ("positions", "loc", "tslot", "req_ids", "page_table", "block_table"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                  np.asarray(getattr(batch, name)), err_msg=name)
+    assert np.shape(getattr(got, name)) == np.shape(getattr(batch, name)), name
+  # inside jit too: the same fields and shapes
+  fields = jax.jit(lambda p: jax.tree.leaves(glm5_jax.DecodeBatch.unpack(
+      p, batch.page_table, batch.block_table)))(packed)
+  for g, w in zip(fields, jax.tree.leaves(batch)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_decode_metadata_matches_synthetic_batch():
+  """The host builder gives the fields synthetic.decode_batch does (no pads)."""
+  _, cache, _, _, batch = state([10, 1499, 3003, 77], next_n=3)
+  packed = serving.decode_metadata(np.asarray(batch.positions), np.asarray(batch.page_table),
+                                   page=cache.kv_cache.shape[1], ring=cache.tail.shape[2])
+  np.testing.assert_array_equal(packed, batch.packed())
+
+
+def test_decode_metadata_pads():
+  packed = serving.decode_metadata(np.array([[7, -1]]), np.array([[5, 6]]), page=16, ring=8)
+  pos, loc, tslot, req = packed[:, 0]
+  assert pos.tolist() == [7, -1] and loc.tolist() == [5 * 16 + 1, -1]
+  assert tslot.tolist() == [7, -1] and req.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([40, 2999], 4)])
+def test_packed_step_equals_batch_step(contexts, next_n):
+  weights, cache, x, qr, batch = state(contexts, next_n)
+  want = STAGE(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=CONFIG)
+  got = STEP(weights, jax.tree.map(jnp.copy, cache), x, qr, batch.packed(), batch.page_table,
+             batch.block_table, config=CONFIG)
+  for g, w in zip(bits(got), bits(want)):
+    np.testing.assert_array_equal(g, w)
+
+
+def test_packed_step_donates_the_cache():
+  weights, cache, x, qr, batch = state([10, 1500, 3001, 77])
+  args = (weights, cache, x, qr, batch.packed(), batch.page_table, batch.block_table)
+  text = STEP.lower(*args, config=CONFIG).compile().as_text()
+  copies = copied_shapes(text, [cache.kv_cache.shape, cache.tail.shape])
+  if jax.default_backend() == "cpu":   # the CPU backend copies the tail's bitcasts (test_stage)
+    copies.discard(tuple(cache.tail.shape))
+  assert copies == set()
+  before = cache.kv_cache.unsafe_buffer_pointer()
+  _, new = STEP(*args, config=CONFIG)
+  assert cache.kv_cache.is_deleted()
+  assert new.kv_cache.unsafe_buffer_pointer() == before
+
+
+def test_pack_errors_name_the_argument():
+  pos = np.zeros((2, 1), np.int32)
+  with pytest.raises(ValueError, match=r"glm5_jax.DecodeBatch.pack: loc must have shape"):
+    glm5_jax.DecodeBatch.pack(pos, np.zeros((2, 2)), pos, np.zeros(2))
+  with pytest.raises(ValueError, match=r"DecodeBatch.pack: req_ids must have shape \(2,\)"):
+    glm5_jax.DecodeBatch.pack(pos, pos, pos, np.zeros(3))
+  with pytest.raises(TypeError, match=r"DecodeBatch.pack: tslot must be integer"):
+    glm5_jax.DecodeBatch.pack(pos, pos, pos.astype(np.float32), np.zeros(2, np.int32))
+  with pytest.raises(ValueError, match=r"DecodeBatch.unpack: packed must have shape"):
+    glm5_jax.DecodeBatch.unpack(np.zeros((3, 2, 1), np.int32), None, None)
+  with pytest.raises(TypeError, match=r"DecodeBatch.unpack: packed must be int32"):
+    glm5_jax.DecodeBatch.unpack(np.zeros((4, 2, 1), np.int64), None, None)
+
+
+@pytest.mark.slow
+def test_decode_loop_demo_runs():
+  """The README's demo, small: runs, and its check against the reference passes."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "examples/decode_loop.py", "--layers", "1",
+                         "--contexts", "30,2100", "--steps", "3"], cwd=root,
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=root))
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "check:" in done.stdout and done.stdout.rstrip().endswith("ok")
+
+
+@pytest.mark.slow
+def test_bench_serving_group_cpu_smoke(tmp_path):
+  """`python -m bench --groups serving` measures every variant (no error rows)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "b.json"
+  done = subprocess.run(
+      [sys.executable, "-m", "bench", "--groups", "serving", "--cpu-smoke", "--cache-dir", "",
+       "--serving-rows", "1", "--out", str(out), "--md", str(tmp_path / "b.md"),
+       "--plot", str(tmp_path / "b.png")], cwd=root, capture_output=True, text=True,
+      timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  rows = json.loads(out.read_text())
+  assert {r["variant"] for r in rows if r["op"] == "serving"} == {
+      "device metadata", "host metadata, packed", "host metadata, fields"}
+  assert all(r["device_us"] > 0 for r in rows if r["op"] == "serving"), rows
+  assert any("the device-metadata step" in r["notes"] for r in rows if r["op"] == "serving")
