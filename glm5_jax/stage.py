@@ -8,12 +8,13 @@ import types
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import export
+from jax import export, lax
 
 from . import reference
+from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
 from .expand import expand_and_remap
-from .indexer import indexer_projection, indexer_projection_fused, indexer_query
+from .indexer import W_OUT_DTYPES, indexer_projection, indexer_projection_fused, indexer_query
 from .kpool import kpool_update
 from .logits import select_pools
 from .reference.numerics import DIM, POOL
@@ -49,12 +50,32 @@ class IndexerConfig:
   rope_dim: int = 0
 
   def __post_init__(self):
+    # Each field is checked here, once, so a bad config fails where it is built (and
+    # names the field) rather than as a shape error of whichever op first uses it.
+    op = "IndexerConfig"
     if self.rope_dim != 0:
-      raise ValueError(f"glm5_jax.IndexerConfig: rope_dim must be 0 (the kpool indexer is "
-                       f"NoPE only, SPEC §9), got {self.rope_dim}")
+      fail(op, "rope_dim", f"must be 0 (the kpool indexer is NoPE only, SPEC §9), "
+           f"got {self.rope_dim}")
     if not isinstance(self.routing, Routing):
-      raise TypeError(f"glm5_jax.IndexerConfig: routing must be a glm5_jax.Routing, "
-                      f"got {type(self.routing).__name__}")
+      fail(op, "routing", f"must be a glm5_jax.Routing, got {type(self.routing).__name__}",
+           TypeError)
+    positive_int(op, "heads", self.heads)
+    # topk_tokens selects whole pools (k = topk_tokens // 4), block_size holds whole pools.
+    positive_int(op, "topk_tokens", self.topk_tokens, POOL)
+    positive_int(op, "max_pools", self.max_pools)
+    positive_int(op, "block_size", self.block_size, POOL)
+    finite(op, "softmax_scale", self.softmax_scale)
+    finite(op, "eps", self.eps, minimum=0)
+    check_scale_format(op, self.scale_format)
+    try:
+      w_out_dtype = np.dtype(self.w_out_dtype)
+    except TypeError:
+      w_out_dtype = None
+    if w_out_dtype not in W_OUT_DTYPES:
+      fail(op, "w_out_dtype", f"must be one of {[d.name for d in W_OUT_DTYPES]}, "
+           f"got {self.w_out_dtype!r}", TypeError)
+    if not isinstance(self.fused, bool):
+      fail(op, "fused", f"must be a bool, got {self.fused!r}", TypeError)
 
   @property
   def padded(self):
@@ -203,6 +224,70 @@ def _ops(config, use_reference):
                                   for f in fns})
 
 
+def _check_stage_inputs(weights, cache, x, qr, batch, config):
+  """The stage's boundary (trace time): the arguments against each other and the config,
+  so that a bad one is named here instead of surfacing as a reshape, dot or silently
+  dropped write inside an op. Returns (requests, next_n)."""
+  op = "indexer_stage"
+  for arg, value, cls in (("config", config, IndexerConfig), ("weights", weights, IndexerWeights),
+                          ("cache", cache, IndexerCache), ("batch", batch, DecodeBatch)):
+    if not isinstance(value, cls):
+      fail(op, arg, f"must be a glm5_jax.{cls.__name__}, got {type(value).__name__}", TypeError)
+  i32, bf16, f32 = np.int32, jnp.bfloat16, np.float32
+  aval = lambda arg, a: _aval(op, arg, a)
+  # batch: requests x next_n rows, request-major.
+  positions = aval("batch.positions", batch.positions)
+  expect(op, "batch.positions", positions, i32, (None, None))
+  b, n = positions.shape
+  rows = b * n
+  for arg in ("loc", "tslot"):
+    expect(op, f"batch.{arg}", aval(f"batch.{arg}", getattr(batch, arg)), i32, (b, n))
+  expect(op, "batch.req_ids", aval("batch.req_ids", batch.req_ids), i32, (rows,))
+  for arg in ("page_table", "block_table"):
+    expect(op, f"batch.{arg}", aval(f"batch.{arg}", getattr(batch, arg)), i32, (None, None))
+  # weights: their head count is config.heads.
+  h = config.heads
+  wq_b, w_cat = aval("weights.wq_b", weights.wq_b), aval("weights.w_cat", weights.w_cat)
+  expect(op, "weights.wq_b", wq_b, bf16, (None, None))
+  if wq_b.shape[0] != h * DIM:
+    fail(op, "weights.wq_b", f"must have config.heads * 128 = {h * DIM} rows (heads = {h}), "
+         f"got shape {tuple(wq_b.shape)}")
+  expect(op, "weights.w_cat", w_cat, bf16, (None, None))
+  if w_cat.shape[0] != 2 * DIM + h:
+    fail(op, "weights.w_cat", f"must have 256 + config.heads = {2 * DIM + h} rows "
+         f"([wk; weights_proj; gate], heads = {h}), got shape {tuple(w_cat.shape)}")
+  for arg, shape in (("norm_weight", (DIM,)), ("norm_bias", (DIM,)), ("ape", (POOL, DIM))):
+    expect(op, f"weights.{arg}", aval(f"weights.{arg}", getattr(weights, arg)), f32, shape)
+  # x and qr: one row per token; widths those of the weights (hidden, q_lora).
+  x, qr = aval("x", x), aval("qr", qr)
+  expect(op, "x", x, bf16, (None, None))
+  if x.shape != (rows, w_cat.shape[1]):
+    fail(op, "x", f"must have shape (rows, hidden) = ({rows}, {w_cat.shape[1]}): rows = "
+         f"requests x next_n = {b} x {n} (batch.positions), hidden = weights.w_cat's dim 1; "
+         f"got {tuple(x.shape)}")
+  expect(op, "qr", qr, bf16, (None, None))
+  if qr.shape != (rows, wq_b.shape[1]):
+    fail(op, "qr", f"must have shape (rows, q_lora) = ({rows}, {wq_b.shape[1]}): rows = "
+         f"requests x next_n = {b} x {n} (batch.positions), q_lora = weights.wq_b's dim 1; "
+         f"got {tuple(qr.shape)}")
+  # cache: each request owns a tail block (SPEC §0.2), so fewer blocks than requests
+  # cannot hold them: the writes of the requests past the ring would be dropped.
+  check_cache(op, aval("cache.kv_cache", cache.kv_cache), "cache.kv_cache")
+  tail = aval("cache.tail", cache.tail)
+  check_tail(op, tail, "cache.tail")
+  if tail.shape[0] < b:
+    fail(op, "cache.tail", f"must have a block per request (dim 0 >= requests = {b}), "
+         f"got shape {tuple(tail.shape)}")
+  return b, n
+
+
+def _aval(op, arg, a):
+  try:
+    return jax.typeof(a)
+  except TypeError:
+    fail(op, arg, f"must be an array, got {type(a).__name__}", TypeError)
+
+
 def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
                   qr: jax.Array, batch: DecodeBatch, *, config: IndexerConfig | None = None,
                   use_reference: bool = False) -> tuple[IndexerOutput, IndexerCache]:
@@ -217,10 +302,17 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   use_reference=True composes glm5_jax.reference directly.
   """
   config = IndexerConfig() if config is None else config
+  b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
   ops = _ops(config, use_reference)
-  rows = x.shape[0]
-  b, n = batch.positions.shape
-  q = jnp.dot(qr, weights.wq_b.T, preferred_element_type=jnp.float32)
+  rows = b * n
+  # q = qr wq_b^T contracting wq_b's dim 1 where it lies (as the projection's reference
+  # contracts w_cat), not `wq_b.T`: run eagerly, the .T is its own transpose and the dot
+  # then XLA CPU's bf16 GEMM, while under jit the transpose folds into the dot, which the
+  # CPU backend then computes as an f32 GEMM of upcast operands: another summation
+  # order, so eager and jitted q differed in a few bf16 roundings. One dot_general is
+  # the same HLO both ways (and what jit made of the .T on GPU anyway).
+  q = lax.dot_general(qr, weights.wq_b, (((1,), (1,)), ((), ())),
+                      preferred_element_type=jnp.float32)
   q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                w_out_dtype=np.dtype(config.w_out_dtype))

@@ -1,0 +1,27 @@
+"""The README's usage snippet runs as written."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def snippets():
+  return re.findall(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(),
+                    re.DOTALL | re.MULTILINE)
+
+
+def test_usage_snippet_runs():
+  """In a fresh interpreter (nothing of the test process leaks in), from the repository
+  root as a reader would; it prints one line per decode step."""
+  (code,) = snippets()
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-4000:]
+  steps = re.findall(r"^step (\d+): selected tokens \[\s*(\d+)\s+(\d+)\]", run.stdout, re.M)
+  # request 0 (300 tokens) selects all of them; request 1 (2500) 2048 + its tail pool.
+  assert steps == [("0", "301", "2049"), ("1", "302", "2050"), ("2", "303", "2051")], run.stdout
