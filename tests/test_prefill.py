@@ -172,7 +172,7 @@ def test_prefill_rejects_bad_input():
       **{**dict(weights=reqs.weights, cache=reqs.fresh(), x=x, batch=batch,
                 config=CONFIG), **kw})
   with pytest.raises(ValueError, match=r"glm5_jax.indexer_prefill: batch.positions must "
-                     r"have shape \(7\)"):
+                     r"have shape \(7,\)"):
     run(x=x[:7])
   with pytest.raises(TypeError, match="glm5_jax.indexer_prefill: x must be bfloat16"):
     run(x=x.astype(jnp.float32))

@@ -16,7 +16,7 @@ def snippets():
 def test_usage_snippet_runs():
   """In a fresh interpreter (nothing of the test process leaks in), from the repository
   root as a reader would; it prints one line per decode step."""
-  (code,) = snippets()
+  code = "\n".join(snippets())      # the serving snippet continues the first one
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -25,3 +25,4 @@ def test_usage_snippet_runs():
   steps = re.findall(r"^step (\d+): selected tokens \[\s*(\d+)\s+(\d+)\]", run.stdout, re.M)
   # request 0 (300 tokens) selects all of them; request 1 (2500) 2048 + its tail pool.
   assert steps == [("0", "301", "2049"), ("1", "302", "2050"), ("2", "303", "2051")], run.stdout
+  assert re.search(r"^packed step: selected tokens \[\s*304\s+2048\]", run.stdout, re.M), run.stdout
