@@ -7,6 +7,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# pytest-xdist workers share the GPU: without this each one takes 75% of its memory.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 tests=1 bench=1 sanitize=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -21,7 +23,8 @@ GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps
   > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -m glm5_jax.info || exit 1
 if [ "$tests" = 1 ]; then
-  GLM5_JAX_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests 2>&1 \
+  GLM5_JAX_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -n "${GLM5_JAX_TEST_WORKERS:-8}" \
+    tests 2>&1 \
     | tee "$out/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
