@@ -115,7 +115,10 @@ def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, m
   def fill(_):
     g = jnp.arange(k)
     ids = jnp.where(g < n[:, None], g, -1).astype(jnp.int32)
-    return ids, jnp.full((q_fp8.shape[0], max_pools), -jnp.inf, jnp.float32)
+    # -inf everywhere, but computed from n rather than a constant: under jax.shard_map
+    # both branches must vary over the same mesh axes as their operands.
+    none = jnp.where(n[:, None] >= 0, -jnp.inf, 0).astype(jnp.float32)
+    return ids, jnp.broadcast_to(none, (q_fp8.shape[0], max_pools))
 
   def top(_):
     logits = mqa_logits(q_fp8, w_out, kv_cache, table, n, max_pools=max_pools,
