@@ -13,30 +13,55 @@ then replays the same steps on the pure-JAX reference composition
 step's selected slots and the final caches against it.
 
   python examples/decode_loop.py [--layers N] [--contexts 300,1200,3000] [--steps 20]
+                                 [--devices N]
 
 Defaults: 2 layers, contexts 300,1200,3000 and 20 steps on the CPU (well under a
 minute on two cores); 11 layers, 300,5000,30000 and 200 steps on a GPU.
+
+--devices N (default 1) runs the loop data-parallel over N devices (glm5_jax.sharding,
+mesh axis "data"): the requests in blocks, device d holding requests d*b .. d*b + b - 1
+(b = ceil(requests / N)), the last devices filled up with pad requests (positions -1
+at every step, no prompt); each device its own caches and tables with device-local
+ids, prefilled on that device (indexer_prefill on its own requests); one jitted step
+per decode step (every layer's sharding.data_parallel_step, no collective), its packed
+metadata built per device with numpy and joined (sharding.assemble). The check then
+compares each device's shard with the single-device reference run of that shard alone.
+On the CPU the script asks XLA for N host devices itself (XLA_FLAGS, unless it already
+forces a count).
 """
 import argparse
 import math
+import os
 import sys
 import time
 
-import numpy as np
-import jax
-import jax.numpy as jnp
+# --devices is read before jax starts: XLA reads XLA_FLAGS once, when it first starts a
+# backend. The flag only adds host CPU devices, so on a GPU machine it changes nothing.
+DEVICES = argparse.ArgumentParser(add_help=False)
+DEVICES.add_argument("--devices", type=int, default=1,
+                     help="devices the requests are split over (data parallelism)")
+_FORCE = "--xla_force_host_platform_device_count"
+_devices = DEVICES.parse_known_args()[0].devices
+if _devices > 1 and _FORCE not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                   f"{_FORCE}={_devices}"]))
 
-import glm5_jax
-from glm5_jax import serving, synthetic
-from glm5_jax.reference.numerics import POOL
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import glm5_jax  # noqa: E402
+from glm5_jax import serving, sharding, synthetic  # noqa: E402
+from glm5_jax.reference.numerics import POOL  # noqa: E402
 
 PAGE = 64             # K-cache entries per page (synthetic.decode_cache's default)
 INPUT_SETS = 4        # distinct x/qr cycled over the steps (drawn once, on the device)
+AXIS = "data"         # the mesh axis the requests are split over (--devices > 1)
 
 
 def parse():
   gpu = jax.default_backend() == "gpu"
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[DEVICES])
   p.add_argument("--layers", type=int, default=11 if gpu else 2)
   p.add_argument("--contexts", default="300,5000,30000" if gpu else "300,1200,3000",
                  help="prompt length (tokens) of each request")
@@ -47,14 +72,15 @@ def parse():
   return p.parse_args()
 
 
-def empty_caches(rng, layers, contexts, steps):
-  """Per layer, caches with room for every request's prompt and decode steps (random
-  valid fp8 contents, shuffled page and block tables; the prefill overwrites what
-  the requests read), and the two tables (one set for all layers)."""
+def empty_caches(rng, layers, requests, longest):
+  """Per layer, caches of `requests` requests with room for `longest` tokens each (the
+  longest prompt and the decode steps; random valid fp8 contents, shuffled page and
+  block tables; the prefill overwrites what the requests read), and the two tables
+  (one set for all layers)."""
   caches = []
   for _ in range(layers):
     cache, page_table, block_table = synthetic.decode_cache(
-        rng, len(contexts), int(contexts.max()) + steps, page=PAGE, spare_pages=4)
+        rng, requests, longest, page=PAGE, spare_pages=4)
     caches.append(cache)
   return caches, page_table, block_table
 
@@ -84,15 +110,20 @@ def prefill(weights, caches, chunks, config, use_reference=False):
   return jax.block_until_ready(caches)
 
 
-def model_step(config, use_reference=False):
+def model_step(config, use_reference=False, mesh=None):
   """One decode step of every layer: each layer's indexer on its own weights and
   cache, the same packed metadata and tables (the indexer's x and qr would be each
-  layer's hidden state; the demo feeds every layer the same ones)."""
+  layer's hidden state; the demo feeds every layer the same ones). With a mesh, each
+  layer's step is data-parallel over its axis AXIS (arguments laid out as
+  sharding.request_specs)."""
+  layer_step = serving.indexer_step if mesh is None else sharding.data_parallel_step(mesh,
+                                                                                     AXIS)
+
   def step(weights, caches, x, qr, packed, page_table, block_table):
     outs, new = [], []
     for w, c in zip(weights, caches):
-      out, c = serving.indexer_step(w, c, x, qr, packed, page_table, block_table,
-                                    config=config, use_reference=use_reference)
+      out, c = layer_step(w, c, x, qr, packed, page_table, block_table,
+                          config=config, use_reference=use_reference)
       outs.append((out.slots, out.counts))
       new.append(c)
     return outs, new
@@ -188,9 +219,33 @@ def check(outs, caches, want_outs, want_caches, metadata, chunks):
           "agree within SPEC D2 (docs/semantics.md), not bit for bit."]
 
 
+def data_mesh(n):
+  """The 1-D mesh (axis AXIS) of the first n devices; exits saying why if there are
+  fewer."""
+  devices = jax.devices()
+  if len(devices) < n:
+    why = ""
+    if jax.default_backend() == "cpu":
+      why = (f" (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: the script sets {_FORCE} "
+             f"itself only where XLA_FLAGS does not already force a count)")
+    raise SystemExit(f"--devices {n}: jax has only {len(devices)} "
+                     f"{jax.default_backend()} device(s){why}")
+  return jax.make_mesh((n,), (AXIS,), devices=devices[:n])
+
+
 def main():
   args = parse()
   contexts = np.array([int(c) for c in args.contexts.split(",")])
+  n = args.devices
+  if n < 1:
+    raise SystemExit(f"--devices must be >= 1, got {n}")
+  mesh = data_mesh(n) if n > 1 else None
+  devices = list(mesh.devices.flat) if mesh else jax.devices()[:1]
+  # Requests in blocks of b per device, pad requests (context -1) at the end: the
+  # sharded rows are the requests in order, then the pads.
+  b = -(-len(contexts) // n)
+  shards = np.concatenate([contexts, np.full(b * n - len(contexts), -1)]).reshape(n, b)
+  prompts = np.maximum(shards, 0)
   rng = np.random.default_rng(args.seed)
   longest = int(contexts.max()) + args.steps
   # The logits width of a deployment serving up to `longest` tokens, page-padded.
@@ -198,61 +253,116 @@ def main():
                                                 glm5_jax.IndexerConfig.topk_tokens // POOL))
   t0 = time.perf_counter()
   weights = [synthetic.layer(rng, config) for _ in range(args.layers)]
-  caches, page_table, block_table = empty_caches(rng, args.layers, contexts, args.steps)
-  start = jax.tree.map(jnp.copy, caches)         # for the reference replay
-  inputs = [synthetic.inputs(rng, len(contexts)) for _ in range(INPUT_SETS)]
+  # Per device: its caches (one per layer) and tables, device-local ids (as for one
+  # device), and a copy of its caches for the reference replay.
+  local = [jax.device_put(empty_caches(rng, args.layers, b, longest), dev) for dev in devices]
+  caches = [c for c, _, _ in local]
+  page_tables = [pt for _, pt, _ in local]
+  block_tables = [bt for _, _, bt in local]
+  start = jax.tree.map(jnp.copy, caches)
+  inputs = [synthetic.inputs(rng, b * n) for _ in range(INPUT_SETS)]
   jax.block_until_ready((weights, caches, start, inputs))
+  per_device = (f", data-parallel over {n} devices ({b} requests each, "
+                f"{b * n - len(contexts)} pad request(s))" if mesh else "")
   print(f"glm5_jax {glm5_jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}): {args.layers} layers, {len(contexts)} requests, "
-        f"prompts {contexts.tolist()} tokens, {args.steps} decode steps")
+        f"prompts {contexts.tolist()} tokens, {args.steps} decode steps{per_device}")
   print(f"setup {time.perf_counter() - t0:.1f} s (weights, caches)")
-  chunks = []
+  device_weights = [jax.device_put(weights, dev) for dev in devices]
+  chunks = [[] for _ in devices]
   if hasattr(glm5_jax, "indexer_prefill"):
-    chunks = prefill_chunks(contexts, args.chunk, caches[0], page_table,
-                            jax.random.key(args.seed))
+    key = jax.random.key(args.seed)
+    chunks = [jax.device_put(prefill_chunks(prompts[d], args.chunk, caches[d][0],
+                                            page_tables[d],
+                                            jax.random.fold_in(key, d) if mesh else key), dev)
+              for d, dev in enumerate(devices)]
     t0 = time.perf_counter()
-    caches = prefill(weights, caches, chunks, config)
+    for d in range(n):
+      caches[d] = prefill(device_weights[d], caches[d], chunks[d], config)
     print(f"prefill {time.perf_counter() - t0:.1f} s (compile included): "
-          f"{int(contexts.sum())} prompt tokens in {len(chunks)} chunks of {args.chunk} "
-          f"rows x {args.layers} layers (glm5_jax.indexer_prefill)")
+          f"{int(contexts.sum())} prompt tokens in {sum(map(len, chunks))} chunks of "
+          f"{args.chunk} rows x {args.layers} layers (glm5_jax.indexer_prefill"
+          f"{', each device on its own requests' if mesh else ''})")
   else:
     print("prefill: glm5_jax.indexer_prefill is not in this version; the caches are "
           "synthetic (random valid fp8 pools and tail rings, not the prompts' keys)")
 
-  # The engine's host copy of the page table: each step's metadata is built from it.
-  host_pages = np.asarray(page_table)
-  ring = caches[0].tail.shape[2]
+  # The engine's host copy of each device's page table: each step's metadata is built
+  # from it.
+  host_pages = [np.asarray(pt) for pt in page_tables]
+  ring = caches[0][0].tail.shape[2]
 
-  def metadata_of(s):
-    return lambda: serving.decode_metadata((contexts + s)[:, None], host_pages,
-                                           page=PAGE, ring=ring)
-  metadata = [metadata_of(s) for s in range(args.steps)]
+  def metadata_of(d, s):
+    return lambda: serving.decode_metadata(
+        np.where(shards[d] >= 0, shards[d] + s, -1)[:, None], host_pages[d], page=PAGE,
+        ring=ring)
+  device_metadata = [[metadata_of(d, s) for s in range(args.steps)] for d in range(n)]
 
-  step = model_step(config)
+  if mesh:
+    # Every device's trees joined along their split dims and placed (request_specs).
+    specs = sharding.request_specs(AXIS)
+    put = lambda spec, parts: sharding.put(mesh, spec, sharding.assemble(spec, parts))
+    step_weights = sharding.put(mesh, [specs.weights] * args.layers, weights)
+    step_caches = put([specs.cache] * args.layers, caches)
+    page_table = put(specs.batch.page_table, page_tables)
+    block_table = put(specs.batch.block_table, block_tables)
+    step_inputs = [sharding.put(mesh, (specs.rows, specs.rows), i) for i in inputs]
+    del caches                          # step_caches holds them now (a copy): free them
+
+    def joined(s):
+      return lambda: put(specs.packed, [m[s]() for m in device_metadata])
+    metadata = [joined(s) for s in range(args.steps)]
+  else:
+    step_weights, step_caches, step_inputs = weights, caches[0], inputs
+    page_table, block_table = page_tables[0], block_tables[0]
+    metadata = device_metadata[0]
+
+  step = model_step(config, mesh=mesh)
   t0 = time.perf_counter()
-  step = step.lower(weights, caches, *inputs[0], metadata[0](), page_table,
+  step = step.lower(step_weights, step_caches, *step_inputs[0], metadata[0](), page_table,
                     block_table).compile()
   compile_s = time.perf_counter() - t0
-  outs, caches, sec = run(step, weights, caches, inputs, metadata, page_table, block_table,
-                          progress=True)
+  outs, step_caches, sec = run(step, step_weights, step_caches, step_inputs, metadata,
+                               page_table, block_table, progress=True)
   ms = sec * 1e3
   p50, p90 = np.percentile(ms, 50), np.percentile(ms, 90)
+  on = f" on {n} devices" if mesh else ""
   print(f"compile {compile_s:.1f} s; per step (host metadata + transfer + {args.layers} "
-        f"layers, waited on): p50 {p50:.2f} ms, p90 {p90:.2f} ms, min {ms.min():.2f} ms; "
-        f"{len(ms) / sec.sum():.1f} steps/s (the first step included)")
-  counts = np.asarray(outs[-1][0][1])
+        f"layers{on}, waited on): p50 {p50:.2f} ms, p90 {p90:.2f} ms, min {ms.min():.2f} "
+        f"ms; {len(ms) / sec.sum():.1f} steps/s (the first step included)")
+  counts = np.asarray(outs[-1][0][1])[:len(contexts)]        # the pads come last
   print(f"last step: positions {(contexts + args.steps - 1).tolist()} -> selected tokens "
         f"{counts.tolist()} (layer 0)")
 
+  # The reference: each device's shard replayed alone on one device (that device), from
+  # the same initial caches, prefill included.
   reference = model_step(config, use_reference=True)
   t0 = time.perf_counter()
-  if chunks:
-    start = prefill(weights, start, chunks, config, use_reference=True)
-  want_outs, want_caches, _ = run(reference, weights, start, inputs, metadata, page_table,
-                                  block_table, progress=False)
-  print(f"reference replay {time.perf_counter() - t0:.1f} s (compile included)")
-  for line in check(outs, caches, want_outs, want_caches, metadata, chunks):
-    print(line)
+  wanted = []
+  for d, dev in enumerate(devices):
+    if chunks[d]:
+      start[d] = prefill(device_weights[d], start[d], chunks[d], config, use_reference=True)
+    rows = slice(d * b, (d + 1) * b)
+    device_inputs = jax.device_put([(x[rows], qr[rows]) for x, qr in inputs], dev)
+    wanted.append(run(reference, device_weights[d], start[d], device_inputs,
+                      device_metadata[d], page_tables[d], block_tables[d], progress=False))
+  alone = f", each of the {n} devices' shards alone" if mesh else ""
+  print(f"reference replay {time.perf_counter() - t0:.1f} s (compile included{alone})")
+  got = jax.device_get((outs, step_caches))
+  for d, (want_outs, want_caches, _) in enumerate(wanted):
+    # Device d's shard: its block of every split dim (dim 0 of every output and cache).
+    outs_d, caches_d = jax.tree.map(lambda a, d=d: np.split(np.asarray(a), n)[d], got)
+    lines = check(outs_d, caches_d, want_outs, want_caches, device_metadata[d], chunks[d])
+    if not mesh:
+      print("\n".join(lines))
+    elif d == n - 1:
+      print(f"device {d}: {lines[0]}")
+      print("\n".join(lines[1:]))
+      print(f"  With --devices {n}: the data-parallel step (sharding.data_parallel_step, "
+            "one shard_map per layer) against each device's shard run alone on one "
+            "device.")
+    else:
+      print(f"device {d}: {lines[0]}")
   print("ok")
 
 

@@ -49,3 +49,23 @@ def test_data_parallel_serving_step_equals_per_device_step():
 
 def test_data_parallel_errors_name_the_argument():
   run_check("errors")
+
+
+@pytest.mark.slow
+def test_decode_loop_demo_on_two_devices():
+  """`examples/decode_loop.py --devices 2`, small: 3 requests in blocks over 2 host CPU
+  devices (one pad request), the script forcing the device count itself; each device's
+  shard equals its single-device reference run bit for bit."""
+  root = str(SCRIPT.parent.parent)
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  # The script sets the count itself only where XLA_FLAGS does not force one already.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "xla_force_host_platform_device_count" not in f)
+  done = subprocess.run([sys.executable, "examples/decode_loop.py", "--devices", "2",
+                         "--steps", "3", "--layers", "1", "--contexts", "30,2100,700"],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "data-parallel over 2 devices (2 requests each, 1 pad request(s))" in done.stdout
+  for d in range(2):
+    assert f"device {d}: check: every step's selected slots" in done.stdout, done.stdout
+  assert done.stdout.rstrip().endswith("ok")
