@@ -30,8 +30,7 @@ import glm5_jax
 from glm5_jax import serving, synthetic
 
 from .harness import compile_fn, time_runs
-from .sizes import CONFIG
-from .stage import _config, _ints
+from .stage import _config, _ints, layers_state
 
 NAME = "serving"
 DEVICE, PACKED, FIELDS = "device metadata", "host metadata, packed", "host metadata, fields"
@@ -92,9 +91,7 @@ def _variants(config, host):
 
 def _state(m, ctx, layers, seed):
   rng = np.random.default_rng(seed)
-  weights = [synthetic.layer(rng, CONFIG) for _ in range(layers)]
-  cache, pt, bt = synthetic.decode_cache(rng, m, ctx + MARGIN)
-  caches = [cache] + [jax.tree.map(jnp.copy, cache) for _ in range(layers - 1)]
+  weights, caches, pt, bt = layers_state(rng, m, ctx + MARGIN, layers)
   x, qr = synthetic.inputs(rng, m)
   return weights, caches, x, qr, pt, bt
 

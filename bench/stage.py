@@ -43,13 +43,21 @@ def _config(ctx, routing):
   return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing)
 
 
-def _state(m, ctx, layers, seed):
-  rng = np.random.default_rng(seed)
+def layers_state(rng, m, max_context, layers):
+  """(weights, caches, page_table, block_table) of `layers` layers for m requests of up
+  to max_context tokens: each layer its own weights and cache buffers."""
   weights = [synthetic.layer(rng, CONFIG) for _ in range(layers)]
   # One random cache, copied on the device per layer: distinct buffers (each layer's
   # pages cold), without drawing 11 x up to 280 MB of random numbers on the host.
-  cache, pt, bt = synthetic.decode_cache(rng, m, ctx)
+  cache, pt, bt = synthetic.decode_cache(rng, m, max_context)
   caches = [cache] + [jax.tree.map(jnp.copy, cache) for _ in range(layers - 1)]
+  return weights, caches, pt, bt
+
+
+def _state(m, ctx, layers, seed):
+  rng = np.random.default_rng(seed)
+  weights, caches, pt, bt = layers_state(rng, m, ctx, layers)
+  cache = caches[0]
   # Every request at ctx tokens with this step's token (position ctx - 1): ctx / 4 pools.
   batch = synthetic.decode_batch(np.full((m, 1), ctx - 1), cache, pt, bt)
   # Each of the STEPS steps of a run gets its own x and qr (no work shared between them).

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import glm5_jax  # noqa: E402
 from glm5_jax import serving, sharding, synthetic  # noqa: E402
-from glm5_jax.testing.cases import CASES  # noqa: E402
+from glm5_jax.testing.cases import CASES, tree_bytes  # noqa: E402
 
 AXIS = "data"
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
@@ -36,12 +36,8 @@ def mesh(axis_type):
   return jax.make_mesh((DEVICES,), (AXIS,), axis_types=(axis_type,))
 
 
-def bits(tree):
-  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
-
-
 def assert_bits_equal(got, want, what):
-  got, want = bits(got), bits(want)
+  got, want = tree_bytes(got), tree_bytes(want)
   assert len(got) == len(want), what
   for i, (g, w) in enumerate(zip(got, want)):
     assert g.shape == w.shape and np.array_equal(g, w), f"{what}: leaf {i} differs"

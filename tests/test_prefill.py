@@ -9,6 +9,7 @@ import pytest
 import glm5_jax
 from glm5_jax import synthetic
 from glm5_jax.reference.numerics import POOL
+from glm5_jax.testing.cases import tree_bytes
 
 from graphs import copied_shapes
 
@@ -54,12 +55,8 @@ class Requests:
     return cache
 
 
-def bytes_of(cache):
-  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(cache)]
-
-
 def assert_same(got, want):
-  for g, w, name in zip(bytes_of(got), bytes_of(want), ("kv_cache", "tail")):
+  for g, w, name in zip(tree_bytes(got), tree_bytes(want), ("kv_cache", "tail")):
     np.testing.assert_array_equal(g, w, err_msg=name)
 
 
@@ -93,11 +90,11 @@ def test_prefill_then_next_n_decode(lengths):
     cache = reqs.decode(cache, np.asarray(lengths) + t * next_n, next_n)
   total = [n + steps * next_n for n in lengths]
   want = reqs.prefill(reqs.fresh(), [0] * len(lengths), total)
-  np.testing.assert_array_equal(bytes_of(cache)[0], bytes_of(want)[0])
+  np.testing.assert_array_equal(tree_bytes(cache)[0], tree_bytes(want)[0])
   ring = cache.tail.shape[2]
   for b, n in enumerate(total):
     rows = np.arange(n - POOL, n) % ring
-    np.testing.assert_array_equal(bytes_of(cache)[1][b][:, rows], bytes_of(want)[1][b][:, rows])
+    np.testing.assert_array_equal(tree_bytes(cache)[1][b][:, rows], tree_bytes(want)[1][b][:, rows])
 
 
 @pytest.mark.parametrize("first,second", [

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax import serving, synthetic
+from glm5_jax import serving
+from glm5_jax.testing.cases import stage_state, tree_bytes
 
 from graphs import copied_shapes
 
@@ -23,18 +24,7 @@ CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 
 
 def state(contexts, next_n=1, seed=0):
-  rng = np.random.default_rng(seed)
-  weights = synthetic.layer(rng, CONFIG, hidden=512, q_lora=256)
-  cache, pt, bt = synthetic.decode_cache(rng, len(contexts), max(contexts) + next_n,
-                                         next_n=next_n, page=16, spare_pages=2)
-  pos = np.asarray(contexts)[:, None] + np.arange(next_n)
-  batch = synthetic.decode_batch(pos, cache, pt, bt)
-  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
-  return weights, cache, x, qr, batch
-
-
-def bits(tree):
-  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+  return stage_state(contexts, next_n, seed, config=CONFIG, hidden=512, q_lora=256)
 
 
 def test_pack_unpack_round_trip():
@@ -75,7 +65,7 @@ def test_packed_step_equals_batch_step(contexts, next_n):
   want = STAGE(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=CONFIG)
   got = STEP(weights, jax.tree.map(jnp.copy, cache), x, qr, batch.packed(), batch.page_table,
              batch.block_table, config=CONFIG)
-  for g, w in zip(bits(got), bits(want)):
+  for g, w in zip(tree_bytes(got), tree_bytes(want)):
     np.testing.assert_array_equal(g, w)
 
 

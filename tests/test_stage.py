@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax import synthetic
 from glm5_jax.testing import oracle
+from glm5_jax.testing.cases import stage_state, tree_bytes
 
 from graphs import copied_shapes
 
@@ -19,18 +19,7 @@ CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 
 
 def state(contexts, next_n=1, seed=0):
-  rng = np.random.default_rng(seed)
-  weights = synthetic.layer(rng, CONFIG, hidden=512, q_lora=256)
-  cache, pt, bt = synthetic.decode_cache(rng, len(contexts), max(contexts) + next_n,
-                                         next_n=next_n, page=16, spare_pages=2)
-  pos = np.asarray(contexts)[:, None] + np.arange(next_n)
-  batch = synthetic.decode_batch(pos, cache, pt, bt)
-  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
-  return weights, cache, x, qr, batch
-
-
-def leaves(tree):
-  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+  return stage_state(contexts, next_n, seed, config=CONFIG, hidden=512, q_lora=256)
 
 
 def cache_copies(step, args, config):
@@ -80,13 +69,13 @@ def test_stage_matches_reference_composition(contexts, next_n, fused):
   loc = np.asarray(batch.loc)
   oracle.compare_cache(new.kv_cache, want_new.kv_cache, kv_before, loc[loc >= 0])
   if jax.default_backend() == "cpu":
-    for g, w in zip(leaves((out, new.tail)), leaves((want_out, want_new.tail))):
+    for g, w in zip(tree_bytes((out, new.tail)), tree_bytes((want_out, want_new.tail))):
       np.testing.assert_array_equal(g, w)
     return
   # GPU: the logits kernel sums in its own order, so near-tied pools at the top-k
   # boundary may swap: equal counts, >= 99% of the selected slots (issue 10's rule).
-  for g, w in zip(leaves((out.q_fp8, out.w_out, out.counts, new.tail)),
-                  leaves((want_out.q_fp8, want_out.w_out, want_out.counts, want_new.tail))):
+  for g, w in zip(tree_bytes((out.q_fp8, out.w_out, out.counts, new.tail)),
+                  tree_bytes((want_out.q_fp8, want_out.w_out, want_out.counts, want_new.tail))):
     np.testing.assert_array_equal(g, w)
   for r, c in enumerate(np.asarray(out.counts)):
     got, want = set(np.asarray(out.slots)[r, :c]), set(np.asarray(want_out.slots)[r, :c])

@@ -10,6 +10,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import synthetic
+from glm5_jax.testing.cases import stage_state
 
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 HIDDEN, Q_LORA = 256, 256
@@ -18,14 +19,7 @@ HIDDEN, Q_LORA = 256, 256
 def state(contexts=(10, 1500, 3001, 77), next_n=1, seed=0, config=CONFIG, hidden=HIDDEN,
           q_lora=Q_LORA):
   """(weights, cache, x, qr, batch) of len(contexts) requests x next_n rows."""
-  rng = np.random.default_rng(seed)
-  weights = synthetic.layer(rng, config, hidden=hidden, q_lora=q_lora)
-  cache, pt, bt = synthetic.decode_cache(rng, len(contexts), max(contexts) + next_n,
-                                         next_n=next_n, page=16, spare_pages=2)
-  pos = np.asarray(contexts)[:, None] + np.arange(next_n)
-  batch = synthetic.decode_batch(pos, cache, pt, bt)
-  x, qr = synthetic.inputs(rng, pos.size, hidden=hidden, q_lora=q_lora)
-  return weights, cache, x, qr, batch
+  return stage_state(contexts, next_n, seed, config=config, hidden=hidden, q_lora=q_lora)
 
 
 def trace(weights, cache, x, qr, batch, config=CONFIG):

@@ -9,9 +9,11 @@ import functools
 from typing import Callable, NamedTuple
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 import glm5_jax
+from glm5_jax import synthetic
 
 PAGES, PAGE, BLOCKS, RING = 6, 8, 5, 8
 
@@ -35,6 +37,24 @@ def ape(rng):
 def i32(values):
   """int32 array; values outside int32 wrap, as in int32 arithmetic."""
   return jnp.asarray(np.asarray(values, np.int64), jnp.int32)
+
+
+def tree_bytes(tree):
+  """Every leaf of a pytree as its bytes (u8), in tree order: bit-for-bit comparison."""
+  return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
+
+
+def stage_state(contexts, next_n=1, seed=0, *, config, hidden, q_lora):
+  """(weights, cache, x, qr, batch) of indexer_stage for len(contexts) requests x next_n
+  rows: request r's new tokens at positions contexts[r] + 0..next_n-1; 16-entry pages."""
+  rng = np.random.default_rng(seed)
+  weights = synthetic.layer(rng, config, hidden=hidden, q_lora=q_lora)
+  cache, pt, bt = synthetic.decode_cache(rng, len(contexts), max(contexts) + next_n,
+                                         next_n=next_n, page=16, spare_pages=2)
+  pos = np.asarray(contexts)[:, None] + np.arange(next_n)
+  batch = synthetic.decode_batch(pos, cache, pt, bt)
+  x, qr = synthetic.inputs(rng, pos.size, hidden=hidden, q_lora=q_lora)
+  return weights, cache, x, qr, batch
 
 
 def _update_args(rng):
