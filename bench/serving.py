@@ -30,7 +30,7 @@ import glm5_jax
 from glm5_jax import serving, synthetic
 
 from .harness import compile_fn, time_runs
-from .stage import _config, _ints, layers_state
+from .stage import _config, layers_state, shape_arguments, shapes
 
 NAME = "serving"
 DEVICE, PACKED, FIELDS = "device metadata", "host metadata, packed", "host metadata, fields"
@@ -38,11 +38,7 @@ MARGIN = 64   # decode positions the caches have room for past the context (they
 
 
 def add_arguments(parser):
-  parser.add_argument("--serving-contexts", default="",
-                      help="comma-separated contexts (tokens) of the serving group "
-                           "(default 1024,32768)")
-  parser.add_argument("--serving-rows", default="",
-                      help="comma-separated M of the serving group (default 1,16,64)")
+  shape_arguments(parser, NAME)
 
 
 def _step(config, packed):
@@ -118,34 +114,33 @@ def run(bench):
   s = bench.s
   layers = s.stage_layers
   sizes = dataclasses.replace(s, reps=s.serving_steps)
-  for ctx in _ints(bench.args.serving_contexts, s.serving_contexts):
-    for m in _ints(bench.args.serving_rows, s.serving_rows):
-      shape = f"M={m},ctx={ctx}"
-      if bench.over_budget():
-        bench.log(f"serving {shape}: skipped (over the time budget)")
-        continue
+  for ctx, m in shapes(bench, NAME):
+    shape = f"M={m},ctx={ctx}"
+    if bench.over_budget():
+      bench.log(f"serving {shape}: skipped (over the time budget)")
+      continue
+    try:
+      weights, caches, x, qr, pt, bt = _state(m, ctx, layers, seed=m * 11 + ctx)
+    except Exception as e:                               # noqa: BLE001
+      for v in (DEVICE, PACKED, FIELDS):
+        bench.error_row(NAME, shape, v, e)
+      continue
+    config = _config(ctx + MARGIN, glm5_jax.Routing())
+    fixed = (weights, x, qr, pt, bt)
+    page, ring = caches[0].kv_cache.shape[1], caches[0].tail.shape[2]
+    measured = {}
+    for variant, fn, meta_of in _variants(config, _Metadata(m, ctx, pt, page, ring)):
       try:
-        weights, caches, x, qr, pt, bt = _state(m, ctx, layers, seed=m * 11 + ctx)
-      except Exception as e:                               # noqa: BLE001
-        for v in (DEVICE, PACKED, FIELDS):
-          bench.error_row(NAME, shape, v, e)
-        continue
-      config = _config(ctx + MARGIN, glm5_jax.Routing())
-      fixed = (weights, x, qr, pt, bt)
-      page, ring = caches[0].kv_cache.shape[1], caches[0].tail.shape[2]
-      measured = {}
-      for variant, fn, meta_of in _variants(config, _Metadata(m, ctx, pt, page, ring)):
-        try:
-          caches, measured[variant] = _measure(bench, shape, variant, fn, caches, fixed,
-                                               meta_of, sizes, layers)
-        except Exception as e:                             # noqa: BLE001
-          bench.error_row(NAME, shape, variant, e)
-          if any(a.is_deleted() for a in jax.tree.leaves(caches)):
-            break                                          # the caches were donated away
-        bench.write_json()
-      if DEVICE in measured and PACKED in measured:
-        ratio = measured[PACKED]["device_us"] / measured[DEVICE]["device_us"]
-        measured[PACKED]["notes"] += f"; {ratio:.2f}x the device-metadata step (target <= 1.15x)"
-        bench.log(f"serving {shape}: packed host metadata {ratio:.2f}x the device step")
-      del weights, caches, x, qr, pt, bt
-      gc.collect()
+        caches, measured[variant] = _measure(bench, shape, variant, fn, caches, fixed,
+                                             meta_of, sizes, layers)
+      except Exception as e:                             # noqa: BLE001
+        bench.error_row(NAME, shape, variant, e)
+        if any(a.is_deleted() for a in jax.tree.leaves(caches)):
+          break                                          # the caches were donated away
+      bench.write_json()
+    if DEVICE in measured and PACKED in measured:
+      ratio = measured[PACKED]["device_us"] / measured[DEVICE]["device_us"]
+      measured[PACKED]["notes"] += f"; {ratio:.2f}x the device-metadata step (target <= 1.15x)"
+      bench.log(f"serving {shape}: packed host metadata {ratio:.2f}x the device step")
+    del weights, caches, x, qr, pt, bt
+    gc.collect()

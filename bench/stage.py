@@ -16,22 +16,34 @@ import glm5_jax
 from glm5_jax import synthetic
 
 from .harness import time_step
-from .sizes import CONFIG, POOL
+from .sizes import CONFIG, POOL, Sizes
 from .variants import KERNEL, REFERENCE
 
 NAME = "stage"
 
 
+def shape_arguments(parser, group):
+  """--<group>-contexts and --<group>-rows, defaulting to Sizes.<group>_contexts and
+  Sizes.<group>_rows (the whole-step groups: stage, serving)."""
+  s = Sizes()
+  for what, help_text in (("contexts", "contexts (tokens)"), ("rows", "M")):
+    default = ",".join(map(str, getattr(s, f"{group}_{what}")))
+    parser.add_argument(f"--{group}-{what}", default="",
+                        help=f"comma-separated {help_text} of the {group} group "
+                             f"(default {default})")
+
+
+def shapes(bench, group):
+  """[(context, M)] of a whole-step group: its flags, else the run's sizes."""
+  def ints(what):
+    text = getattr(bench.args, f"{group}_{what}")
+    return (tuple(int(v) for v in text.split(",")) if text
+            else getattr(bench.s, f"{group}_{what}"))
+  return [(ctx, m) for ctx in ints("contexts") for m in ints("rows")]
+
+
 def add_arguments(parser):
-  parser.add_argument("--stage-contexts", default="",
-                      help="comma-separated contexts (tokens) of the stage group "
-                           "(default 1024,8192,32768,131072)")
-  parser.add_argument("--stage-rows", default="",
-                      help="comma-separated M of the stage group (default 1,16,64)")
-
-
-def _ints(text, default):
-  return tuple(int(v) for v in text.split(",")) if text else default
+  shape_arguments(parser, NAME)
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
@@ -79,34 +91,33 @@ def _step(config):
 def run(bench):
   s = bench.s
   variants = [KERNEL, REFERENCE] if bench.module else [REFERENCE]
-  for ctx in _ints(bench.args.stage_contexts, s.stage_contexts):
-    for m in _ints(bench.args.stage_rows, s.stage_rows):
-      shape = f"M={m},ctx={ctx}"
-      if bench.over_budget():
-        bench.log(f"stage {shape}: skipped (over the time budget)")
-        continue
+  for ctx, m in shapes(bench, NAME):
+    shape = f"M={m},ctx={ctx}"
+    if bench.over_budget():
+      bench.log(f"stage {shape}: skipped (over the time budget)")
+      continue
+    try:
+      weights, caches, xs, qrs, batch = _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
+    except Exception as e:                               # noqa: BLE001
+      for v in variants:
+        bench.error_row(NAME, shape, v, e)
+      continue
+    for variant in variants:
+      routing = (glm5_jax.Routing() if variant == KERNEL
+                 else glm5_jax.Routing(kernels=False))
       try:
-        weights, caches, xs, qrs, batch = _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
-      except Exception as e:                               # noqa: BLE001
-        for v in variants:
-          bench.error_row(NAME, shape, v, e)
-        continue
-      for variant in variants:
-        routing = (glm5_jax.Routing() if variant == KERNEL
-                   else glm5_jax.Routing(kernels=False))
-        try:
-          sec, caches, info = time_step(_step(_config(ctx, routing)), caches,
-                                        (weights, xs, qrs, batch), s, units=s.stage_layers,
-                                        steps=STEPS)
-          bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,
-                    dispatch_us=info["dispatch_us"], run_us=info["run_us"],
-                    compile_s=info["compile_s"],
-                    notes=f"{s.stage_layers} layers per decode step, {STEPS} steps per "
-                          "timed run, µs per layer")
-          bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
-                    f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
-        except Exception as e:                             # noqa: BLE001
-          bench.error_row(NAME, shape, variant, e)
-        bench.write_json()
-      del weights, caches, xs, qrs, batch
-      gc.collect()
+        sec, caches, info = time_step(_step(_config(ctx, routing)), caches,
+                                      (weights, xs, qrs, batch), s, units=s.stage_layers,
+                                      steps=STEPS)
+        bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,
+                  dispatch_us=info["dispatch_us"], run_us=info["run_us"],
+                  compile_s=info["compile_s"],
+                  notes=f"{s.stage_layers} layers per decode step, {STEPS} steps per "
+                        "timed run, µs per layer")
+        bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
+                  f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
+      except Exception as e:                             # noqa: BLE001
+        bench.error_row(NAME, shape, variant, e)
+      bench.write_json()
+    del weights, caches, xs, qrs, batch
+    gc.collect()
