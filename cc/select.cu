@@ -559,6 +559,19 @@ LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
   return a;
 }
 
+// The top-k arguments both handlers share (shapes already checked against the limits).
+TopkArgs topk_args(const float* logits, const int32_t* lens, int32_t* out, int64_t rows,
+                   int64_t width, int64_t k) {
+  TopkArgs a{};
+  a.logits = logits;
+  a.lens = lens;
+  a.out = out;
+  a.rows = static_cast<int32_t>(rows);
+  a.width = static_cast<int32_t>(width);
+  a.k = static_cast<int32_t>(k);
+  return a;
+}
+
 ffi::Error MqaLogitsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
                          ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
                          ffi::BufferR1<ffi::S32> pool_lens, ffi::ResultBufferR2<ffi::F32> logits,
@@ -586,14 +599,8 @@ ffi::Error PoolTopkImpl(cudaStream_t stream, ffi::BufferR2<ffi::F32> logits,
   if (width > kTopkMaxPools) return check.fail("logits wider than 32768 pools");
   if (rows > kI32Max || k > kI32Max) return check.fail("too many rows or k");
   if (rows == 0 || k == 0) return ffi::Error::Success();
-  TopkArgs a{};
-  a.logits = logits.typed_data();
-  a.lens = pool_lens.typed_data();
-  a.out = ids->typed_data();
-  a.rows = static_cast<int32_t>(rows);
-  a.width = static_cast<int32_t>(width);
-  a.k = static_cast<int32_t>(k);
-  return check.cuda(launch_topk(stream, pdl, a));
+  return check.cuda(launch_topk(stream, pdl, topk_args(logits.typed_data(), pool_lens.typed_data(),
+                                                      ids->typed_data(), rows, width, k)));
 }
 
 ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
@@ -618,15 +625,10 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   a.skip_upto = static_cast<int32_t>(std::min<int64_t>(k, width));
   cudaError_t err = launch_logits(stream, pdl, a, q.dimensions()[1]);
   if (err != cudaSuccess) return check.cuda(err);
-  TopkArgs b{};
-  b.logits = logits->typed_data();
-  b.lens = positions.typed_data();
+  TopkArgs b = topk_args(logits->typed_data(), positions.typed_data(), ids->typed_data(), rows,
+                         width, k);
   b.from_positions = true;
   b.early_rows = pdl;
-  b.out = ids->typed_data();
-  b.rows = static_cast<int32_t>(rows);
-  b.width = static_cast<int32_t>(width);
-  b.k = static_cast<int32_t>(k);
   // Without PDL the top-k simply runs after the logits; with it, it overlaps their tail.
   return check.cuda(launch_topk(stream, pdl, b));
 }
