@@ -60,6 +60,31 @@ def assert_same(got, want):
     np.testing.assert_array_equal(g, w, err_msg=name)
 
 
+def assert_equivalent(got, want):
+  """Caches written by two different compositions (prefill vs decode steps, one prefill
+  vs chunks): bit-exact on the CPU. On a GPU the keys come out of GEMMs of other shapes
+  (the decode step's projection kernel, XLA's GEMM for a prefill's rows), whose summation
+  order is not part of the contract (SPEC D2): there a key may differ by one bf16 rounding,
+  so a tail value by one bf16 ulp and a pooled entry by one fp8 code (and its scale by the
+  amax's rounding), in a handful of places."""
+  if jax.default_backend() == "cpu":
+    return assert_same(got, want)
+  g_kv, g_tail = tree_bytes(got)
+  w_kv, w_tail = tree_bytes(want)
+  assert (g_kv != w_kv).mean() <= 1e-2 and (g_tail != w_tail).mean() <= 1e-2
+  f32 = lambda a: np.asarray(a).view(jnp.bfloat16).astype(np.float32)  # noqa: E731
+  gt, wt = f32(got.tail), f32(want.tail)
+  np.testing.assert_array_less(np.abs(gt - wt), 2.0 ** -6 * np.abs(wt) + 1e-30, err_msg="tail")
+  def dequant(kv):  # u8[pages, PAGE, 132] -> f32 values of the 128 fp8 codes times the scale
+    kv = np.asarray(kv)
+    codes = kv[..., :128].copy().view(jnp.float8_e4m3fn).astype(np.float32)
+    return codes * kv[..., 128:].copy().view(np.float32)
+  gv, wv = dequant(got.kv_cache), dequant(want.kv_cache)
+  step = np.abs(dequant(want.kv_cache)).max(axis=-1, keepdims=True) * 2.0 ** -9
+  np.testing.assert_array_less(np.abs(gv - wv), 2.0 ** -2 * np.abs(wv) + step + 1e-30,
+                               err_msg="kv_cache")
+
+
 @pytest.mark.parametrize("lengths,n", [
     ([8, 13, 3, 30], 1), ([8, 13, 3, 30], 3), ([16, 1, 6, 21], 6), ([0, 4, 9, 2], 5),
     ([5, 5, 5, 5], 9)])
@@ -75,7 +100,7 @@ def test_prefill_then_decode_is_a_longer_prefill(lengths, n):
   for t in range(n):
     cache = reqs.decode(cache, np.asarray(lengths) + t)
   want = reqs.prefill(reqs.fresh(), starts, [n_ + n for n_ in lengths])
-  assert_same(cache, want)
+  assert_equivalent(cache, want)
 
 
 @pytest.mark.parametrize("lengths", [[8, 13, 3, 30], [0, 6, 1, 17]])
@@ -90,11 +115,12 @@ def test_prefill_then_next_n_decode(lengths):
     cache = reqs.decode(cache, np.asarray(lengths) + t * next_n, next_n)
   total = [n + steps * next_n for n in lengths]
   want = reqs.prefill(reqs.fresh(), [0] * len(lengths), total)
-  np.testing.assert_array_equal(tree_bytes(cache)[0], tree_bytes(want)[0])
   ring = cache.tail.shape[2]
+  live = np.zeros(cache.tail.shape, bool)   # the ring rows of each request's last pool
   for b, n in enumerate(total):
-    rows = np.arange(n - POOL, n) % ring
-    np.testing.assert_array_equal(tree_bytes(cache)[1][b][:, rows], tree_bytes(want)[1][b][:, rows])
+    live[b][:, np.arange(n - POOL, n) % ring] = True
+  assert_equivalent(glm5_jax.IndexerCache(cache.kv_cache, jnp.where(live, cache.tail, 0)),
+                    glm5_jax.IndexerCache(want.kv_cache, jnp.where(live, want.tail, 0)))
 
 
 @pytest.mark.parametrize("first,second", [
@@ -107,7 +133,7 @@ def test_chunked_prefill_is_one_prefill(first, second):
   cache = reqs.prefill(reqs.fresh(), [0] * len(first), first, rows=sum(first) + 3)
   cache = reqs.prefill(cache, first, second, rows=sum(second) + 5)
   want = reqs.prefill(reqs.fresh(), [0] * len(first), [a + b for a, b in zip(first, second)])
-  assert_same(cache, want)
+  assert_equivalent(cache, want)
 
 
 def test_prefill_writes_the_stock_pool_aligned_form():
