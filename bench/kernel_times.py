@@ -1,0 +1,84 @@
+"""Kernel durations of the select-path ops under Nsight Compute: each op called once per
+bench shape (the WORKLOADS builders: >= 1 GB cache, pages at random), the L2 flushed
+before every kernel (--cache-control all, the stock rows' "cache cold") and the clocks
+left as they are (--clock-control none).
+
+Why besides the chains: a chain of stateless calls needs a run-time dependency between
+calls (one tiny XLA fusion per call, bench/harness.py), and its per-call figure carries
+that fusion and the launch gaps of a command buffer; this gives what the kernels
+themselves take, next to it. The two together bound the cost of one call.
+
+  ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \\
+      -k regex:'mqa_logits_kernel|pool_topk_kernel' python -m bench.kernel_times > ncu.csv
+  python -m bench.kernel_times --parse ncu.csv [--json out.json]
+"""
+import argparse
+import csv
+import io
+import json
+import zlib
+
+import jax
+
+from .sizes import Rand, sizes_for
+from .workloads import WORKLOADS
+
+OPS = ("mqa_logits", "pool_topk", "select_pools")
+KERNELS = {"mqa_logits": 1, "pool_topk": 1, "select_pools": 2}   # launches per call
+
+
+def calls(sizes):
+  """[(op, label)] in the order run() calls them."""
+  _, shapes = WORKLOADS[OPS[0]]
+  return [(op, label) for label, _ in shapes(sizes) for op in OPS]
+
+
+def run(sizes):
+  for label, kwargs in WORKLOADS[OPS[0]][1](sizes):
+    for op in OPS:
+      builder, _ = WORKLOADS[op]
+      w = builder(Rand(zlib.crc32(f"{op} {label}".encode())), sizes, **kwargs)
+      fn = jax.jit(lambda fixed, args, w=w: w.call(None, fixed, args)[1])
+      jax.block_until_ready(fn(w.fixed, w.rotated[0]))
+
+
+def parse(text, sizes):
+  """ncu's CSV -> {op: {label: µs of the call's kernels}} (kernels in launch order)."""
+  start = text.find('"ID"')
+  rows = [r for r in csv.DictReader(io.StringIO(text[start:]))
+          if r["Metric Name"] == "gpu__time_duration.sum"]
+  scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+  us = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]] for r in rows]
+  order = calls(sizes)
+  want = sum(KERNELS[op] for op, _ in order)
+  if len(us) != want:
+    raise SystemExit(f"bench.kernel_times: {len(us)} kernels in the CSV, expected {want}")
+  out, i = {}, 0
+  for op, label in order:
+    n = KERNELS[op]
+    out.setdefault(op, {})[label] = [round(v, 2) for v in us[i:i + n]]
+    i += n
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--parse", help="ncu CSV to read instead of running the ops")
+  p.add_argument("--json", help="write the parsed table here")
+  p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes (the test)")
+  args = p.parse_args()
+  sizes = sizes_for(False, args.cpu_smoke)
+  if not args.parse:
+    return run(sizes)
+  table = parse(open(args.parse).read(), sizes)
+  labels = [label for label, _ in WORKLOADS[OPS[0]][1](sizes)]
+  print("kernel µs (ncu, L2 flushed before each kernel)  " + "  ".join(OPS))
+  for label in labels:
+    print(f"{label:>18}  " + "  ".join(
+        f"{'+'.join(f'{v:.2f}' for v in table[op][label]):>14}" for op in OPS))
+  if args.json:
+    json.dump(table, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
