@@ -43,7 +43,8 @@ def parser():
   p.add_argument("--groups", default="calibration,ops,sweep",
                  help="comma-separated groups to run, of: "
                       + ", ".join(g.NAME for g in GROUPS)
-                      + " (stage: whole decode steps; serving: the decode loop)")
+                      + " (stage: whole decode steps; serving: the decode loop; prefill: "
+                        "indexer_prefill of whole prompts)")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
                  help="measure nothing: rebuild --md and --plot from these JSON rows")

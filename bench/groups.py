@@ -7,6 +7,6 @@ steps), and optionally add_arguments(parser) for its own flags. To add one, writ
 bench/<group>.py and list it here; its rows get a table in the report
 (bench/report.py) like every op's.
 """
-from . import calibration, per_op, serving, stage, sweep
+from . import calibration, per_op, prefill, serving, stage, sweep
 
-GROUPS = (calibration, stage, serving, per_op, sweep)
+GROUPS = (calibration, stage, serving, prefill, per_op, sweep)

@@ -40,6 +40,7 @@ class Sizes:
   serving_rows: tuple = (1, 16, 64)            # the serving group (stage_layers per step)
   serving_contexts: tuple = (1024, 32768)
   serving_steps: int = 200                     # timed decode steps per serving row
+  prefill_prompts: tuple = (300, 5000, 32768)  # the prefill group (and all as one batch)
   cache_bytes: int = 1 << 30
   copy_bytes: int = 2 << 30
   r_max: int = 64                              # rotated input sets of a chain
@@ -65,6 +66,7 @@ def sizes_for(quick, cpu_smoke):
         select_rows=(1, 4), select_pools=(512, 1024), stage_rows=(1, 2),
         stage_contexts=(1024, 4096), stage_layers=2,
         serving_rows=(1, 2), serving_contexts=(1024,), serving_steps=5,
+        prefill_prompts=(300, 1200),
         cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,
         warmup=1, empty_r=20, run_s=0.001, max_calls=8, max_passes=8)
   return s

@@ -28,8 +28,21 @@ metadata built per device with numpy and joined (sharding.assemble). The check t
 compares each device's shard with the single-device reference run of that shard alone.
 On the CPU the script asks XLA for N host devices itself (XLA_FLAGS, unless it already
 forces a count).
+
+Every run prints the device memory in use (jax's memory_stats()["bytes_in_use"], summed
+over the devices of the loop; the CPU backend reports none and the line says so) after
+the prefill, the compile and the first decode step, and again after the last step, and
+a digest: sha256 over the bytes of the final caches (every layer's kv_cache and tail)
+and the last step's outputs (every layer's slots and counts), written with the memory
+figures as JSON by --digest FILE. --endurance is the long-run mode (e.g. --steps 10000,
+scripts/endurance.py runs it twice and compares): only the last step's outputs are
+kept, the steps are dispatched back to back without waiting (one step in a hundred is
+timed alone, the queue drained first), and there is no reference replay (what it checks
+is that two runs give the same digest and that the memory stays flat).
 """
 import argparse
+import hashlib
+import json
 import math
 import os
 import sys
@@ -56,6 +69,7 @@ from glm5_jax.reference.numerics import POOL  # noqa: E402
 
 PAGE = 64             # K-cache entries per page (synthetic.decode_cache's default)
 INPUT_SETS = 4        # distinct x/qr cycled over the steps (drawn once, on the device)
+SAMPLES = 100         # --endurance: about this many steps timed alone, the rest not waited on
 AXIS = "data"         # the mesh axis the requests are split over (--devices > 1)
 
 
@@ -69,6 +83,11 @@ def parse():
   p.add_argument("--chunk", type=int, default=4096 if gpu else 1024,
                  help="prefill rows per call (prompts are cut into chunks of this many)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--endurance", action="store_true",
+                 help="long runs: keep only the last step's outputs, time one step in "
+                      f"{SAMPLES} (the others not waited on), no reference replay")
+  p.add_argument("--digest", metavar="FILE",
+                 help="write the digest and the memory in use as JSON to FILE")
   return p.parse_args()
 
 
@@ -135,22 +154,65 @@ def bar(done, total, width=30):
   return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
-def run(step, weights, caches, inputs, metadata, page_table, block_table, progress):
-  """(per-step outputs, final caches, per-step seconds) of the decode loop."""
-  outs, seconds = [], []
-  for s in range(len(metadata)):
+def memory_in_use(devices):
+  """Bytes in use summed over `devices` (memory_stats()["bytes_in_use"]), or None where
+  the backend reports no memory statistics (the CPU: memory_stats() is None)."""
+  stats = [d.memory_stats() for d in devices]
+  if any(not st or "bytes_in_use" not in st for st in stats):
+    return None
+  return sum(st["bytes_in_use"] for st in stats)
+
+
+def run(step, weights, caches, inputs, metadata, page_table, block_table, progress,
+        keep=True, sample=1, devices=()):
+  """The decode loop: (per-step outputs (only the last one's unless keep), final caches,
+  seconds of the timed steps, wall seconds of the loop, bytes in use on `devices` after
+  the first and after the last step (None: not reported)). Step s is timed when
+  s % sample == 0: the queue drained first, then metadata, dispatch and device, waited
+  on (a server waits for the step's result); the other steps are dispatched without a
+  wait, so the host runs ahead of the device."""
+  outs, seconds, out, first = [], [], None, None
+  steps = len(metadata)
+  tick = max(1, steps // 100)        # the bar redrawn 100 times at most: it costs no sync
+  t_loop = time.perf_counter()
+  for s in range(steps):
+    timed = s % sample == 0
+    if timed and out is not None:
+      jax.block_until_ready(out)      # the steps before it done: time this one alone
     t0 = time.perf_counter()
     packed = metadata[s]()                      # numpy on the host, every step
     x, qr = inputs[s % len(inputs)]
     out, caches = step(weights, caches, x, qr, packed, page_table, block_table)
-    jax.block_until_ready(out)                  # a server waits for the step's result
-    seconds.append(time.perf_counter() - t0)
-    outs.append(out)
-    if progress:
-      print(f"\r  decode {bar(s + 1, len(metadata))}", end="", file=sys.stderr, flush=True)
+    if timed:
+      jax.block_until_ready(out)
+      seconds.append(time.perf_counter() - t0)
+    if s == 0:
+      jax.block_until_ready(caches)
+      first = memory_in_use(devices)
+    if keep:
+      outs.append(out)
+    if progress and ((s + 1) % tick == 0 or s + 1 == steps):
+      print(f"\r  decode {bar(s + 1, steps)}", end="", file=sys.stderr, flush=True)
+  jax.block_until_ready((out, caches))
+  wall = time.perf_counter() - t_loop
   if progress:
     print(file=sys.stderr)
-  return outs, caches, np.array(seconds)
+  return (outs if keep else [out]), caches, np.array(seconds), wall, (first,
+                                                                      memory_in_use(devices))
+
+
+def digest(tree):
+  """sha256 (hex) over every leaf of `tree` in tree order: its dtype, shape and bytes."""
+  h = hashlib.sha256()
+  for a in jax.tree.leaves(jax.device_get(tree)):
+    a = np.ascontiguousarray(a)
+    h.update(f"{a.dtype}{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def mib(n):
+  return f"{n / 2 ** 20:.1f} MiB"
 
 
 def written_entries(metadata, chunks, pages):
@@ -259,7 +321,8 @@ def main():
   caches = [c for c, _, _ in local]
   page_tables = [pt for _, pt, _ in local]
   block_tables = [bt for _, _, bt in local]
-  start = jax.tree.map(jnp.copy, caches)
+  # The reference replay starts from a copy (none in --endurance: no replay).
+  start = None if args.endurance else jax.tree.map(jnp.copy, caches)
   inputs = [synthetic.inputs(rng, b * n) for _ in range(INPUT_SETS)]
   jax.block_until_ready((weights, caches, start, inputs))
   per_device = (f", data-parallel over {n} devices ({b} requests each, "
@@ -322,17 +385,50 @@ def main():
   step = step.lower(step_weights, step_caches, *step_inputs[0], metadata[0](), page_table,
                     block_table).compile()
   compile_s = time.perf_counter() - t0
-  outs, step_caches, sec = run(step, step_weights, step_caches, step_inputs, metadata,
-                               page_table, block_table, progress=True)
+  sample = max(1, args.steps // SAMPLES) if args.endurance else 1
+  outs, step_caches, sec, wall, memory = run(
+      step, step_weights, step_caches, step_inputs, metadata, page_table, block_table,
+      progress=True, keep=not args.endurance, sample=sample, devices=devices)
   ms = sec * 1e3
   p50, p90 = np.percentile(ms, 50), np.percentile(ms, 90)
   on = f" on {n} devices" if mesh else ""
-  print(f"compile {compile_s:.1f} s; per step (host metadata + transfer + {args.layers} "
-        f"layers{on}, waited on): p50 {p50:.2f} ms, p90 {p90:.2f} ms, min {ms.min():.2f} "
-        f"ms; {len(ms) / sec.sum():.1f} steps/s (the first step included)")
+  timed = (f"per step (host metadata + transfer + {args.layers} layers{on}, waited on"
+           + (f", 1 step in {sample} timed alone, the first included" if sample > 1 else "")
+           + f"): p50 {p50:.2f} ms, p90 {p90:.2f} ms, min {ms.min():.2f} ms")
+  print(f"compile {compile_s:.1f} s; {timed}; " + (
+      f"{args.steps / wall:.1f} steps/s over the {args.steps} steps (dispatched back to "
+      "back, only the timed ones waited on)" if sample > 1 else
+      f"{len(ms) / sec.sum():.1f} steps/s (the first step included)"))
   counts = np.asarray(outs[-1][0][1])[:len(contexts)]        # the pads come last
   print(f"last step: positions {(contexts + args.steps - 1).tolist()} -> selected tokens "
         f"{counts.tolist()} (layer 0)")
+  first, last = memory
+  where = f"summed over the {n} devices" if mesh else jax.devices()[0].device_kind
+  if first is None:
+    print(f"device memory in use: not reported on the {jax.default_backend()} backend "
+          "(memory_stats() is None)")
+  else:
+    held = ("the last step's outputs held" if args.endurance else
+            f"all {args.steps} steps' outputs held for the check")
+    print(f"device memory in use ({where}): {mib(first)} after the prefill, compile and "
+          f"first step; {mib(last)} after step {args.steps} ({held}): "
+          f"{last - first:+,d} bytes")
+  # The final caches and the last step's outputs, pad requests included.
+  sha = digest((step_caches, outs[-1]))
+  print(f"digest: sha256 {sha} (the final caches of {args.layers} layers and the last "
+        "step's slots and counts)")
+  if args.digest:
+    with open(args.digest, "w") as f:
+      json.dump(dict(sha256=sha, backend=jax.default_backend(),
+                     device=jax.devices()[0].device_kind, steps=args.steps,
+                     layers=args.layers, contexts=contexts.tolist(), devices=n,
+                     endurance=args.endurance, memory_first=first, memory_last=last,
+                     p50_ms=p50, steps_per_s=args.steps / wall), f, indent=1)
+  if args.endurance:
+    print("check: none against the reference (--endurance: run without it for that); "
+          "two runs of the same seed must print the same digest (scripts/endurance.py)")
+    print("ok")
+    return
 
   # The reference: each device's shard replayed alone on one device (that device), from
   # the same initial caches, prefill included.
@@ -345,11 +441,12 @@ def main():
     rows = slice(d * b, (d + 1) * b)
     device_inputs = jax.device_put([(x[rows], qr[rows]) for x, qr in inputs], dev)
     wanted.append(run(reference, device_weights[d], start[d], device_inputs,
-                      device_metadata[d], page_tables[d], block_tables[d], progress=False))
+                      device_metadata[d], page_tables[d], block_tables[d],
+                      progress=False)[:2])
   alone = f", each of the {n} devices' shards alone" if mesh else ""
   print(f"reference replay {time.perf_counter() - t0:.1f} s (compile included{alone})")
   got = jax.device_get((outs, step_caches))
-  for d, (want_outs, want_caches, _) in enumerate(wanted):
+  for d, (want_outs, want_caches) in enumerate(wanted):
     # Device d's shard: its block of every split dim (dim 0 of every output and cache).
     outs_d, caches_d = jax.tree.map(lambda a, d=d: np.split(np.asarray(a), n)[d], got)
     lines = check(outs_d, caches_d, want_outs, want_caches, device_metadata[d], chunks[d])

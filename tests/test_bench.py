@@ -60,3 +60,30 @@ def test_time_step_threads_state():
   runs = 1 + sizes.warmup + sizes.reps
   assert float(state[0]) == 3 * runs
   assert 0 < sec * 22 <= info["run_us"] * 1e-6 * 1.0001 and info["dispatch_us"] > 0
+
+
+@pytest.mark.slow
+def test_bench_prefill_group_cpu_smoke(tmp_path):
+  """`python -m bench --groups prefill --cpu-smoke`: a row per prompt and one for the
+  mixed batch, each timed, with its floor from the bytes and FLOPs of one call."""
+  out = tmp_path / "b.json"
+  _run([sys.executable, "-m", "bench", "--groups", "prefill", "--cpu-smoke", "--cache-dir", "",
+        "--out", str(out), "--md", str(tmp_path / "b.md"), "--plot", str(tmp_path / "b.png")],
+       dict(os.environ, JAX_PLATFORMS="cpu"))
+  rows = [r for r in json.loads(out.read_text()) if r["op"] == "prefill"]
+  assert [r["shape"] for r in rows] == ["prompt=300", "prompt=1200", "prompt=300+1200"]
+  assert all(r["device_us"] > 0 and r["floor_us"] > 0 and r["variant"] == "reference"
+             for r in rows), rows
+  from bench.prefill import prefill_bytes
+  assert rows[2]["min_bytes"] == prefill_bytes((300, 1200), 4)
+  assert "### prefill" in (tmp_path / "b.md").read_text()
+
+
+def test_prefill_floor_bytes():
+  """The prefill floor: weights once, x, 132 B per completed pool, 512 B per tail row
+  of each request's last (up to 4) tokens."""
+  from bench.prefill import prefill_bytes
+  from bench.sizes import HIDDEN, W_ROWS
+  weights = W_ROWS * HIDDEN * 2 + 2 * 128 * 4 + 4 * 128 * 4
+  assert prefill_bytes((6,), 4) == weights + 6 * HIDDEN * 2 + 1 * 132 + 4 * 512
+  assert prefill_bytes((2, 9), 4) == weights + 11 * HIDDEN * 2 + 2 * 132 + 6 * 512

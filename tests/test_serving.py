@@ -125,3 +125,39 @@ def test_bench_serving_group_cpu_smoke(tmp_path):
       "device metadata", "host metadata, packed", "host metadata, fields"}
   assert all(r["device_us"] > 0 for r in rows if r["op"] == "serving"), rows
   assert any("the device-metadata step" in r["notes"] for r in rows if r["op"] == "serving")
+
+
+def _endurance_script():
+  import importlib.util
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "endurance", os.path.join(root, "scripts", "endurance.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_endurance_memory_verdict():
+  """scripts/endurance.py's memory check: growth within the slack passes, past it
+  fails; no statistics pass only on the CPU backend."""
+  verdict = _endurance_script().memory_verdict
+  run = dict(backend="gpu", steps=10000, memory_first=1000, memory_last=1000 + 4096)
+  assert verdict(run, "A", 4096)[0] and not verdict(run, "A", 4095)[0]
+  none = dict(run, memory_first=None, memory_last=None)
+  assert not verdict(none, "A", 4096)[0]
+  assert verdict(dict(none, backend="cpu"), "A", 4096)[0]
+
+
+@pytest.mark.slow
+def test_endurance_script_small():
+  """`scripts/endurance.py`, a few steps of a small demo: both runs give the same digest
+  and it exits 0 (on the CPU the memory check is skipped, saying so)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "scripts/endurance.py", "--steps", "3", "--",
+                         "--layers", "1", "--contexts", "30,210"], cwd=root,
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "digests equal" in done.stdout, done.stdout[-3000:]
+  assert "memory not checked (the cpu backend" in done.stdout
+  assert done.stdout.rstrip().endswith("ok")
