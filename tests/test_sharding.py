@@ -1,6 +1,7 @@
 """Data parallelism over requests (glm5_jax.sharding) on 4 host CPU devices: each check
 runs tests/sharded_checks.py in a process of its own (XLA_FLAGS is read when jax first
-starts a backend, and this process has one CPU device by then)."""
+starts a backend, and this process has one CPU device by then). On GPUs, all of them at
+once: `python tests/sharded_checks.py --devices 2`."""
 import os
 import pathlib
 import subprocess
@@ -45,6 +46,31 @@ def test_data_parallel_serving_step_equals_per_device_step():
   """data_parallel_step (packed metadata split along its requests) equals
   serving.indexer_step on each device's shard, bit for bit, with no collective."""
   run_check("serving_step")
+
+
+def test_every_primitive_under_plain_jit():
+  """Each op of OPS under plain jax.jit on operands split over 4 devices (global ids,
+  each device's in its block) equals the op on one device bit for bit, its compiled
+  program holds no collective and its results are split likewise; an id moved into
+  another device's block acts as an out-of-range id (SPEC D4)."""
+  run_check("jit_primitives")
+
+
+@pytest.mark.slow
+def test_plain_jit_stage_equals_unsharded_stage():
+  """indexer_stage under plain jax.jit (cache donated) on arguments laid out as
+  request_specs with global ids equals the stage on one device and data_parallel_stage
+  bit for bit, with outputs split by request and no collective (all-gather,
+  all-to-all, collective-permute, ...) in the compiled step; the same check sees the
+  gathers of the reference composition (the control)."""
+  run_check("jit_stage")
+
+
+@pytest.mark.slow
+def test_plain_jit_serving_step_equals_unsharded_step():
+  """serving.indexer_step under plain jax.jit, packed metadata of the whole batch split
+  along its requests, equals the step on one device bit for bit, with no collective."""
+  run_check("jit_step")
 
 
 def test_data_parallel_errors_name_the_argument():
