@@ -7,7 +7,10 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from glm5_jax._primitive import SPLIT_GROUPS, Op, local_ids
 
 SCRIPT = pathlib.Path(__file__).with_name("sharded_checks.py")
 
@@ -95,3 +98,16 @@ def test_decode_loop_demo_on_two_devices():
   for d in range(2):
     assert f"device {d}: check: every step's selected slots" in done.stdout, done.stdout
   assert done.stdout.rstrip().endswith("ok")
+
+
+def test_every_op_declares_a_split():
+  """Plain jit partitions every op (an op without a Split would be gathered)."""
+  for name, op in Op.registry.items():
+    assert op.split is not None, name
+    assert set(op.split.operands + op.split.results) <= {*SPLIT_GROUPS, None}
+
+
+def test_local_ids():
+  """Ids in the device's block lose its start; negative ids stay; others are `size`."""
+  ids = np.asarray([-1, 0, 9, 10, 14, 15, 40], np.int32)
+  assert local_ids(ids, 2, 5).tolist() == [-1, 5, 5, 0, 4, 5, 5]
