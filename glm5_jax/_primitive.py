@@ -6,19 +6,31 @@ Each op gets: abstract evaluation that validates shapes and dtypes at trace
 time, a CPU (default) lowering through the pure-JAX reference, a CUDA lowering
 to its FFI target (operand/output aliasing for in-place caches, attributes cast to
 their declared types) or to the reference when it has no kernel, the kernel does
-not support the shapes or the routing turns it off, a batching rule, and an error
-under differentiation.
+not support the shapes or the routing turns it off, a batching rule, an error
+under differentiation, and (`Split`) a partitioning rule for plain jax.jit on
+arguments split over requests across devices (module glm5_jax.sharding).
 """
 import dataclasses
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+# Private jax modules, as jax's own custom-partitioned cuDNN ops use them: the lowering
+# needs the devices it spans (a primitive that partitions itself must say so, or jax
+# lowers without a device assignment) and whether it runs under XLA's partitioner.
+from jax._src import dispatch as _dispatch
+from jax._src import sharding_impls as _sharding_impls
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from . import _ffi
 
@@ -26,6 +38,59 @@ KERNELS_ENV, PDL_ENV = "GLM5_JAX_KERNELS", "GLM5_JAX_PDL"
 # The numpy scalar types an FFI attribute may have: the C++ handler binds bool, int32_t,
 # int64_t or float of the same name.
 ATTRIBUTE_TYPES = (np.bool_, np.int32, np.int64, np.float32)
+# The groups an operand's or result's dim 0 may belong to under Split: rows (the op's
+# row-indexed arrays: token rows, or requests of an [B, N] grid; all of an op's rows
+# dims have one size), requests (rows of a per-request table), pages (K-cache pages),
+# blocks (tail-ring blocks).
+SPLIT_GROUPS = ("rows", "requests", "pages", "blocks")
+
+
+class Split(NamedTuple):
+  """How an op runs under plain jax.jit with its arguments split over requests: every
+  dim 0 named by a group is split in contiguous, equal blocks over the same mesh axes
+  (device i holds block i of each group, glm5_jax.sharding.request_specs), the other
+  operands replicated, and each device runs the op on its blocks alone, so XLA moves
+  nothing between devices.
+
+  operands, results: per operand / result, its dim 0's group (SPLIT_GROUPS) or None
+  (replicated). localize(index, *operands) -> operands: device `index`'s operands
+  (local shapes) with the global ids they hold (pages, slots, tail slots, requests)
+  made local with local_ids; None where the op holds no ids. An id outside the
+  device's block becomes out of range there (SPEC D4: as the unsharded op treats an
+  out-of-range id), so a device never touches another device's memory.
+  """
+  operands: tuple
+  results: tuple
+  localize: Callable | None = None
+
+
+def local_ids(ids, index, size):
+  """Global ids -> device `index`'s, whose block is [index * size, (index + 1) * size):
+  ids in the block less its start; negative ids unchanged (they keep their meaning: no
+  slot, a pad); other ids `size`, out of range on the device."""
+  first = index * size
+  inside = (ids >= first) & (ids < first + size)
+  return jnp.where(ids < 0, ids, jnp.where(inside, ids - first, size)).astype(ids.dtype)
+
+
+def _dim0_axes(sharding):
+  """The mesh axes splitting dim 0 of a NamedSharding (None: not split, or unknown)."""
+  spec = tuple(getattr(sharding, "spec", ()))
+  return spec[0] if spec else None
+
+
+def _spans_devices(ctx):
+  """Whether this lowering is of an array program over several devices that XLA's
+  partitioner splits (not one device, not the body of a jax.shard_map)."""
+  axis_context = ctx.module_context.axis_context
+  if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+    # a shard_map body (manual axes): each device's operands are already its own
+    return (not axis_context.manual_axes
+            and len(axis_context.mesh._flat_devices_tuple) > 1)
+  if isinstance(axis_context, _sharding_impls.ShardingContext):
+    devices = axis_context.device_assignment
+    return devices is not None and len(devices) > 1
+  return False
 
 
 class Op:
@@ -49,7 +114,12 @@ class Op:
   kernel is off unless the routing names it (it lost to the reference on the H200);
   kernel_default: (avals, params) -> whether it runs at these shapes when the routing
   does not name the op (where the H200 measured it faster), described by
-  kernel_default_note.
+  kernel_default_note; kernel_params: (avals, params) -> params the kernel runs with
+  that depend on the whole call's shapes (a tactic chosen by row count), so that a
+  device running the op on its block under `split` runs what the whole call would.
+
+  split: a `Split` (partitioning under plain jit over devices; None = XLA's default,
+  which gathers the operands of the call).
   """
 
   registry = {}     # name -> Op, in declaration order
@@ -57,7 +127,7 @@ class Op:
   def __init__(self, name, reference, shapes, *, aliases=None, rows=None, kernel=None,
                attributes=None, attribute_values=None, kernel_supports=None,
                kernel_limits=None, kernel_off=None, kernel_default=None,
-               kernel_default_note=None):
+               kernel_default_note=None, kernel_params=None, split=None):
     if name in Op.registry:
       raise ValueError(f"glm5_jax: op {name!r} is declared twice")
     attributes = dict(attributes or {})
@@ -79,14 +149,22 @@ class Op:
     self.kernel_off = kernel_off
     self.kernel_default = kernel_default or (lambda *avals, **params: True)
     self.kernel_default_note = kernel_default_note
+    self.kernel_params = kernel_params or (lambda *avals, **params: {})
+    if split is not None and any(g is not None and g not in SPLIT_GROUPS
+                                 for g in split.operands + split.results):
+      raise ValueError(f"glm5_jax: op {name!r} split groups must be in {SPLIT_GROUPS}")
+    self.split = split
     Op.registry[name] = self
     prim = self.primitive = Primitive(f"glm5_{name}")
     prim.multiple_results = True
     prim.def_impl(lambda *args, **params: xla.apply_primitive(prim, *args, **params))
     prim.def_abstract_eval(self._abstract_eval)
     lower_ref = mlir.lower_fun(self._reference, multiple_results=True)
-    mlir.register_lowering(prim, lower_ref)
-    mlir.register_lowering(prim, self._cuda_lowering(lower_ref), platform="cuda")
+    mlir.register_lowering(prim, self._split_lowering(lower_ref))
+    mlir.register_lowering(prim, self._split_lowering(self._cuda_lowering(lower_ref)),
+                           platform="cuda")
+    if split is not None:
+      _dispatch.prim_requires_devices_during_lowering.add(prim)
     batching.primitive_batchers[prim] = self._batch
     ad.primitive_jvps[prim] = self._jvp
 
@@ -150,6 +228,85 @@ class Op:
       rule = jax.ffi.ffi_lowering(self.kernel, operand_output_aliases=self.aliases)
       return rule(ctx, *args, **self.kernel_attributes(routing, ctx.avals_in, params))
     return lowering
+
+  # Partitioning (Split) ---------------------------------------------------------------
+
+  def _split_lowering(self, lower):
+    """`lower` where the call runs on one device (or inside a shard_map); over several
+    devices under XLA's partitioner, a custom partitioning of the call by `split`."""
+    def lowering(ctx, *args, **params):
+      if self.split is None or not _spans_devices(ctx):
+        return lower(ctx, *args, **params)
+      rule = self._sharding_rule(ctx.avals_in, ctx.avals_out)
+      if rule is None:
+        return lower(ctx, *args, **params)
+      avals = ctx.avals_in
+      fn = custom_partitioning(lambda *a: tuple(self.primitive.bind(*a, **params)))
+      fn.def_partition(
+          functools.partial(self._partition, avals, params), sharding_rule=rule)
+      return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return lowering
+
+  def _sharding_rule(self, avals_in, avals_out):
+    """The Shardy rule of a call: dim 0 of each operand and result of one group is one
+    factor (results aliased to an operand share all its factors), every other dim its
+    own; None where the dims of a group differ in size (not partitionable)."""
+    sizes = {}
+    for aval, group in zip(list(avals_in) + list(avals_out),
+                           self.split.operands + self.split.results):
+      if group is not None and sizes.setdefault(group, aval.shape[0]) != aval.shape[0]:
+        return None
+    def dims(aval, group, own):
+      return " ".join(group if d == 0 and group else f"{own}_{d}"
+                      for d in range(len(aval.shape)))
+    operands = [dims(a, g, f"i{i}") for i, (a, g) in
+                enumerate(zip(avals_in, self.split.operands))]
+    aliased = {r: i for i, r in self.aliases.items()}
+    results = [operands[aliased[j]] if j in aliased else dims(a, g, f"o{j}")
+               for j, (a, g) in enumerate(zip(avals_out, self.split.results))]
+    return ", ".join(operands) + " -> " + ", ".join(results)
+
+  def _partition(self, avals, params, mesh, arg_shapes, result_shape):
+    """Each device runs the op on its blocks (Split), when every split operand's dim 0
+    is split over the same mesh axes and each group divides over them; otherwise the
+    call runs whole on every device (XLA gathers its operands)."""
+    split = self.split
+    firsts = {_dim0_axes(a.sharding) for a, g in zip(arg_shapes, split.operands)
+              if g is not None}
+    axes = firsts.pop() if len(firsts) == 1 else None
+    devices = (int(np.prod([mesh.shape[a] for a in
+                            (axes if isinstance(axes, tuple) else (axes,))]))
+               if axes is not None else 1)
+    if devices > 1 and any(a.shape[0] % devices for a, g in zip(avals, split.operands)
+                           if g is not None):
+      axes = None
+    sharding = lambda group, ndim: NamedSharding(
+        mesh, P(axes if group is not None else None, *(None,) * (ndim - 1)))
+    arg_shardings = tuple(sharding(g, len(a.shape)) for a, g in zip(arg_shapes, split.operands))
+    results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+    result_shardings = tuple(sharding(g, len(r.shape)) for r, g in zip(results, split.results))
+    local = self._local_params(avals, params)
+
+    def lower_fn(*args):
+      if axes is not None and split.localize is not None:
+        args = split.localize(lax.axis_index(axes), *args)
+      return tuple(self.primitive.bind(*args, **local))
+
+    return mesh, lower_fn, result_shardings, arg_shardings
+
+  def _local_params(self, avals, params):
+    """The params a device's block runs with: the routing's decision (kernel or
+    reference) and the kernel's params taken at the whole call's shapes, so that each
+    block computes what the whole call computes for its rows."""
+    if self.kernel is None:
+      return params
+    routing, p = params["routing"], {k: v for k, v in params.items() if k != "routing"}
+    on = (self.kernel_on(routing) and self.kernel_supports(*avals, **p)
+          and (routing.word(self.name) is not None or self.kernel_default(*avals, **p)))
+    if on:
+      p.update(self.kernel_params(*avals, **p))
+    return dict(p, routing=dataclasses.replace(routing, ops={**dict(routing.ops),
+                                                             self.name: bool(on)}))
 
   def _jvp(self, primals, tangents, **params):
     raise TypeError(f"glm5_jax.{self.name} is not differentiable (a decode-time op)")

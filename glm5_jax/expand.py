@@ -5,7 +5,7 @@ import jax
 
 from . import reference as ref
 from ._checks import expect, fail
-from ._primitive import Op, Routing
+from ._primitive import Op, Routing, Split, local_ids
 from .reference.expand import expand_width, remap_stride
 from .reference.numerics import POOL
 
@@ -34,7 +34,8 @@ def _expand_shapes(pool_ids, seq_lens, *, seq_offset, width):
 # Kernel: any G (width is the result's shape, not an attribute).
 _expand = Op("expand_pools", ref.expand_pools, _expand_shapes, rows=((0, 0), (0,)),
              kernel="glm5_expand_pools", attributes=dict(seq_offset=np.int64),
-             kernel_off="XLA's fusion is as fast or faster up to 64 rows")
+             kernel_off="XLA's fusion is as fast or faster up to 64 rows",
+             split=Split(("rows", "rows"), ("rows",)))
 
 
 def expand_pools(pool_ids: jax.Array, seq_lens: jax.Array, *, seq_offset: int = 0,
@@ -79,7 +80,13 @@ _remap = Op("expand_and_remap", ref.expand_and_remap, _remap_shapes,
             attributes=dict(block_size=np.int64, stride_rows=np.int64, seq_offset=np.int64,
                             compact=np.bool_),
             kernel_supports=_remap_kernel_supports,
-            kernel_limits="G % {} == 0, {} <= G <= {}".format(WARP, *REMAP_GROUPS))
+            kernel_limits="G % {} == 0, {} <= G <= {}".format(WARP, *REMAP_GROUPS),
+            # The block table's values are the slots' blocks, not memory this op reads:
+            # they pass through as they are (global where the table holds global ids).
+            split=Split(("rows", "rows", "rows", "requests"), ("rows", "rows"),
+                        lambda index, pool_ids, positions, req_ids, block_table: (
+                            pool_ids, positions,
+                            local_ids(req_ids, index, block_table.shape[0]), block_table)))
 
 
 def expand_and_remap(pool_ids: jax.Array, positions: jax.Array, req_ids: jax.Array,

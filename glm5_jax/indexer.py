@@ -7,7 +7,7 @@ from jax.typing import DTypeLike
 
 from . import reference as ref
 from ._checks import expect, fail
-from ._primitive import Op, Routing
+from ._primitive import Op, Routing, Split
 from .reference.indexer import padded_heads
 from .reference.numerics import DIM
 
@@ -133,7 +133,11 @@ _projection = Op(
                    "tiles K"),
     kernel_default=lambda x, w_cat, **params: (
         PROJECTION_KERNEL_ROWS[0] <= x.shape[0] <= PROJECTION_KERNEL_ROWS[1]),
-    kernel_default_note="M {} to {}, where it beats XLA's GEMM".format(*PROJECTION_KERNEL_ROWS))
+    kernel_default_note="M {} to {}, where it beats XLA's GEMM".format(*PROJECTION_KERNEL_ROWS),
+    # A device's block of rows runs the whole call's tactic: the same fp32 sums.
+    kernel_params=lambda x, w_cat, *, heads, tactic: dict(
+        tactic=projection_tactic(x.shape[0], x.shape[1], tactic)),
+    split=Split(("rows", None), ("rows",) * 3))
 
 
 def _query_op_shapes(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps,
@@ -152,7 +156,8 @@ _QUERY_ATTRIBUTES = dict(scale=np.float32, eps=np.float32)
 
 _query = Op("indexer_query", ref.indexer_query, _query_op_shapes,
             rows=((0, 0, 0, None, None), (0, 0, 0)), kernel="glm5_indexer_query",
-            attributes=_QUERY_ATTRIBUTES)
+            attributes=_QUERY_ATTRIBUTES,
+            split=Split(("rows",) * 3 + (None, None), ("rows",) * 3))
 
 
 def _fused_shapes(x, w_cat, q, norm_weight, norm_bias, *, heads, scale, eps, padded,
@@ -187,7 +192,8 @@ _fused = Op(
     kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING} at (warps, split) "
                    f"({FUSED_WARPS}, 1)"),
     kernel_off=("slower than the indexer_projection and indexer_query kernels at every "
-                "measured M (1-64)"))
+                "measured M (1-64)"),
+    split=Split(("rows", None, "rows", None, None), ("rows",) * 4))
 
 
 def indexer_projection(x: jax.Array, w_cat: jax.Array, *, heads: int,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from . import reference as ref
 from ._checks import check_cache, check_scale_format, check_tail, expect
-from ._primitive import Op, Routing
+from ._primitive import Op, Routing, Split, local_ids
 from .reference.numerics import DIM, POOL
 
 I32, F32, BF16 = np.int32, np.float32, jnp.bfloat16
@@ -28,11 +28,28 @@ def _update_shapes(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
   return [(kv_cache.shape, kv_cache.dtype), (tail.shape, tail.dtype)]
 
 
+def _slots(kv_cache):
+  """Flat K-cache slots of a (device's) cache: pages * PAGE."""
+  return kv_cache.shape[0] * kv_cache.shape[1]
+
+
+def _tail_slots(tail):
+  """Tail slots (block * RING + row) of a (device's) tail: blocks * RING."""
+  return tail.shape[0] * tail.shape[2]
+
+
+def _update_localize(index, kv_cache, tail, tslot, key, gate, ape, loc, pos):
+  return (kv_cache, tail, local_ids(tslot, index, _tail_slots(tail)), key, gate, ape,
+          local_ids(loc, index, _slots(kv_cache)), pos)
+
+
 _update = Op("kpool_update", ref.kpool_update, _update_shapes, aliases={0: 0, 1: 1},
              kernel="glm5_kpool_update",
              attributes=dict(ue8m0=np.bool_, round_scale=np.bool_),
              attribute_values=lambda *avals, scale_format, **params: dict(
-                 ue8m0=scale_format == "ue8m0"))
+                 ue8m0=scale_format == "ue8m0"),
+             split=Split(("pages", "blocks", "rows", "rows", "rows", None, "rows", "rows"),
+                         ("pages", "blocks"), _update_localize))
 
 
 def kpool_update(kv_cache: jax.Array, tail: jax.Array, tslot: jax.Array, key: jax.Array,
@@ -63,7 +80,12 @@ def _compress_shapes(kv_cache, slot_key, slot_gate, ape, loc, write_mask, *,
   return [(kv_cache.shape, kv_cache.dtype)]
 
 
-_compress = Op("kpool_compress", ref.kpool_compress, _compress_shapes, aliases={0: 0})
+_compress = Op(
+    "kpool_compress", ref.kpool_compress, _compress_shapes, aliases={0: 0},
+    split=Split(("pages", "rows", "rows", None, "rows", "rows"), ("pages",),
+                lambda index, kv_cache, slot_key, slot_gate, ape, loc, write_mask: (
+                    kv_cache, slot_key, slot_gate, ape,
+                    local_ids(loc, index, _slots(kv_cache)), write_mask)))
 
 
 def kpool_compress(kv_cache: jax.Array, slot_key: jax.Array, slot_gate: jax.Array,
@@ -85,7 +107,13 @@ def _seed_shapes(tail, key, gate, tslot):
   return [(tail.shape, tail.dtype)]
 
 
-_seed = Op("kpool_seed_tail", ref.kpool_seed_tail, _seed_shapes, aliases={0: 0})
+# Split: a row looks 4 rows ahead (is it among its request's last four?); at a block's
+# end it sees none, as the unsharded op sees another request there when each
+# request's rows lie in one device's block.
+_seed = Op("kpool_seed_tail", ref.kpool_seed_tail, _seed_shapes, aliases={0: 0},
+           split=Split(("blocks", "rows", "rows", "rows"), ("blocks",),
+                       lambda index, tail, key, gate, tslot: (
+                           tail, key, gate, local_ids(tslot, index, _tail_slots(tail)))))
 
 
 def kpool_seed_tail(tail: jax.Array, key: jax.Array, gate: jax.Array, tslot: jax.Array, *,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from . import reference as ref
 from ._checks import check_cache, check_scale_format, expect, fail
-from ._primitive import Op, Routing
+from ._primitive import Op, Routing, Split, local_ids
 from .reference.numerics import DIM
 
 I32, F32 = np.int32, np.float32
@@ -20,7 +20,8 @@ def _upcast_shapes(logits, row_ends):
 
 _upcast = Op("upcast_logits", ref.upcast_logits, _upcast_shapes, rows=((0, 0), (0,)),
              kernel="glm5_upcast_logits",
-             kernel_off="XLA's fused convert is faster at most measured shapes")
+             kernel_off="XLA's fused convert is faster at most measured shapes",
+             split=Split(("rows", "rows"), ("rows",)))
 
 
 def upcast_logits(logits: jax.Array, row_ends: jax.Array, *,
@@ -85,7 +86,11 @@ _mqa = Op("mqa_logits", ref.mqa_logits, _mqa_shapes,
           attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
           kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
               _logits_kernel_supports(q_fp8, kv_cache, max_pools)),
-          kernel_limits=_LOGITS_LIMITS)
+          kernel_limits=_LOGITS_LIMITS,
+          split=Split(("rows", "rows", "pages", "rows", "rows"), ("rows",),
+                      lambda index, q_fp8, w_out, kv_cache, page_table, pool_lens: (
+                          q_fp8, w_out, kv_cache,
+                          local_ids(page_table, index, kv_cache.shape[0]), pool_lens)))
 
 
 def mqa_logits(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
@@ -110,7 +115,8 @@ def _topk_shapes(logits, pool_lens, *, k):
 _topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
            kernel="glm5_pool_topk",
            kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
-           kernel_limits=f"P <= {TOPK_MAX_POOLS}")
+           kernel_limits=f"P <= {TOPK_MAX_POOLS}",
+           split=Split(("rows", "rows"), ("rows",)))
 
 
 def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
@@ -141,7 +147,11 @@ _select = Op(
     attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
     kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
         _logits_kernel_supports(q_fp8, kv_cache, max_pools) and max_pools <= TOPK_MAX_POOLS),
-    kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}")
+    kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}",
+    split=Split(("rows", "rows", "pages", "requests", "rows", "rows"), ("rows", "rows"),
+                lambda index, q_fp8, w_out, kv_cache, page_table, req_ids, positions: (
+                    q_fp8, w_out, kv_cache, local_ids(page_table, index, kv_cache.shape[0]),
+                    local_ids(req_ids, index, page_table.shape[0]), positions)))
 
 
 def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,

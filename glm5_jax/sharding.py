@@ -1,26 +1,52 @@
-"""Data parallelism over requests: the decode step on several devices, each running the
-unsharded stage on its own requests and caches (jax.shard_map), with no collective.
+"""Data parallelism over requests: the decode step on several devices, requests with
+their caches split over one mesh axis, each device computing its own requests with
+nothing moved between devices. Two forms, one layout:
 
 A request's indexer reads only its own K-cache pages, tail block and MLA blocks, so a
 data-parallel rank holds whole requests with their caches and the step needs nothing
 from another rank. The layout (RequestSpecs, the one place it is written): every
-array with a request or row axis is split along it over the mesh axis (x, qr, the
-DecodeBatch fields, the cache's pages and tail blocks, the tables' request rows, every
-output); the weights are replicated. Each device's shard is a complete indexer_stage
-input on its own, with device-local ids: its req_ids index its rows of page_table and
-block_table, its page_table holds pages of its kv_cache shard (0 .. pages/devices - 1),
-its tslot its tail blocks, its block_table its MLA blocks (so its slots are slots of
-its own MLA cache). Build each device's batch as for one device
-(glm5_jax.serving.decode_metadata on its own page table) and concatenate: `assemble`.
+array with a request or row axis is split along it over the mesh axis in contiguous,
+equal blocks (x, qr, the DecodeBatch fields, the cache's pages and tail blocks, the
+tables' request rows, every output); the weights are replicated.
 
-  step = glm5_jax.sharding.data_parallel_stage(mesh)          # axis "data"
-  out, cache = step(weights, cache, x, qr, batch, config=config)
+1. Plain jax.jit (global ids). Put the arguments laid out this way (`put`) and call the
+   jitted indexer_stage / serving.indexer_step as on one device: every op declares a
+   partitioning rule (glm5_jax._primitive.Split, custom_partitioning with a Shardy
+   rule), so XLA runs each op on each device's blocks and gathers nothing (no cache,
+   batch or logits all-gather / all-to-all in the compiled step). The ids are global,
+   as on one device: page_table holds pages of the whole kv_cache, tslot and loc slots
+   of the whole tail and cache, req_ids rows of the whole tables; each op makes them
+   local on its device (the id less the start of the device's block). The result
+   equals the unsharded step bit for bit when every request's pages, tail block and
+   table rows lie in the block of the device that holds its rows (`to_global` builds
+   such ids from per-device ones). An id outside its device's block is out of range
+   there: the op treats it as the unsharded op treats an out-of-range id (a write is
+   dropped, a pool scores -inf, a request has no pages) and never touches another
+   device's memory. Two other differences from one device: a completing token with
+   tslot < 0 pools its device's first tail block (block 0 of the whole tail on one
+   device, SPEC §3), and select_pools' logits of the rows it does not specify (causal
+   fill) may differ. block_table's values are not ids into memory the indexer reads:
+   they pass through into the slots as they are.
 
-Under plain jax.jit, arguments sharded this way would not do: the ops' page, block and
-request ids are global there, and XLA cannot know that a row reads only its own
-device's pages, so it all-gathers the cache (CPU reference) or every operand of an FFI
-call (no sharding rule). The shard_map states that locality; the compiled step holds no
-collective (tests/test_sharding.py).
+     out, cache = jax.jit(glm5_jax.indexer_stage, static_argnames=("config",
+                          "use_reference"), donate_argnames="cache")(*put(mesh, ...))
+
+   use_reference=True composes the reference's jnp functions, which XLA partitions by
+   its own rules (it gathers the cache): the plain-jit form is for the primitives.
+
+2. jax.shard_map (device-local ids): data_parallel_stage / data_parallel_step. Each
+   device's shard is a complete indexer_stage input on its own, with device-local ids:
+   its req_ids index its rows of page_table and block_table, its page_table holds
+   pages of its kv_cache shard (0 .. pages/devices - 1), its tslot its tail blocks,
+   its block_table its MLA blocks. Build each device's batch as for one device
+   (glm5_jax.serving.decode_metadata on its own page table) and concatenate:
+   `assemble`.
+
+     step = glm5_jax.sharding.data_parallel_stage(mesh)          # axis "data"
+     out, cache = step(weights, cache, x, qr, batch, config=config)
+
+Both compile to steps with no collective (tests/test_sharding.py, 4 host CPU devices;
+`python tests/sharded_checks.py --devices 2` on two GPUs).
 """
 import functools
 from typing import Any, NamedTuple
@@ -126,6 +152,25 @@ def data_parallel_step(mesh: jax.sharding.Mesh, axis: str = "data"):
                          "block_table"),
                         (s.weights, s.cache, s.rows, s.rows, s.packed, s.batch.page_table,
                          s.batch.block_table), (s.output, s.cache))
+
+
+def to_global(index: int, cache: IndexerCache, batch: DecodeBatch) -> DecodeBatch:
+  """Device `index`'s batch with device-local ids (data_parallel_stage's form, built
+  with device `index`'s cache shard `cache`) -> the same batch with global ids (plain
+  jit's form): loc, tslot, req_ids and page_table shifted by the start of the device's
+  block of K-cache slots, tail slots, table rows and pages; negative ids kept.
+  block_table is kept as it is (its values are not ids the indexer reads). Host numpy;
+  join the devices' results with `assemble`."""
+  pages, page = cache.kv_cache.shape[:2]
+  blocks, ring = cache.tail.shape[0], cache.tail.shape[2]
+
+  def shift(ids, size):
+    ids = np.asarray(ids)
+    return np.where(ids >= 0, ids + index * size, ids).astype(np.int32)
+  return DecodeBatch(np.asarray(batch.positions), shift(batch.loc, pages * page),
+                     shift(batch.tslot, blocks * ring),
+                     shift(batch.req_ids, batch.page_table.shape[0]),
+                     shift(batch.page_table, pages), np.asarray(batch.block_table))
 
 
 def shardings(mesh: jax.sharding.Mesh, specs):

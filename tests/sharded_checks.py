@@ -1,14 +1,23 @@
-"""The sharded checks, each run by tests/test_sharding.py in a process of its own:
-jax reads XLA_FLAGS when it first starts a backend, and the suite's process has one CPU
-device by then. Here the host platform has DEVICES devices.
+"""The sharded checks. tests/test_sharding.py runs each in a process of its own on 4
+host CPU devices: jax reads XLA_FLAGS when it first starts a backend, and the suite's
+process has one CPU device by then.
 
-  python tests/sharded_checks.py <check>      (prints "ok <check>")
+  python tests/sharded_checks.py [--devices N] [check ...]   (no check: every check)
+
+prints "ok <check>" per check. N (default 4) devices of jax's default backend: the GPUs
+where there are N (the two-GPU run: `python tests/sharded_checks.py --devices 2`), else
+N host CPU devices (the flag below; JAX_PLATFORMS=cpu forces them).
 """
+import argparse
 import os
 import re
-import sys
 
-DEVICES = 4
+ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ARGS.add_argument("--devices", type=int, default=4)
+ARGS.add_argument("checks", nargs="*")
+ARGS = ARGS.parse_args() if __name__ == "__main__" else ARGS.parse_args([])
+DEVICES = ARGS.devices
+# Only adds host CPU devices: on a GPU machine jax still picks its GPUs.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={DEVICES}")
 
@@ -19,13 +28,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import glm5_jax  # noqa: E402
 from glm5_jax import serving, sharding, synthetic  # noqa: E402
+from glm5_jax._primitive import Op  # noqa: E402
 from glm5_jax.testing.cases import CASES, tree_bytes  # noqa: E402
 
 AXIS = "data"
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))
-# Each device's requests: causal-fill rows (<= 512 pools) and top-k rows side by side;
-# device 2 has only causal-fill rows (the reference's branch differs between devices).
+# Each device's requests (device d: CONTEXTS[d % 4]): causal-fill rows (<= 512 pools)
+# and top-k rows side by side; device 2 has only causal-fill rows (the reference's branch
+# differs between devices), device 1 a padding row.
 CONTEXTS = [[10, 2500], [3001, 77], [1500, 300], [40, 2999]]
 NEXT_N = 2
 COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce|"
@@ -33,7 +44,8 @@ COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce
 
 
 def mesh(axis_type):
-  return jax.make_mesh((DEVICES,), (AXIS,), axis_types=(axis_type,))
+  return jax.make_mesh((DEVICES,), (AXIS,), axis_types=(axis_type,),
+                       devices=jax.devices()[:DEVICES])
 
 
 def assert_bits_equal(got, want, what):
@@ -53,7 +65,7 @@ def device_state(d):
   tail-block ids (synthetic builds each request's from 0). Every device gets the same
   shapes (the same max context), other contents."""
   rng = np.random.default_rng(100 + d)
-  contexts = CONTEXTS[d]
+  contexts = CONTEXTS[d % len(CONTEXTS)]
   cache, pt, bt = synthetic.decode_cache(rng, len(contexts), 3100 + NEXT_N, next_n=NEXT_N,
                                          page=16, spare_pages=2)
   pos = np.asarray(contexts)[:, None] + np.arange(NEXT_N)
@@ -114,9 +126,12 @@ def check_stage():
     m = mesh(axis_type)
     specs = sharding.request_specs(AXIS)
     step = sharding.data_parallel_stage(m, AXIS)
-    args = sharding.put(m, (specs.weights, specs.cache, specs.rows, specs.rows,
-                            specs.batch), (w, *host))
+    args = list(sharding.put(m, (specs.weights, specs.cache, specs.rows, specs.rows,
+                                 specs.batch), (w, *host)))
     check_collectives(step.lower(*args, config=CONFIG).compile(), f"stage {axis_type}")
+    # A cache put from numpy may alias host memory on the CPU (not XLA's to reuse in
+    # place): a copy of its own.
+    args[1] = jax.device_put(args[1], sharding.shardings(m, specs.cache), may_alias=False)
     kv_pointer = args[1].kv_cache.addressable_shards[0].data.unsafe_buffer_pointer()
     out, cache = step(*args, config=CONFIG)
     assert args[1].kv_cache.is_deleted(), "the cache is donated"
@@ -125,11 +140,6 @@ def check_stage():
     for d, (want_out, want_cache) in enumerate(want):
       assert_bits_equal(shard(d, (out, cache)), (want_out, want_cache),
                         f"stage {axis_type}, device {d}")
-    if axis_type == jax.sharding.AxisType.Auto:
-      # The check sees collectives where they are: plain jit of the same sharded
-      # arguments (global ids, no locality known) gathers.
-      plain = STEP.lower(*args, config=CONFIG).compile().as_text()
-      assert COLLECTIVE.search(plain), "plain jit was expected to gather"
     # the reference composition too
     args = sharding.put(m, (specs.weights, specs.cache, specs.rows, specs.rows,
                             specs.batch), (w, *host))
@@ -167,14 +177,15 @@ def check_errors():
   """Arguments that do not divide over the devices are named at trace time."""
   m = mesh(jax.sharding.AxisType.Auto)
   w = weights()
-  cache, x, qr, batch = device_state(0)                  # 2 requests: not 4 devices' worth
+  cache, x, qr, batch = device_state(0)       # 2 requests: not DEVICES (> 2) devices' worth
   step = sharding.data_parallel_stage(m, AXIS)
-  cache = glm5_jax.IndexerCache(jnp.concatenate([cache.kv_cache] * 4), cache.tail)
+  cache = glm5_jax.IndexerCache(jnp.concatenate([cache.kv_cache] * DEVICES),
+                                jnp.concatenate([cache.tail] * DEVICES)[:-1])
   try:
     step(w, cache, x, qr, batch, config=CONFIG)
   except ValueError as e:
     assert str(e).startswith("glm5_jax.data_parallel_stage: cache.tail dim 0 must be a "
-                             "multiple of the 4 devices of mesh axis 'data'"), e
+                             f"multiple of the {DEVICES} devices of mesh axis 'data'"), e
   else:
     raise AssertionError("no error")
   try:
@@ -185,7 +196,153 @@ def check_errors():
     raise AssertionError("no error")
 
 
+# Plain jax.jit, global ids (module glm5_jax.sharding, form 1) -------------------------
+
+# The operands of CASES' ops that hold ids into a split group: {operand: the size of a
+# device's block of those ids, of its (device-local) operands}.
+IDS = {
+    "kpool_update": {2: lambda a: a[1].shape[0] * a[1].shape[2],      # tslot: tail slots
+                     6: lambda a: a[0].shape[0] * a[0].shape[1]},     # loc: cache slots
+    "kpool_compress": {4: lambda a: a[0].shape[0] * a[0].shape[1]},
+    "kpool_seed_tail": {3: lambda a: a[0].shape[0] * a[0].shape[2]},
+    "expand_and_remap": {2: lambda a: a[3].shape[0]},                 # req_ids: requests
+    "mqa_logits": {3: lambda a: a[2].shape[0]},                       # page ids: pages
+    "select_pools": {3: lambda a: a[2].shape[0], 4: lambda a: a[3].shape[0]},
+}
+
+
+def shift(ids, d, size):
+  ids = np.asarray(ids)
+  return np.where(ids >= 0, ids + d * size, ids).astype(ids.dtype)
+
+
+def global_case(name):
+  """(host operands, their specs) of op `name` on DEVICES devices: device d's block is
+  CASES' operands of seed d with their ids made global; replicated operands device 0's."""
+  groups = Op.registry[name].split.operands
+  parts = [CASES[name].make(np.random.default_rng(d)) for d in range(DEVICES)]
+  args = []
+  for i, group in enumerate(groups):
+    if group is None:
+      args.append(np.asarray(parts[0][i]))
+      continue
+    size = IDS.get(name, {}).get(i)
+    args.append(np.concatenate([np.asarray(p[i]) if size is None else shift(p[i], d, size(p))
+                                for d, p in enumerate(parts)]))
+  return args, [P() if g is None else P(AXIS) for g in groups], parts
+
+
+def outputs(case, args, outs):
+  outs = outs if isinstance(outs, tuple) else (outs,)
+  return case.valid(args, outs) if case.valid else outs
+
+
+def assert_no_collective(compiled, what):
+  text = compiled.as_text()
+  found = sorted({m.group(0) for m in COLLECTIVE.finditer(text)})
+  assert not found, f"{what}: the compiled program holds collectives {found}"
+
+
+def check_jit_primitives():
+  """Every op under plain jax.jit on operands split over the devices (global ids, each
+  device's ids in its block) equals the op on one device bit for bit, holds no
+  collective and returns its results split likewise; an id moved into another device's
+  block acts as an out-of-range id (SPEC D4)."""
+  m = mesh(jax.sharding.AxisType.Auto)
+  for name in glm5_jax.OPS:
+    case, groups = CASES[name], Op.registry[name].split.results
+    args, specs, parts = global_case(name)
+    fn = jax.jit(case.fn)
+    placed = sharding.put(m, specs, args)
+    assert_no_collective(fn.lower(*placed).compile(), name)
+    got = fn(*placed)
+    for o, g in zip(got if isinstance(got, tuple) else (got,), groups):
+      assert o.sharding.spec[:1] == ((AXIS,) if g else ()), (name, o.sharding)
+    assert_bits_equal(outputs(case, args, got), outputs(case, args, fn(*args)), name)
+    # D4: the last device's first id moved into device 0's block is out of range there;
+    # on one device, the same row with an id out of range of the whole array.
+    for i, size in IDS.get(name, {}).items():
+      start = args[i].size // DEVICES * (DEVICES - 1)       # the last device's block
+      at = start + np.flatnonzero(args[i].reshape(-1)[start:] >= 0)[0]
+      moved, outside = [a.copy() for a in args], [a.copy() for a in args]
+      moved[i].reshape(-1)[at] = 0
+      outside[i].reshape(-1)[at] = DEVICES * size(parts[0])
+      got = fn(*sharding.put(m, specs, moved))
+      assert_bits_equal(outputs(case, moved, got), outputs(case, outside, fn(*outside)),
+                        f"{name} operand {i}: an id of another device's block")
+
+
+def global_inputs():
+  """(cache, x, qr, batch) host trees of the whole step, global ids (sharding.to_global
+  of each device's device_state), and the per-device states."""
+  parts = [device_state(d) for d in range(DEVICES)]
+  specs = sharding.request_specs(AXIS)
+  glob = [(c, x, qr, sharding.to_global(d, c, b)) for d, (c, x, qr, b) in enumerate(parts)]
+  return sharding.assemble((specs.cache, specs.rows, specs.rows, specs.batch), glob), parts
+
+
+def check_jit_stage():
+  """indexer_stage under plain jax.jit (cache donated) on arguments laid out as
+  request_specs, global ids: bit-equal to the stage on one device, outputs split by
+  request, no collective, the donated caches in place; and, split back per device,
+  equal to data_parallel_stage on the device-local ids. Control: the reference
+  composition (jnp, no partitioning rule) under the same jit gathers, and the check
+  sees it."""
+  w = weights()
+  host, parts = global_inputs()
+  want = STEP(w, *host, config=CONFIG)
+  step = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
+                 donate_argnames="cache")
+  specs = sharding.request_specs(AXIS)
+  arg_specs = (specs.weights, specs.cache, specs.rows, specs.rows, specs.batch)
+  for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+    m = mesh(axis_type)
+    args = sharding.put(m, arg_specs, (w, *host))
+    check_collectives(step.lower(*args, config=CONFIG).compile(), f"jit stage {axis_type}")
+    got = step(*args, config=CONFIG)
+    assert args[1].kv_cache.is_deleted(), "the cache is donated"
+    for leaf in jax.tree.leaves(got):
+      assert leaf.sharding.spec[:1] == (AXIS,), leaf.sharding
+    assert_bits_equal(got, want, f"jit stage {axis_type}")
+    local = sharding.assemble(arg_specs, [(w, *p) for p in parts])
+    shard_map = sharding.data_parallel_stage(m, AXIS)(*sharding.put(m, arg_specs, local),
+                                                     config=CONFIG)
+    # (slots hold the block_table's values, the same in both forms)
+    assert_bits_equal(got, shard_map, f"jit stage == data_parallel_stage {axis_type}")
+  # (an Explicit mesh refuses the reference's gathers of sharded operands at trace time)
+  control = STEP.lower(*sharding.put(m, arg_specs, (w, *host)), config=CONFIG,
+                       use_reference=True).compile().as_text()
+  assert COLLECTIVE.search(control), "the reference under plain jit was expected to gather"
+
+
+def check_jit_step():
+  """serving.indexer_step under plain jax.jit, packed metadata of the whole batch
+  (decode_metadata on the global page table) split along its requests: bit-equal to
+  the step on one device, no collective."""
+  w = weights()
+  host, _ = global_inputs()
+  cache, x, qr, batch = host
+  packed = serving.decode_metadata(batch.positions, batch.page_table,
+                                   page=cache.kv_cache.shape[1], ring=cache.tail.shape[2])
+  assert np.array_equal(packed, glm5_jax.DecodeBatch.pack(
+      batch.positions, batch.loc, batch.tslot, batch.req_ids)), "to_global's ids"
+  step = jax.jit(serving.indexer_step, static_argnames=("config", "use_reference"),
+                 donate_argnames="cache")
+  one = (cache, x, qr, packed, batch.page_table, batch.block_table)
+  want = step(w, *jax.tree.map(jnp.asarray, one), config=CONFIG)
+  specs = sharding.request_specs(AXIS)
+  m = mesh(jax.sharding.AxisType.Auto)
+  args = sharding.put(m, (specs.weights, specs.cache, specs.rows, specs.rows, specs.packed,
+                          specs.batch.page_table, specs.batch.block_table), (w, *one))
+  check_collectives(step.lower(*args, config=CONFIG).compile(), "jit serving step")
+  assert_bits_equal(step(*args, config=CONFIG), want, "jit serving step")
+
+
 if __name__ == "__main__":
-  assert len(jax.devices()) == DEVICES, jax.devices()
-  globals()[f"check_{sys.argv[1]}"]()
-  print(f"ok {sys.argv[1]}")
+  assert len(jax.devices()) >= DEVICES, f"--devices {DEVICES}: jax has {jax.devices()}"
+  checks = ARGS.checks or [n[len("check_"):] for n in list(globals())
+                           if n.startswith("check_") and n != "check_collectives"]
+  print(f"{DEVICES} {jax.devices()[0].platform} devices: {', '.join(checks)}", flush=True)
+  for name in checks:
+    globals()[f"check_{name}"]()
+    print(f"ok {name}", flush=True)

@@ -1,12 +1,16 @@
 """Data parallelism over requests (glm5_jax.sharding) on 4 host CPU devices: each check
 runs tests/sharded_checks.py in a process of its own (XLA_FLAGS is read when jax first
-starts a backend, and this process has one CPU device by then)."""
+starts a backend, and this process has one CPU device by then). On GPUs, all of them at
+once: `python tests/sharded_checks.py --devices 2`."""
 import os
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from glm5_jax._primitive import SPLIT_GROUPS, Op, local_ids
 
 SCRIPT = pathlib.Path(__file__).with_name("sharded_checks.py")
 
@@ -47,6 +51,31 @@ def test_data_parallel_serving_step_equals_per_device_step():
   run_check("serving_step")
 
 
+def test_every_primitive_under_plain_jit():
+  """Each op of OPS under plain jax.jit on operands split over 4 devices (global ids,
+  each device's in its block) equals the op on one device bit for bit, its compiled
+  program holds no collective and its results are split likewise; an id moved into
+  another device's block acts as an out-of-range id (SPEC D4)."""
+  run_check("jit_primitives")
+
+
+@pytest.mark.slow
+def test_plain_jit_stage_equals_unsharded_stage():
+  """indexer_stage under plain jax.jit (cache donated) on arguments laid out as
+  request_specs with global ids equals the stage on one device and data_parallel_stage
+  bit for bit, with outputs split by request and no collective (all-gather,
+  all-to-all, collective-permute, ...) in the compiled step; the same check sees the
+  gathers of the reference composition (the control)."""
+  run_check("jit_stage")
+
+
+@pytest.mark.slow
+def test_plain_jit_serving_step_equals_unsharded_step():
+  """serving.indexer_step under plain jax.jit, packed metadata of the whole batch split
+  along its requests, equals the step on one device bit for bit, with no collective."""
+  run_check("jit_step")
+
+
 def test_data_parallel_errors_name_the_argument():
   run_check("errors")
 
@@ -69,3 +98,16 @@ def test_decode_loop_demo_on_two_devices():
   for d in range(2):
     assert f"device {d}: check: every step's selected slots" in done.stdout, done.stdout
   assert done.stdout.rstrip().endswith("ok")
+
+
+def test_every_op_declares_a_split():
+  """Plain jit partitions every op (an op without a Split would be gathered)."""
+  for name, op in Op.registry.items():
+    assert op.split is not None, name
+    assert set(op.split.operands + op.split.results) <= {*SPLIT_GROUPS, None}
+
+
+def test_local_ids():
+  """Ids in the device's block lose its start; negative ids stay; others are `size`."""
+  ids = np.asarray([-1, 0, 9, 10, 14, 15, 40], np.int32)
+  assert local_ids(ids, 2, 5).tolist() == [-1, 5, 5, 0, 4, 5, 5]
