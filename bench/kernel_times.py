@@ -47,7 +47,7 @@ def parse(text, sizes):
   start = text.find('"ID"')
   rows = [r for r in csv.DictReader(io.StringIO(text[start:]))
           if r["Metric Name"] == "gpu__time_duration.sum"]
-  scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+  scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
   us = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]] for r in rows]
   order = calls(sizes)
   want = sum(KERNELS[op] for op, _ in order)
