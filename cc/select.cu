@@ -18,6 +18,7 @@
 // selected pool ids in ascending id order (ties at the threshold by ascending id). No
 // atomic decides an order; shared-memory atomics only count.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -467,27 +468,38 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
 
 // ------------------------------------------------------------------------------ launch
 
+constexpr int kMaxDevices = 64;  // devices of one process with per-device state here
+
+// Device properties and kernel attributes belong to the current device (XLA makes the
+// stream's device current before it calls a handler): never cache them process-wide, or
+// the second GPU of a process launches with the first one's settings.
 int sm_count() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return sms > 0 ? sms : 1;
-  }();
-  return count;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+// cudaFuncSetAttribute once per device (it is host-side state of that device's context).
+template <typename Kernel>
+cudaError_t allow_smem_once(Kernel kernel, int smem, std::atomic<bool> (&done)[kMaxDevices]) {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return cudaSuccess;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && device < kMaxDevices) done[device].store(true, std::memory_order_release);
+  return err;
 }
 
 
 cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                           int32_t padded) {
   auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
-  static int resident[2] = {0, 0};  // CTAs per SM, per instantiation
-  int& per_sm = resident[padded == 64];
   const int smem = (args.rows + 1) * static_cast<int>(sizeof(int32_t));  // <= 32 KiB
-  if (per_sm == 0) {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
-    per_sm = std::max(per_sm, 1);
-  }
+  int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
+  per_sm = std::max(per_sm, 1);
   // Grid from shapes only (command-buffer contract): at most one CTA per possible item,
   // at most what is resident at once; the kernel spreads the actual items over it.
   const int64_t bound = static_cast<int64_t>(args.rows) *
@@ -503,10 +515,12 @@ int topk_smem(int32_t width) {
 }
 
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  // A kernel attribute is process state, not stream work: set once, before the first launch.
-  static const cudaError_t allowed = cudaFuncSetAttribute(
-      pool_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, topk_smem(kTopkMaxPools));
-  if (allowed != cudaSuccess) return allowed;
+  // A kernel attribute is host-side state of a device, not stream work: set it once per
+  // device, before that device's first launch.
+  static std::atomic<bool> allowed[kMaxDevices] = {};
+  if (cudaError_t err = allow_smem_once(pool_topk_kernel, topk_smem(kTopkMaxPools), allowed);
+      err != cudaSuccess)
+    return err;
   const int smem = topk_smem(args.width);
   return launch(pool_topk_kernel, dim3(static_cast<unsigned>(args.rows)), dim3(kTopkThreads),
                 smem, stream, pdl, args);
