@@ -17,7 +17,7 @@ from glm5_jax import synthetic
 
 from .harness import time_step
 from .sizes import CONFIG, POOL, Sizes
-from .variants import KERNEL, REFERENCE
+from .variants import KERNEL, NO_PDL, REFERENCE
 
 NAME = "stage"
 
@@ -44,6 +44,13 @@ def shapes(bench, group):
 
 def add_arguments(parser):
   shape_arguments(parser, NAME)
+  parser.add_argument("--stage-pdl-off", action="store_true",
+                      help="also time the kernels with PDL off (Routing(pdl=False)): the "
+                           "launches after XLA's own kernels gain nothing from it")
+
+
+ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=False),
+            NO_PDL: glm5_jax.Routing(pdl=False)}
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
@@ -90,7 +97,8 @@ def _step(config):
 
 def run(bench):
   s = bench.s
-  variants = [KERNEL, REFERENCE] if bench.module else [REFERENCE]
+  variants = ([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
+              if bench.module else [REFERENCE])
   for ctx, m in shapes(bench, NAME):
     shape = f"M={m},ctx={ctx}"
     if bench.over_budget():
@@ -103,8 +111,7 @@ def run(bench):
         bench.error_row(NAME, shape, v, e)
       continue
     for variant in variants:
-      routing = (glm5_jax.Routing() if variant == KERNEL
-                 else glm5_jax.Routing(kernels=False))
+      routing = ROUTINGS[variant]
       try:
         sec, caches, info = time_step(_step(_config(ctx, routing)), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,

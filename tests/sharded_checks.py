@@ -49,10 +49,41 @@ def mesh(axis_type):
 
 
 def assert_bits_equal(got, want, what):
+  leaves = jax.tree.leaves(want)
   got, want = tree_bytes(got), tree_bytes(want)
   assert len(got) == len(want), what
   for i, (g, w) in enumerate(zip(got, want)):
-    assert g.shape == w.shape and np.array_equal(g, w), f"{what}: leaf {i} differs"
+    assert g.shape == w.shape and np.array_equal(g, w), \
+        f"{what}: leaf {i} differs: {difference(g, w, leaves[i].dtype)}"
+
+
+def difference(g, w, dtype):
+  """Where two leaves' bytes differ, in the leaf's own elements (for the message)."""
+  g, w = g.view(dtype), w.view(dtype)
+  off = np.argwhere(g != w)
+  text = f"{len(off)} of {g.size} {np.dtype(dtype).name} values, first at {off[:3].tolist()}"
+  if np.issubdtype(np.dtype(dtype), np.floating) or dtype == jnp.bfloat16:
+    gf, wf = g.astype(np.float64), w.astype(np.float64)
+    text += f", max |rel| {np.nanmax(np.abs(gf - wf) / np.maximum(np.abs(wf), 1e-30)):.3g}"
+  return text
+
+
+def assert_step_equal(got, want, what):
+  """A whole step under plain jit against the step on one device with all the rows:
+  bit for bit, except on a GPU IndexerOutput.w_out. There the stage's q GEMM (XLA's, on
+  each device's rows) runs at another row count than on one device, and cuBLAS may sum
+  in another order (SPEC D2: a GEMM's summation order is not part of the contract); q's
+  fp8 codes come out the same but its per-row scale, which w_out carries, can move by
+  an ulp. Everything our primitives compute is bit-equal (check_jit_primitives) and the
+  same step against data_parallel_stage (same rows per device) is compared bit for bit."""
+  if jax.default_backend() == "cpu":
+    return assert_bits_equal(got, want, what)
+  (out, cache), (ref_out, ref_cache) = got, want
+  np.testing.assert_allclose(np.asarray(out.w_out, np.float64),
+                             np.asarray(ref_out.w_out, np.float64), rtol=2.0 ** -7, atol=0,
+                             err_msg=f"{what}: w_out")
+  assert_bits_equal((out.q_fp8, out.slots, out.counts, cache),
+                    (ref_out.q_fp8, ref_out.slots, ref_out.counts, ref_cache), what)
 
 
 def shard(d, tree):
@@ -303,7 +334,7 @@ def check_jit_stage():
     assert args[1].kv_cache.is_deleted(), "the cache is donated"
     for leaf in jax.tree.leaves(got):
       assert leaf.sharding.spec[:1] == (AXIS,), leaf.sharding
-    assert_bits_equal(got, want, f"jit stage {axis_type}")
+    assert_step_equal(got, want, f"jit stage {axis_type}")
     local = sharding.assemble(arg_specs, [(w, *p) for p in parts])
     shard_map = sharding.data_parallel_stage(m, AXIS)(*sharding.put(m, arg_specs, local),
                                                      config=CONFIG)
@@ -335,7 +366,7 @@ def check_jit_step():
   args = sharding.put(m, (specs.weights, specs.cache, specs.rows, specs.rows, specs.packed,
                           specs.batch.page_table, specs.batch.block_table), (w, *one))
   check_collectives(step.lower(*args, config=CONFIG).compile(), "jit serving step")
-  assert_bits_equal(step(*args, config=CONFIG), want, "jit serving step")
+  assert_step_equal(step(*args, config=CONFIG), want, "jit serving step")
 
 
 if __name__ == "__main__":
