@@ -23,10 +23,13 @@ GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps
   > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -m glm5_jax.info || exit 1
 if [ "$tests" = 1 ]; then
-  GLM5_JAX_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -n "${GLM5_JAX_TEST_WORKERS:-8}" \
-    tests 2>&1 \
-    | tee "$out/pytest.log" | tail -25
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # -v: a run stopped by a time limit still names the tests that failed before it
+  # (-q prints their names only in the final summary); --timeout names a hung test.
+  GLM5_JAX_REQUIRE_GPU=1 timeout "${GLM5_JAX_TEST_SECONDS:-560}" python3 -m pytest -v \
+    -p no:cacheprovider -p no:benchmark --timeout 300 --durations 15 \
+    -n "${GLM5_JAX_TEST_WORKERS:-15}" tests > "$out/pytest.log" 2>&1
+  [ $? = 0 ] || status=1
+  grep -E "^FAILED|^ERROR| passed| failed" "$out/pytest.log" | tail -25
 fi
 if [ "$sanitize" = 1 ]; then
   # scripts/sanitize_kernels.py, not the test suite: compute-sanitizer crashes
@@ -42,4 +45,6 @@ if [ "$bench" = 1 ]; then
     | tee "$out/bench.log" | tail -60
   cp BENCHMARKS.json BENCHMARKS.md bench/benchmarks.png "$out"/ 2>/dev/null
 fi
+# The device tool returns at most 8 files from $OUT: one archive of the logs as well.
+tar -czf "$out/logs.tgz" -C "$out" --exclude logs.tgz . 2>/dev/null
 exit $status
