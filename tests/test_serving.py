@@ -122,7 +122,8 @@ def test_bench_serving_group_cpu_smoke(tmp_path):
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   rows = json.loads(out.read_text())
   assert {r["variant"] for r in rows if r["op"] == "serving"} == {
-      "device metadata", "host metadata, packed", "host metadata, fields"}
+      "device metadata", "host metadata, packed", "host metadata, fields",
+      "host metadata, pinned"}
   assert all(r["device_us"] > 0 for r in rows if r["op"] == "serving"), rows
   assert any("the device-metadata step" in r["notes"] for r in rows if r["op"] == "serving")
 
