@@ -53,11 +53,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import serving
 from ._checks import fail
+from ._primitive import Routing, local_ids
+from .logits import mqa_logits, pool_topk
+from .reference.logits import pool_counts
 from .stage import DecodeBatch, IndexerCache, IndexerOutput, IndexerWeights, indexer_stage
 
 try:
@@ -197,3 +202,156 @@ def assemble(specs, parts):
       return first
     return np.concatenate([np.asarray(a) for a in leaves], axis=dim)
   return jax.tree.map(join, specs, *parts, is_leaf=_is_spec)
+
+
+# Context parallelism: one request's pools over the devices of a mesh axis ------------
+
+class ContextSpecs(NamedTuple):
+  """PartitionSpec trees of context_parallel_select over one mesh axis: operands
+  (select_pools' six: kv_cache split by pages, page_table by columns, the rest
+  replicated), results (pool_ids replicated, logits split by pools)."""
+  operands: tuple
+  results: tuple
+
+
+def context_specs(axis: str = "context") -> ContextSpecs:
+  """The layout of context_parallel_select over mesh axis `axis`."""
+  return ContextSpecs(operands=(P(), P(), P(axis), P(None, axis), P(), P()),
+                      results=(P(), P(None, axis)))
+
+
+_NO_ID = np.iinfo(np.int32).max
+
+
+def _merge_topk(local, logits, *, k, axis, routing):
+  """The exact global top-k of pools split over mesh axis `axis` (inside its
+  shard_map): local i32[rows, k], this device's pool_topk (ascending local ids, -1
+  padding) of its f32[rows, P_local] logits (device d holds pools [d * P_local,
+  (d + 1) * P_local)) -> i32[rows, k] global ids, the same on every device.
+
+  Exact: a pool of the global top-k is among its device's k best (fewer than k of the
+  device's pools precede it in the order), so the top-k of the D * k candidates under
+  the same order (pool_topk: value, then ascending id) is the global top-k. The only
+  collective is the all-gather of the candidates (ids and logit bits, one array)."""
+  d = lax.axis_index(axis)
+  width = logits.shape[1]
+  gid = jnp.where(local >= 0, local + d * width, _NO_ID).astype(jnp.int32)
+  value = jnp.take_along_axis(logits, jnp.maximum(local, 0), axis=1)
+  both = jnp.stack([gid, lax.bitcast_convert_type(value, jnp.int32)], axis=-1)
+  both = lax.all_gather(both, axis, axis=1, tiled=True)          # [rows, D * k, 2]
+  gid, value = both[..., 0], lax.bitcast_convert_type(both[..., 1], jnp.float32)
+  # Device-major, the candidates are in ascending global id except for each device's
+  # padding (a device with fewer than k pools in a row): sorting by id moves the padding
+  # last and keeps that order, so pool_topk's ties by index are ties by global id and
+  # the valid candidates are a prefix of the row.
+  gid, value = lax.sort((gid, value), dimension=1, num_keys=1)
+  count = jnp.sum(gid != _NO_ID, axis=1, dtype=jnp.int32)
+  pick = pool_topk(value, count, k=k, routing=routing)             # ascending index
+  return jnp.where(pick >= 0, jnp.take_along_axis(gid, jnp.maximum(pick, 0), axis=1),
+                   -1).astype(jnp.int32)
+
+
+def _check_axis(op, mesh, axis):
+  if axis not in mesh.shape:
+    fail(op, "axis", f"{axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh.shape[axis]
+
+
+def context_parallel_topk(mesh: jax.sharding.Mesh, axis: str = "context"):
+  """glm5_jax.pool_topk of logits split by pools over mesh axis `axis`, jitted:
+  topk(logits f32[rows, P], pool_lens i32[rows], *, k, routing=None) -> i32[rows, k],
+  logits split along dim 1 (P(None, axis): device d holds pools [d * P / D,
+  (d + 1) * P / D)), pool_lens and the result replicated. Each device takes the top-k
+  of its pools, then all devices merge the gathered D * k candidates (_merge_topk):
+  bit-equal to pool_topk on the whole logits, its order and tie rule included."""
+  op = "context_parallel_topk"
+  devices = _check_axis(op, mesh, axis)
+
+  @functools.partial(jax.jit, static_argnames=("k", "routing"))
+  def run(logits, pool_lens, *, k, routing):
+    def body(logits, pool_lens):
+      width = logits.shape[1]
+      lens = jnp.clip(pool_lens - lax.axis_index(axis) * width, 0, width)
+      local = pool_topk(logits, lens, k=k, routing=routing)
+      return _merge_topk(local, logits, k=k, axis=axis, routing=routing)
+    return _shard_map(body, mesh=mesh, in_specs=(P(None, axis), P()), out_specs=P(),
+                      check_vma=False)(logits, pool_lens)
+
+  def topk(logits, pool_lens, *, k, routing=None):
+    shape = jax.typeof(logits).shape
+    if len(shape) != 2 or shape[1] % devices:
+      fail(op, "logits", f"dim 1 must be a multiple of the {devices} devices of mesh axis "
+           f"{axis!r}, got shape {tuple(shape)}")
+    return run(logits, pool_lens, k=int(k),
+               routing=Routing.from_env() if routing is None else routing)
+
+  topk.__name__ = topk.__qualname__ = op
+  return topk
+
+
+def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
+  """glm5_jax.select_pools with each request's pools split over mesh axis `axis`
+  (context parallelism for long contexts), jitted: select(q_fp8, w_out, kv_cache,
+  page_table, req_ids, positions, *, k, max_pools, scale_format="fp32", routing=None)
+  -> (pool_ids i32[rows, k], logits f32[rows, max_pools]), laid out as
+  context_specs(axis).
+
+  Device d of the D on the axis holds pools [d * P_local, (d + 1) * P_local) of every
+  row (P_local = max_pools / D): the page-table columns of those pools (page_table
+  split along dim 1, so page_table.shape[1] * PAGE == max_pools) and the K-cache pages
+  they point at (kv_cache split along its pages). Page ids are global, as for
+  select_pools on one device: a page outside the device's block is out of range there
+  and its pools score -inf (docs/semantics.md D4). Each device computes its pools'
+  logits (mqa_logits), their top-k (pool_topk) and the exact global merge
+  (_merge_topk: one all-gather of D * k candidates, the only collective; no cache or
+  logits move). pool_ids equal select_pools' bit for bit (the k best by the same
+  order and tie rule, ascending pool id, -1 padding, rows with at most k pools the
+  causal fill) given the same logits, and the logits equal mqa_logits' of each pool
+  (specified where select_pools specifies them). A row's pools beyond the kernels'
+  one-device limits (pool_topk's P) are fine as long as each device's share is within."""
+  op = "context_parallel_select"
+  devices = _check_axis(op, mesh, axis)
+  specs = context_specs(axis)
+
+  @functools.partial(jax.jit, static_argnames=("k", "max_pools", "scale_format",
+                                               "routing"))
+  def run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+          scale_format, routing):
+    def body(q_fp8, w_out, kv_cache, page_table, req_ids, positions):
+      d = lax.axis_index(axis)
+      requests, width = page_table.shape[0], page_table.shape[1] * kv_cache.shape[1]
+      ok = (req_ids >= 0) & (req_ids < requests)
+      table = local_ids(page_table[jnp.clip(req_ids, 0, requests - 1)], d,
+                        kv_cache.shape[0])
+      table = jnp.where(ok[:, None], table, -1)
+      n = jnp.minimum(pool_counts(positions), max_pools)
+      lens = jnp.clip(n - d * width, 0, width).astype(jnp.int32)
+      # Rows whose pools all fit in k select them all (the causal fill) and need no
+      # logits, as in select_pools: their logits are skipped (pool_lens 0).
+      logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, lens, 0),
+                          max_pools=width, scale_format=scale_format, routing=routing)
+      local = pool_topk(logits, lens, k=k, routing=routing)
+      return _merge_topk(local, logits, k=k, axis=axis, routing=routing), logits
+    return _shard_map(body, mesh=mesh, in_specs=specs.operands, out_specs=specs.results,
+                      check_vma=False)(q_fp8, w_out, kv_cache, page_table, req_ids,
+                                       positions)
+
+  def select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+             scale_format="fp32", routing=None):
+    pages, page = jax.typeof(kv_cache).shape[:2]
+    if pages % devices:
+      fail(op, "kv_cache", f"dim 0 must be a multiple of the {devices} devices of mesh "
+           f"axis {axis!r} (each device holds a block of pages), got {pages}")
+    if max_pools <= 0 or max_pools % (devices * page):
+      fail(op, "max_pools", f"must be a positive multiple of {devices} devices x PAGE "
+           f"{page} (each device holds whole pages of every row), got {max_pools}")
+    columns = jax.typeof(page_table).shape[1]
+    if columns * page != max_pools:
+      fail(op, "page_table", f"dim 1 must be max_pools / PAGE = {max_pools // page} (device "
+           f"d holds the columns of pools [d * max_pools / {devices}, ...)), got {columns}")
+    return run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
+               max_pools=int(max_pools), scale_format=scale_format,
+               routing=Routing.from_env() if routing is None else routing)
+
+  select.__name__ = select.__qualname__ = op
+  return select
