@@ -1,6 +1,9 @@
-"""Data parallelism over requests: the decode step on several devices, requests with
-their caches split over one mesh axis, each device computing its own requests with
-nothing moved between devices. Two forms, one layout:
+"""Several devices. Data parallelism over requests (forms 1 and 2): the decode step
+with requests and their caches split over one mesh axis, each device computing its own
+requests with nothing moved between devices. Context parallelism (form 3): one
+request's pools split over the devices of an axis, the selection merged exactly.
+
+Data parallelism, two forms, one layout:
 
 A request's indexer reads only its own K-cache pages, tail block and MLA blocks, so a
 data-parallel rank holds whole requests with their caches and the step needs nothing
@@ -47,6 +50,24 @@ tables' request rows, every output); the weights are replicated.
 
 Both compile to steps with no collective (tests/test_sharding.py, 4 host CPU devices;
 `python tests/sharded_checks.py --devices 2` on two GPUs).
+
+3. Context parallelism (one request's pools over devices, for long contexts):
+   context_parallel_select(mesh, axis) is select_pools with every row's pools split in
+   contiguous, equal blocks over the D devices of `axis`: device d holds pools
+   [d * max_pools / D, (d + 1) * max_pools / D) of every row, i.e. its columns of the
+   page table (split along dim 1) and the K-cache pages they point at (split along dim
+   0, global page ids as on one device); the queries, req_ids and positions are
+   replicated (context_specs, the one place this layout is written). Each device
+   scores its pools and takes their top-k; the devices all-gather the D * k candidates
+   (ids and logits, the step's only collective) and take the top-k of those with
+   pool_topk itself, so pool_ids equal select_pools' bit for bit (same order, ties by
+   ascending pool id, NaN and -0 as pool_topk, -1 padding, the causal fill); the
+   logits stay split by pools. context_parallel_topk(mesh, axis) is the same merge for
+   logits already split by pools.
+
+     select = glm5_jax.sharding.context_parallel_select(mesh, "context")
+     ids, logits = select(*put(mesh, context_specs("context").operands, operands),
+                          k=2048, max_pools=max_pools)
 """
 import functools
 from typing import Any, NamedTuple
@@ -245,6 +266,9 @@ def _merge_topk(local, logits, *, k, axis, routing):
   # last and keeps that order, so pool_topk's ties by index are ties by global id and
   # the valid candidates are a prefix of the row.
   gid, value = lax.sort((gid, value), dimension=1, num_keys=1)
+  # Every device now holds the same candidates and computes the same result from them
+  # (hence check_vma=False in the shard_maps: jax types an all-gather's result as
+  # varying over the axis, but a replicated out_spec is exact here).
   count = jnp.sum(gid != _NO_ID, axis=1, dtype=jnp.int32)
   pick = pool_topk(value, count, k=k, routing=routing)             # ascending index
   return jnp.where(pick >= 0, jnp.take_along_axis(gid, jnp.maximum(pick, 0), axis=1),
@@ -291,24 +315,20 @@ def context_parallel_topk(mesh: jax.sharding.Mesh, axis: str = "context"):
 
 def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
   """glm5_jax.select_pools with each request's pools split over mesh axis `axis`
-  (context parallelism for long contexts), jitted: select(q_fp8, w_out, kv_cache,
-  page_table, req_ids, positions, *, k, max_pools, scale_format="fp32", routing=None)
-  -> (pool_ids i32[rows, k], logits f32[rows, max_pools]), laid out as
-  context_specs(axis).
+  (module docstring, form 3), jitted: select(q_fp8, w_out, kv_cache, page_table,
+  req_ids, positions, *, k, max_pools, scale_format="fp32", routing=None) ->
+  (pool_ids i32[rows, k], logits f32[rows, max_pools]), laid out as
+  context_specs(axis); page_table.shape[1] * PAGE == max_pools, a multiple of D * PAGE
+  (each device holds whole pages of every row).
 
-  Device d of the D on the axis holds pools [d * P_local, (d + 1) * P_local) of every
-  row (P_local = max_pools / D): the page-table columns of those pools (page_table
-  split along dim 1, so page_table.shape[1] * PAGE == max_pools) and the K-cache pages
-  they point at (kv_cache split along its pages). Page ids are global, as for
-  select_pools on one device: a page outside the device's block is out of range there
-  and its pools score -inf (docs/semantics.md D4). Each device computes its pools'
-  logits (mqa_logits), their top-k (pool_topk) and the exact global merge
-  (_merge_topk: one all-gather of D * k candidates, the only collective; no cache or
-  logits move). pool_ids equal select_pools' bit for bit (the k best by the same
-  order and tie rule, ascending pool id, -1 padding, rows with at most k pools the
-  causal fill) given the same logits, and the logits equal mqa_logits' of each pool
-  (specified where select_pools specifies them). A row's pools beyond the kernels'
-  one-device limits (pool_topk's P) are fine as long as each device's share is within."""
+  Page ids are global, as on one device; a page outside the block of the device that
+  holds its column is out of range there and its pools score -inf (docs/semantics.md
+  D4). pool_ids equal select_pools' bit for bit where the logits are equal (on the GPU
+  both run the same logits kernel, whose per-pool sum does not depend on the row's
+  length); the logits are mqa_logits' over each device's pools, specified where
+  select_pools specifies them. Only each device's share (max_pools / D) and the D * k
+  candidates meet the one-device kernels' limits (logits.TOPK_MAX_POOLS), so a
+  context too long for one device's top-k kernel still runs its kernels."""
   op = "context_parallel_select"
   devices = _check_axis(op, mesh, axis)
   specs = context_specs(axis)
@@ -324,7 +344,7 @@ def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
       table = local_ids(page_table[jnp.clip(req_ids, 0, requests - 1)], d,
                         kv_cache.shape[0])
       table = jnp.where(ok[:, None], table, -1)
-      n = jnp.minimum(pool_counts(positions), max_pools)
+      n = jnp.minimum(pool_counts(positions), max_pools)    # the spec's count, as select_pools
       lens = jnp.clip(n - d * width, 0, width).astype(jnp.int32)
       # Rows whose pools all fit in k select them all (the causal fill) and need no
       # logits, as in select_pools: their logits are skipped (pool_lens 0).

@@ -1,8 +1,8 @@
 """Data parallelism over requests and context parallelism over a request's pools
-(glm5_jax.sharding) on 4 host CPU devices: each check
-runs tests/sharded_checks.py in a process of its own (XLA_FLAGS is read when jax first
-starts a backend, and this process has one CPU device by then). On GPUs, all of them at
-once: `python tests/sharded_checks.py --devices 2`."""
+(glm5_jax.sharding) on 4 host CPU devices: each check runs tests/sharded_checks.py in a
+process of its own (XLA_FLAGS is read when jax first starts a backend, and this process
+has one CPU device by then). On GPUs, all of them at once:
+`python tests/sharded_checks.py --devices 2`."""
 import os
 import pathlib
 import subprocess
