@@ -1,6 +1,9 @@
-"""Data parallelism over requests: the decode step on several devices, requests with
-their caches split over one mesh axis, each device computing its own requests with
-nothing moved between devices. Two forms, one layout:
+"""Several devices. Data parallelism over requests (forms 1 and 2): the decode step
+with requests and their caches split over one mesh axis, each device computing its own
+requests with nothing moved between devices. Context parallelism (form 3): one
+request's pools split over the devices of an axis, the selection merged exactly.
+
+Data parallelism, two forms, one layout:
 
 A request's indexer reads only its own K-cache pages, tail block and MLA blocks, so a
 data-parallel rank holds whole requests with their caches and the step needs nothing
@@ -47,17 +50,40 @@ tables' request rows, every output); the weights are replicated.
 
 Both compile to steps with no collective (tests/test_sharding.py, 4 host CPU devices;
 `python tests/sharded_checks.py --devices 2` on two GPUs).
+
+3. Context parallelism (one request's pools over devices, for long contexts):
+   context_parallel_select(mesh, axis) is select_pools with every row's pools split in
+   contiguous, equal blocks over the D devices of `axis`: device d holds pools
+   [d * max_pools / D, (d + 1) * max_pools / D) of every row, i.e. its columns of the
+   page table (split along dim 1) and the K-cache pages they point at (split along dim
+   0, global page ids as on one device); the queries, req_ids and positions are
+   replicated (context_specs, the one place this layout is written). Each device
+   scores its pools and takes their top-k; the devices all-gather the D * k candidates
+   (ids and logits, the step's only collective) and take the top-k of those with
+   pool_topk itself, so pool_ids equal select_pools' bit for bit (same order, ties by
+   ascending pool id, NaN and -0 as pool_topk, -1 padding, the causal fill); the
+   logits stay split by pools. context_parallel_topk(mesh, axis) is the same merge for
+   logits already split by pools.
+
+     select = glm5_jax.sharding.context_parallel_select(mesh, "context")
+     ids, logits = select(*put(mesh, context_specs("context").operands, operands),
+                          k=2048, max_pools=max_pools)
 """
 import functools
 from typing import Any, NamedTuple
 
 import numpy as np
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import serving
 from ._checks import fail
+from ._primitive import Routing, local_ids
+from .logits import mqa_logits, pool_topk
+from .reference.logits import pool_counts
 from .stage import DecodeBatch, IndexerCache, IndexerOutput, IndexerWeights, indexer_stage
 
 try:
@@ -197,3 +223,155 @@ def assemble(specs, parts):
       return first
     return np.concatenate([np.asarray(a) for a in leaves], axis=dim)
   return jax.tree.map(join, specs, *parts, is_leaf=_is_spec)
+
+
+# Context parallelism: one request's pools over the devices of a mesh axis ------------
+
+class ContextSpecs(NamedTuple):
+  """PartitionSpec trees of context_parallel_select over one mesh axis: operands
+  (select_pools' six: kv_cache split by pages, page_table by columns, the rest
+  replicated), results (pool_ids replicated, logits split by pools)."""
+  operands: tuple
+  results: tuple
+
+
+def context_specs(axis: str = "context") -> ContextSpecs:
+  """The layout of context_parallel_select over mesh axis `axis`."""
+  return ContextSpecs(operands=(P(), P(), P(axis), P(None, axis), P(), P()),
+                      results=(P(), P(None, axis)))
+
+
+_NO_ID = np.iinfo(np.int32).max
+
+
+def _merge_topk(local, logits, *, k, axis, routing):
+  """The exact global top-k of pools split over mesh axis `axis` (inside its
+  shard_map): local i32[rows, k], this device's pool_topk (ascending local ids, -1
+  padding) of its f32[rows, P_local] logits (device d holds pools [d * P_local,
+  (d + 1) * P_local)) -> i32[rows, k] global ids, the same on every device.
+
+  Exact: a pool of the global top-k is among its device's k best (fewer than k of the
+  device's pools precede it in the order), so the top-k of the D * k candidates under
+  the same order (pool_topk: value, then ascending id) is the global top-k. The only
+  collective is the all-gather of the candidates (ids and logit bits, one array)."""
+  d = lax.axis_index(axis)
+  width = logits.shape[1]
+  gid = jnp.where(local >= 0, local + d * width, _NO_ID).astype(jnp.int32)
+  value = jnp.take_along_axis(logits, jnp.maximum(local, 0), axis=1)
+  both = jnp.stack([gid, lax.bitcast_convert_type(value, jnp.int32)], axis=-1)
+  both = lax.all_gather(both, axis, axis=1, tiled=True)          # [rows, D * k, 2]
+  gid, value = both[..., 0], lax.bitcast_convert_type(both[..., 1], jnp.float32)
+  # Device-major, the candidates are in ascending global id except for each device's
+  # padding (a device with fewer than k pools in a row): sorting by id moves the padding
+  # last and keeps that order, so pool_topk's ties by index are ties by global id and
+  # the valid candidates are a prefix of the row.
+  gid, value = lax.sort((gid, value), dimension=1, num_keys=1)
+  # Every device now holds the same candidates and computes the same result from them
+  # (hence check_vma=False in the shard_maps: jax types an all-gather's result as
+  # varying over the axis, but a replicated out_spec is exact here).
+  count = jnp.sum(gid != _NO_ID, axis=1, dtype=jnp.int32)
+  pick = pool_topk(value, count, k=k, routing=routing)             # ascending index
+  return jnp.where(pick >= 0, jnp.take_along_axis(gid, jnp.maximum(pick, 0), axis=1),
+                   -1).astype(jnp.int32)
+
+
+def _check_axis(op, mesh, axis):
+  if axis not in mesh.shape:
+    fail(op, "axis", f"{axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh.shape[axis]
+
+
+def context_parallel_topk(mesh: jax.sharding.Mesh, axis: str = "context"):
+  """glm5_jax.pool_topk of logits split by pools over mesh axis `axis`, jitted:
+  topk(logits f32[rows, P], pool_lens i32[rows], *, k, routing=None) -> i32[rows, k],
+  logits split along dim 1 (P(None, axis): device d holds pools [d * P / D,
+  (d + 1) * P / D)), pool_lens and the result replicated. Each device takes the top-k
+  of its pools, then all devices merge the gathered D * k candidates (_merge_topk):
+  bit-equal to pool_topk on the whole logits, its order and tie rule included."""
+  op = "context_parallel_topk"
+  devices = _check_axis(op, mesh, axis)
+
+  @functools.partial(jax.jit, static_argnames=("k", "routing"))
+  def run(logits, pool_lens, *, k, routing):
+    def body(logits, pool_lens):
+      width = logits.shape[1]
+      lens = jnp.clip(pool_lens - lax.axis_index(axis) * width, 0, width)
+      local = pool_topk(logits, lens, k=k, routing=routing)
+      return _merge_topk(local, logits, k=k, axis=axis, routing=routing)
+    return _shard_map(body, mesh=mesh, in_specs=(P(None, axis), P()), out_specs=P(),
+                      check_vma=False)(logits, pool_lens)
+
+  def topk(logits, pool_lens, *, k, routing=None):
+    shape = jax.typeof(logits).shape
+    if len(shape) != 2 or shape[1] % devices:
+      fail(op, "logits", f"dim 1 must be a multiple of the {devices} devices of mesh axis "
+           f"{axis!r}, got shape {tuple(shape)}")
+    return run(logits, pool_lens, k=int(k),
+               routing=Routing.from_env() if routing is None else routing)
+
+  topk.__name__ = topk.__qualname__ = op
+  return topk
+
+
+def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
+  """glm5_jax.select_pools with each request's pools split over mesh axis `axis`
+  (module docstring, form 3), jitted: select(q_fp8, w_out, kv_cache, page_table,
+  req_ids, positions, *, k, max_pools, scale_format="fp32", routing=None) ->
+  (pool_ids i32[rows, k], logits f32[rows, max_pools]), laid out as
+  context_specs(axis); page_table.shape[1] * PAGE == max_pools, a multiple of D * PAGE
+  (each device holds whole pages of every row).
+
+  Page ids are global, as on one device; a page outside the block of the device that
+  holds its column is out of range there and its pools score -inf (docs/semantics.md
+  D4). pool_ids equal select_pools' bit for bit where the logits are equal (on the GPU
+  both run the same logits kernel, whose per-pool sum does not depend on the row's
+  length); the logits are mqa_logits' over each device's pools, specified where
+  select_pools specifies them. Only each device's share (max_pools / D) and the D * k
+  candidates meet the one-device kernels' limits (logits.TOPK_MAX_POOLS), so a
+  context too long for one device's top-k kernel still runs its kernels."""
+  op = "context_parallel_select"
+  devices = _check_axis(op, mesh, axis)
+  specs = context_specs(axis)
+
+  @functools.partial(jax.jit, static_argnames=("k", "max_pools", "scale_format",
+                                               "routing"))
+  def run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+          scale_format, routing):
+    def body(q_fp8, w_out, kv_cache, page_table, req_ids, positions):
+      d = lax.axis_index(axis)
+      requests, width = page_table.shape[0], page_table.shape[1] * kv_cache.shape[1]
+      ok = (req_ids >= 0) & (req_ids < requests)
+      table = local_ids(page_table[jnp.clip(req_ids, 0, requests - 1)], d,
+                        kv_cache.shape[0])
+      table = jnp.where(ok[:, None], table, -1)
+      n = jnp.minimum(pool_counts(positions), max_pools)    # the spec's count, as select_pools
+      lens = jnp.clip(n - d * width, 0, width).astype(jnp.int32)
+      # Rows whose pools all fit in k select them all (the causal fill) and need no
+      # logits, as in select_pools: their logits are skipped (pool_lens 0).
+      logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, lens, 0),
+                          max_pools=width, scale_format=scale_format, routing=routing)
+      local = pool_topk(logits, lens, k=k, routing=routing)
+      return _merge_topk(local, logits, k=k, axis=axis, routing=routing), logits
+    return _shard_map(body, mesh=mesh, in_specs=specs.operands, out_specs=specs.results,
+                      check_vma=False)(q_fp8, w_out, kv_cache, page_table, req_ids,
+                                       positions)
+
+  def select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+             scale_format="fp32", routing=None):
+    pages, page = jax.typeof(kv_cache).shape[:2]
+    if pages % devices:
+      fail(op, "kv_cache", f"dim 0 must be a multiple of the {devices} devices of mesh "
+           f"axis {axis!r} (each device holds a block of pages), got {pages}")
+    if max_pools <= 0 or max_pools % (devices * page):
+      fail(op, "max_pools", f"must be a positive multiple of {devices} devices x PAGE "
+           f"{page} (each device holds whole pages of every row), got {max_pools}")
+    columns = jax.typeof(page_table).shape[1]
+    if columns * page != max_pools:
+      fail(op, "page_table", f"dim 1 must be max_pools / PAGE = {max_pools // page} (device "
+           f"d holds the columns of pools [d * max_pools / {devices}, ...)), got {columns}")
+    return run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
+               max_pools=int(max_pools), scale_format=scale_format,
+               routing=Routing.from_env() if routing is None else routing)
+
+  select.__name__ = select.__qualname__ = op
+  return select

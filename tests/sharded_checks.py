@@ -9,6 +9,7 @@ where there are N (the two-GPU run: `python tests/sharded_checks.py --devices 2`
 N host CPU devices (the flag below; JAX_PLATFORMS=cpu forces them).
 """
 import argparse
+import functools
 import os
 import re
 
@@ -367,6 +368,169 @@ def check_jit_step():
                           specs.batch.page_table, specs.batch.block_table), (w, *one))
   check_collectives(step.lower(*args, config=CONFIG).compile(), "jit serving step")
   assert_step_equal(step(*args, config=CONFIG), want, "jit serving step")
+
+
+
+# Context parallelism (sharding.context_parallel_select) -------------------------------
+
+CONTEXT_AXIS = "context"
+CONTEXT_PAGE = 16
+# (seed, pools per device, ks): small shares with k below, near and above a device's
+# share, and one long context at the stage's k
+CONTEXT_CASES = [(0, 48, (5, 20, 60)), (1, 48, (5, 20, 60)), (2, 48, (5, 20, 60)),
+                 (3, 2048, (512,))]
+
+
+def context_meshes():
+  """Meshes of 2 and DEVICES devices on the context axis (each size once)."""
+  return [jax.make_mesh((n,), (CONTEXT_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                        devices=jax.devices()[:n]) for n in sorted({2, DEVICES})]
+
+
+def context_case(rng, devices, local):
+  """select_pools operands whose pools split over `devices` devices (global page ids,
+  each device's columns pointing into its own block of pages), with ties (3 distinct
+  keys x 2 scales), NaN, +-inf and -0 logits, missing and out-of-range pages, unknown
+  requests and pads; -> (operands, max_pools)."""
+  requests, local_pages = 4, local // CONTEXT_PAGE + 5
+  pages, max_pools = devices * local_pages, devices * local
+  columns = max_pools // CONTEXT_PAGE
+  keys = rng.standard_normal((3, 128)) * 32
+  keys = np.asarray(jnp.asarray(keys, jnp.float8_e4m3fn)).view(np.uint8)
+  data = keys[rng.integers(0, 3, (pages, CONTEXT_PAGE))]
+  scales = np.float32([2.0 ** -4, 2.0 ** -5])[rng.integers(0, 2, (pages, CONTEXT_PAGE))]
+  special = rng.random((pages, CONTEXT_PAGE))
+  scales[special < 0.03] = np.nan
+  scales[(special >= 0.03) & (special < 0.06)] = -0.0
+  scales[(special >= 0.06) & (special < 0.08)] = 0.0
+  scales[(special >= 0.08) & (special < 0.09)] = np.inf
+  scales[(special >= 0.09) & (special < 0.10)] = 2.0 ** -140    # a subnormal logit
+  kv = np.concatenate([data.reshape(pages, -1), scales.view(np.uint8).reshape(pages, -1)], 1)
+  kv = kv.reshape(pages, CONTEXT_PAGE, 132)
+  device = np.arange(columns) // (columns // devices)
+  table = (device * local_pages + rng.integers(0, local_pages, (requests, columns)))
+  table[1, 1] = -1                                  # a missing page
+  table[2, -1] = pages + 3                          # past the cache: scores -inf
+  # Pools of each row: a few (the causal fill), within device 0's share (twice), just
+  # past it, all but a few, all, past max_pools (clamped), none (a pad), all of an
+  # unknown request (every logit -inf), 60 (= k at k 60).
+  pools = [3, 40, local - 1, local + 7, max_pools - 5, max_pools, 10 ** 6, 0, max_pools, 60]
+  positions = np.asarray([4 * n - 1 if n else -1 for n in pools], np.int64)
+  positions = np.minimum(positions, 2 ** 31 - 1).astype(np.int32)
+  req_ids = np.asarray([0, 1, 3, 2, 3, 0, 1, 2, 7, 3], np.int32)
+  q = _q(rng, len(pools))
+  w = rng.random((len(pools), 32)).astype(np.float32)
+  return (q, w, kv, table.astype(np.int32), req_ids, positions), max_pools
+
+
+def _q(rng, rows):
+  return jnp.asarray(rng.standard_normal((rows, 32, 128)) * 8, jnp.float8_e4m3fn)
+
+
+def assert_gathers_only_candidates(compiled, rows, candidates, what):
+  """The compiled program's only collective is the all-gather of the candidates:
+  rows x candidates x 2 s32 values (global ids and logit bits), never the cache or the
+  logits. (By element count: XLA may move the gathered dim to the front.)"""
+  text = compiled.as_text()
+  kinds = sorted({m.group(1) for m in COLLECTIVE.finditer(text)})
+  assert kinds == ["all-gather"], f"{what}: collectives {kinds}"
+  for line in text.splitlines():
+    found = COLLECTIVE.search(line)
+    if found:    # the result's shape(s) precede the op's name
+      shapes = re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", line[:found.start()])
+      sizes = {(dtype, int(np.prod([int(d) for d in dims.split(",") if d])))
+               for dtype, dims in shapes}
+      assert ("s32", rows * candidates * 2) in sizes and all(
+          dtype == "s32" and size <= rows * candidates * 2 for dtype, size in sizes), \
+          f"{what}: gathers other than the {rows} x {candidates} candidates: {line}"
+
+
+def check_context():
+  """context_parallel_select on 2 and DEVICES devices equals select_pools on one device
+  bit for bit (pool ids; logits where specified) and the reference top-k of the whole
+  logits, on data with ties, NaN, +-inf, -0 and subnormal logits, missing pages, rows
+  with <= k pools, rows on one device, max_pools not a multiple of k; the only
+  collective is the all-gather of the D * k candidates. context_parallel_topk on the
+  same kinds of logits equals pool_topk."""
+  for m in context_meshes():
+    devices = m.shape[CONTEXT_AXIS]
+    specs = sharding.context_specs(CONTEXT_AXIS)
+    select = sharding.context_parallel_select(m, CONTEXT_AXIS)
+    for seed, local, ks in CONTEXT_CASES:
+      args, max_pools = context_case(np.random.default_rng(seed), devices, local)
+      placed = sharding.put(m, specs.operands, args)
+      n = np.minimum(np.asarray(glm5_jax.reference.pool_counts(args[5])), max_pools)
+      requests = args[3].shape[0]
+      known = (args[4] >= 0) & (args[4] < requests)
+      table = np.where(known[:, None], args[3][np.clip(args[4], 0, requests - 1)], -1)
+      full = jax.jit(functools.partial(glm5_jax.mqa_logits, max_pools=max_pools))(
+          *args[:3], table, jnp.asarray(n, jnp.int32))
+      for k in ks:
+        what = f"context {devices} devices, seed {seed}, k {k}"
+        one = jax.jit(functools.partial(glm5_jax.select_pools, k=k, max_pools=max_pools))
+        got = select(*placed, k=k, max_pools=max_pools)
+        assert got[1].sharding.spec == specs.results[1], what
+        case = CASES["select_pools"]
+        assert_bits_equal(case.valid(args, got), case.valid(args, one(*args)), what)
+        want = glm5_jax.reference.pool_topk(full, jnp.asarray(n, jnp.int32), k=k)
+        assert_bits_equal(got[0], want, f"{what}: the reference top-k of the logits")
+        if seed == 0:
+          compiled = jax.jit(functools.partial(select, k=k, max_pools=max_pools)).lower(
+              *placed).compile()
+          assert_gathers_only_candidates(compiled, len(n), devices * k, what)
+    assert_context_topk(m, devices)
+  assert_context_errors(context_meshes()[-1])
+
+
+def assert_context_topk(m, devices):
+  rng = np.random.default_rng(devices)
+  rows, width = 7, devices * 40
+  logits = rng.integers(-2, 3, (rows, width)).astype(np.float32)     # few values: ties
+  special = rng.random((rows, width))
+  logits[special < 0.05] = np.nan
+  logits[(special >= 0.05) & (special < 0.1)] = -0.0
+  logits[(special >= 0.1) & (special < 0.15)] = -np.inf
+  logits[(special >= 0.15) & (special < 0.17)] = np.inf
+  logits[(special >= 0.17) & (special < 0.2)] = 1e-40               # subnormal: ties +0
+  logits[3] = -np.inf
+  lens = np.asarray([width, 0, 7, width - 3, 45, 10 ** 6, -2], np.int32)
+  topk = sharding.context_parallel_topk(m, CONTEXT_AXIS)
+  placed = sharding.put(m, (P(None, CONTEXT_AXIS), P()), (logits, lens))
+  for k in (1, 6, 40, 41, width + 3):
+    got = topk(*placed, k=k)
+    assert_bits_equal(got, glm5_jax.reference.pool_topk(logits, lens, k=k),
+                      f"context_parallel_topk {devices} devices, k {k}")
+    assert_bits_equal(got, jax.jit(functools.partial(glm5_jax.pool_topk, k=k))(logits, lens),
+                      f"context_parallel_topk {devices} devices, k {k}: pool_topk")
+    compiled = jax.jit(functools.partial(topk, k=k)).lower(*placed).compile()
+    assert_gathers_only_candidates(compiled, rows, devices * k, f"topk k {k}")
+
+
+def assert_context_errors(m):
+  devices = m.shape[CONTEXT_AXIS]
+  args, max_pools = context_case(np.random.default_rng(0), devices, 48)
+  select = sharding.context_parallel_select(m, CONTEXT_AXIS)
+  bad = [({}, dict(max_pools=max_pools + CONTEXT_PAGE), "max_pools must be a positive "
+          f"multiple of {devices} devices x PAGE {CONTEXT_PAGE}"),
+         (dict(page_table=args[3][:, :-devices]), {}, "page_table dim 1 must be max_pools "
+          "/ PAGE"),
+         (dict(kv_cache=args[2][:-1]), {}, "kv_cache dim 0 must be a multiple of the")]
+  names = ("q_fp8", "w_out", "kv_cache", "page_table", "req_ids", "positions")
+  for operands, params, message in bad:
+    call = [operands.get(name, a) for name, a in zip(names, args)]
+    try:
+      select(*call, **{"k": 5, "max_pools": max_pools, **params})
+    except ValueError as e:
+      assert str(e).startswith(f"glm5_jax.context_parallel_select: {message}"), e
+    else:
+      raise AssertionError(f"no error: {message}")
+  for make in (sharding.context_parallel_select, sharding.context_parallel_topk):
+    try:
+      make(m, "data")
+    except ValueError as e:
+      assert "axis 'data' is not an axis" in str(e), e
+    else:
+      raise AssertionError("no error")
 
 
 if __name__ == "__main__":

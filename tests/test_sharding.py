@@ -1,7 +1,8 @@
-"""Data parallelism over requests (glm5_jax.sharding) on 4 host CPU devices: each check
-runs tests/sharded_checks.py in a process of its own (XLA_FLAGS is read when jax first
-starts a backend, and this process has one CPU device by then). On GPUs, all of them at
-once: `python tests/sharded_checks.py --devices 2`."""
+"""Data parallelism over requests and context parallelism over a request's pools
+(glm5_jax.sharding) on 4 host CPU devices: each check runs tests/sharded_checks.py in a
+process of its own (XLA_FLAGS is read when jax first starts a backend, and this process
+has one CPU device by then). On GPUs, all of them at once:
+`python tests/sharded_checks.py --devices 2`."""
 import os
 import pathlib
 import subprocess
@@ -74,6 +75,17 @@ def test_plain_jit_serving_step_equals_unsharded_step():
   """serving.indexer_step under plain jax.jit, packed metadata of the whole batch split
   along its requests, equals the step on one device bit for bit, with no collective."""
   run_check("jit_step")
+
+
+@pytest.mark.slow
+def test_context_parallel_select_equals_one_device():
+  """context_parallel_select (each request's pools split over 2 and 4 devices, a local
+  top-k per device and an exact merge of the gathered candidates) equals select_pools on
+  one device and the reference top-k of the whole logits bit for bit, on ties, NaN,
+  +-inf and -0 logits, rows with <= k pools, rows on one device, max_pools not a multiple
+  of k; the only collective compiled is the all-gather of the D * k candidates;
+  context_parallel_topk equals pool_topk; bad layouts are named at trace time."""
+  run_check("context")
 
 
 def test_data_parallel_errors_name_the_argument():
