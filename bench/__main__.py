@@ -45,6 +45,10 @@ def parser():
                       + ", ".join(g.NAME for g in GROUPS)
                       + " (stage: whole decode steps; serving: the decode loop; prefill: "
                         "indexer_prefill of whole prompts)")
+  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA compiler option of every timed executable (repeatable), e.g. "
+                      "xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE; "
+                      "recorded in every row")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
                  help="measure nothing: rebuild --md and --plot from these JSON rows")
@@ -74,7 +78,11 @@ def main():
 
   for path in (args.out, args.md):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep)
+  options = tuple(tuple(o.split("=", 1)) for o in args.xla_option)
+  if any(len(o) != 2 for o in options):
+    p.error("--xla-option takes NAME=VALUE")
+  sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep,
+                              compiler_options=options)
   if args.rows:
     sizes = dataclasses.replace(sizes, rows=tuple(int(m) for m in args.rows.split(",")))
   bench = Bench(sizes, args, ops)

@@ -38,6 +38,8 @@ class Bench:
     self.meta = dict(gpu=dev.device_kind, jax_version=jax.__version__,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                          timespec="seconds"))
+    if sizes.compiler_options:
+      self.meta["compiler_options"] = dict(sizes.compiler_options)
     self.gpu = jax.default_backend() == "gpu"
     self.module = self.gpu and _ffi.register_targets()
     self.kernels = [op for op in glm5_jax.KERNEL_TARGETS if self.has_kernel(op)]

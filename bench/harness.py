@@ -71,11 +71,12 @@ def chain(call, dep, data_dep, calls):
   return fn
 
 
-def compile_fn(fn, *args):
-  """(compiled, lowered text, seconds): jit with argument 0 (the state) donated."""
+def compile_fn(fn, *args, options=()):
+  """(compiled, lowered text, seconds): jit with argument 0 (the state) donated, compiled
+  with the XLA options ((name, value), ...: Sizes.compiler_options)."""
   t0 = time.perf_counter()
   lowered = jax.jit(fn, donate_argnums=0).lower(*args)
-  compiled = lowered.compile()
+  compiled = lowered.compile(dict(options) or None)
   return compiled, lowered.as_text(), time.perf_counter() - t0
 
 
@@ -120,7 +121,7 @@ def amortised(call, state, fixed, rotated, dep, sizes, calls=None, max_calls=Non
   n, compile_s = calls or r, 0.0
   for _ in range(3):
     fn, _, seconds = compile_fn(chain(call, dep, sizes.data_dep, n), state, fixed, flag,
-                                rotated)
+                                rotated, options=sizes.compiler_options)
     compile_s += seconds
     state, run, dispatch = time_runs(fn, state, (fixed, flag, rotated), sizes)
     bound = host_bound(dispatch, run)
@@ -161,7 +162,7 @@ def time_step(step, state, args, sizes, units=1, steps=1):
       outs.append(out)
     return state, (~flag, outs)
 
-  compiled, _, seconds = compile_fn(fn, state, flag, *args)
+  compiled, _, seconds = compile_fn(fn, state, flag, *args, options=sizes.compiler_options)
   state, run, dispatch = time_runs(compiled, state, (flag, *args), sizes)
   info = dict(compile_s=seconds, temp=temp_bytes(compiled), dispatch_us=dispatch * 1e6,
               run_us=run * 1e6, steps=steps)

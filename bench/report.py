@@ -101,6 +101,10 @@ def markdown(rows, meta, sizes, plot_ref):
       "# glm5_jax benchmarks", "",
       f"GPU: {meta['gpu']} · jax {meta['jax_version']} · glm5_jax {glm5_jax.__version__} · "
       f"{meta['date']} · kernel variants: {', '.join(meta['kernels']) or 'none'}", ""]
+  options = {f"{k}={v}" for r in rows for k, v in (r.get("compiler_options") or {}).items()}
+  if options:
+    lines += [f"XLA compiler options of some rows (see each row's JSON): "
+              f"{', '.join(sorted(options))}", ""]
   lines += stage_table(rows) + [
       "Method (`python -m bench`, bench/harness.py):", "",
       "- one jitted function runs an unrolled chain of N calls of the public op (no device "

@@ -111,7 +111,8 @@ def _measure(bench, shape, variant, fn, caches, fixed, meta_of, sizes, layers):
   before every dispatch), adds the row; returns (caches, row)."""
   flag = jnp.zeros((), jnp.bool_)
   weights, x, qr, pt, bt = fixed
-  compiled, _, compile_s = compile_fn(fn, caches, flag, weights, x, qr, meta_of(), pt, bt)
+  compiled, _, compile_s = compile_fn(fn, caches, flag, weights, x, qr, meta_of(), pt, bt,
+                                      options=sizes.compiler_options)
   run = lambda state, flag: compiled(state, flag, weights, x, qr, meta_of(), pt, bt)
   caches, sec, dispatch = time_runs(run, caches, (flag,), sizes)
   us = sec * 1e6

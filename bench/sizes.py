@@ -54,6 +54,9 @@ class Sizes:
   max_passes: int = 4096                       # Triton: most graph replays per timed run
   empty_r: int = 100
   data_dep: bool = True                        # chain stateless calls by a run-time scalar
+  # XLA compiler options of every timed executable, ((name, value), ...): e.g. the
+  # command buffers' update mode (--xla-option xla_gpu_command_buffer_update_mode=...).
+  compiler_options: tuple = ()
 
 
 def sizes_for(quick, cpu_smoke):
