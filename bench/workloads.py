@@ -197,6 +197,27 @@ def update(r, s, b, next_n):
                   rot, None, bytes_update(b * next_n, np.mean(completing)))
 
 
+def indexer_update(r, s, b, next_n):
+  """kpool_update's workload (B requests x next_n tokens) with the projection and query
+  inputs of its M = B * next_n rows: the key and gate come from the projection. Floor: the
+  three ops' floors summed (the intermediates still go through memory)."""
+  upd = update(r, s, b, next_n)
+  m = b * next_n
+  rot = [(r.normal((m, HIDDEN)), r.normal((W_ROWS, HIDDEN), scale=HIDDEN ** -0.5),
+          r.normal((m, HEADS, DIM)), tslot, loc, pos)
+         for tslot, _, _, loc, pos in upd.rotated]
+
+  def call(st, f, a):
+    x, w_cat, q, tslot, loc, pos = a
+    outs = glm5_jax.indexer_update(x, w_cat, q, f[0], f[1], st[0], st[1], tslot, f[2], loc,
+                                   pos, heads=HEADS, scale=CONFIG.scale, padded=PADDED)
+    return outs[6:], outs[:6]
+
+  return Workload("indexer_update", "", call, upd.state, _norm(r) + upd.fixed, rot, None,
+                  bytes_projection(m) + bytes_query(m) + upd.nbytes, 2 * m * W_ROWS * HIDDEN,
+                  r_min=W_CAT_COPIES)
+
+
 def compress(r, s, n):
   """n pools to slots on distinct random pages of a >= 1 GB cache, 7/8 written."""
   kv = r.kv_cache(s.cache_bytes)
@@ -329,13 +350,17 @@ def _rows(s, key="m", fmt="M={}"):
   return [(fmt.format(m), {key: m}) for m in s.rows]
 
 
+def _requests(s):
+  return [(f"B={b},next_n={n}", dict(b=b, next_n=n)) for n in s.next_ns for b in s.rows]
+
+
 # op -> (builder(rand, sizes, **kwargs) -> Workload, shapes(sizes) -> [(label, kwargs)])
 WORKLOADS = {
     "indexer_projection": (projection, _rows),
     "indexer_query": (query, _rows),
     "indexer_projection_fused": (fused, _rows),
-    "kpool_update": (update, lambda s: [(f"B={b},next_n={n}", dict(b=b, next_n=n))
-                                        for n in s.next_ns for b in s.rows]),
+    "kpool_update": (update, _requests),
+    "indexer_update": (indexer_update, _requests),
     "kpool_compress": (compress, lambda s: _rows(s, "n", "n={}")),
     "kpool_seed_tail": (seed, lambda s: _rows(s, "n", "n={}")),
     "expand_pools": (expand, lambda s: _rows(s, fmt="rows={}")),

@@ -21,12 +21,12 @@
 
 #include <cstdint>
 #include <initializer_list>
-#include <tuple>
 
 #include "common.h"
 #include "constants.h"
 #include "hadamard_quant.cuh"
 #include "handlers.h"
+#include "kpool.cuh"
 
 namespace glm5 {
 namespace {
@@ -34,23 +34,6 @@ namespace {
 
 // Scale slot format (SPEC §0.1, D3).
 enum class ScaleMode { kPow2Fp32, kPow2Ue8m0, kPlainFp32 };
-
-struct UpdateArgs {
-  uint8_t* cache;            // u8[pages, page, 132], dense
-  uint16_t* tail;            // bf16[blocks, 2, ring, 128], dense; read and written
-  // Read-only for the kernel's lifetime (never aliased with cache/tail): read via __ldg.
-  const int32_t* tslot;      // [B, N]
-  const uint16_t* key;       // bf16[B, N, 128]
-  const uint16_t* gate;      // bf16[B, N, 128]
-  const float* ape;          // f32[4, 128]
-  const int32_t* loc;        // [B, N]
-  const int32_t* pos;        // [B, N]
-  int64_t capacity;          // pages * page: flat slots of the cache
-  int64_t blocks;            // tail blocks
-  int32_t next_n;            // N
-  int32_t ring;              // RING
-  int32_t page;              // PAGE
-};
 
 // ---------------------------------------------------------------------------------------------
 // Arithmetic with pinned PTX.
@@ -205,68 +188,61 @@ size_t stage_bytes(int64_t next_n) {
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
 
-ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
-                           ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
-                           ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> gate,
-                           ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc,
-                           ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR3<ffi::U8> kv_out,
-                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale,
-                           bool pdl) {
-  const Check check{targets::glm5_kpool_update};
+}  // namespace
+
+ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
+    const Check& check, ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail,
+    ffi::BufferR2<ffi::S32> tslot, ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> gate,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::ResultBufferR3<ffi::U8> kv_out, ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0,
+    bool round_scale) {
+  const auto fail = [&](std::string_view what) { return ffi::Unexpected(check.fail(what)); };
   const auto cd = kv_cache.dimensions();
   const auto td = tail.dimensions();
   const auto kd = key.dimensions();
   const int64_t pages = cd[0], page = cd[1], blocks = td[0], ring = td[2];
   const int64_t requests = kd[0], next_n = kd[1];
-  if (cd[2] != kEntryBytes) return check.fail("kv_cache must be u8[pages, PAGE, 132]");
-  if (td[1] != 2 || td[3] != kDim) return check.fail("tail must be bf16[blocks, 2, RING, 128]");
+  if (cd[2] != kEntryBytes) return fail("kv_cache must be u8[pages, PAGE, 132]");
+  if (td[1] != 2 || td[3] != kDim) return fail("tail must be bf16[blocks, 2, RING, 128]");
   if (ring < kPool || ring % kPool != 0 || ring > kI32Max)
-    return check.fail("tail ring size (dim 2) must be a positive multiple of 4");
-  if (page > kI32Max) return check.fail("PAGE too large");
-  if (kd[2] != kDim) return check.fail("key must be bf16[B, N, 128]");
+    return fail("tail ring size (dim 2) must be a positive multiple of 4");
+  if (page > kI32Max) return fail("PAGE too large");
+  if (kd[2] != kDim) return fail("key must be bf16[B, N, 128]");
   const auto gd = gate.dimensions();
   if (gd[0] != requests || gd[1] != next_n || gd[2] != kDim)
-    return check.fail("gate must have key's shape [B, N, 128]");
+    return fail("gate must have key's shape [B, N, 128]");
   const auto ad = ape.dimensions();
-  if (ad[0] != kPool || ad[1] != kDim) return check.fail("ape must be f32[4, 128]");
+  if (ad[0] != kPool || ad[1] != kDim) return fail("ape must be f32[4, 128]");
   for (const auto* idx : {&tslot, &loc, &pos}) {
     const auto d = idx->dimensions();
-    if (d[0] != requests || d[1] != next_n)
-      return check.fail("tslot, loc and pos must be s32[B, N]");
+    if (d[0] != requests || d[1] != next_n) return fail("tslot, loc and pos must be s32[B, N]");
   }
   const auto od = kv_out->dimensions();
   const auto ud = tail_out->dimensions();
   for (int i = 0; i < 3; ++i)
-    if (od[i] != cd[i]) return check.fail("kv_cache result shape differs from the operand");
+    if (od[i] != cd[i]) return fail("kv_cache result shape differs from the operand");
   for (int i = 0; i < 4; ++i)
-    if (ud[i] != td[i]) return check.fail("tail result shape differs from the operand");
-  if (!round_scale && ue8m0) return check.fail("round_scale=false needs the fp32 scale format");
+    if (ud[i] != td[i]) return fail("tail result shape differs from the operand");
+  if (!round_scale && ue8m0) return fail("round_scale=false needs the fp32 scale format");
   // Vector accesses: 16 B APE rows, 8 B bf16 quads, 4 B fp8/scale words (XLA buffers are
   // at least 16 B aligned; checked so that a violation fails here, not as a device fault).
   if (!aligned(ape.untyped_data(), 16) || !aligned(key.untyped_data(), 8) ||
       !aligned(gate.untyped_data(), 8) || !aligned(tail_out->untyped_data(), 8) ||
       !aligned(kv_out->untyped_data(), 4))
-    return check.fail(
-        "operand buffers are not aligned (ape 16 B; key, gate, tail 8 B; kv_cache 4 B)");
+    return fail("operand buffers are not aligned (ape 16 B; key, gate, tail 8 B; kv_cache 4 B)");
   if (requests > kI32Max || next_n > kI32Max)
-    return check.fail("too many requests or next_n for one grid");
-  if (requests == 0 || next_n == 0) return ffi::Error::Success();
+    return fail("too many requests or next_n for one grid");
+  UpdateLaunch plan;
+  if (requests == 0 || next_n == 0) return plan;
   // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
   // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
   // call on jax 0.11.2): then the result starts as a copy of the operand (stream-ordered,
-  // graph-capturable) and the kernel, which only touches the results, runs without PDL.
-  bool copied = false;
-  for (auto [dst, src, bytes] : {std::tuple{kv_out->untyped_data(), kv_cache.untyped_data(),
-                                            kv_cache.size_bytes()},
-                                 std::tuple{tail_out->untyped_data(), tail.untyped_data(),
-                                            tail.size_bytes()}}) {
-    if (dst == src || bytes == 0) continue;
-    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return check.cuda(err);
-    copied = true;
-  }
+  // graph-capturable; launch_kpool_update) and the kernel, which only touches the results,
+  // runs without PDL.
+  plan.copies[0] = {kv_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes()};
+  plan.copies[1] = {tail_out->untyped_data(), tail.untyped_data(), tail.size_bytes()};
 
-  UpdateArgs args;
+  UpdateArgs& args = plan.args;
   args.cache = kv_out->typed_data();
   args.tail = reinterpret_cast<uint16_t*>(tail_out->typed_data());
   args.tslot = tslot.typed_data();
@@ -280,13 +256,43 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
   args.next_n = static_cast<int32_t>(next_n);
   args.ring = static_cast<int32_t>(ring);
   args.page = static_cast<int32_t>(page);
-
-  auto kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
+  plan.kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
                 : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
                              : kpool_update_kernel<ScaleMode::kPow2Fp32>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(requests)), dim3(kWarp),
-                           stage_bytes(next_n), stream, pdl && !copied, args);
-  return check.cuda(err);
+  plan.requests = static_cast<unsigned>(requests);
+  plan.smem = stage_bytes(next_n);
+  return plan;
+}
+
+cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan) {
+  if (plan.kernel == nullptr) return cudaSuccess;
+  bool copied = false;
+  for (const UpdateLaunch::Copy& copy : plan.copies) {
+    if (copy.dst == copy.src || copy.bytes == 0) continue;
+    const cudaError_t err =
+        cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return err;
+    copied = true;
+  }
+  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
+                plan.args);
+}
+
+namespace {
+
+ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
+                           ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+                           ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> gate,
+                           ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc,
+                           ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR3<ffi::U8> kv_out,
+                           ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0, bool round_scale,
+                           bool pdl) {
+  const Check check{targets::glm5_kpool_update};
+  const ffi::ErrorOr<UpdateLaunch> plan =
+      prepare_kpool_update(check, kv_cache, tail, tslot, key, gate, ape, loc, pos, kv_out,
+                           tail_out, ue8m0, round_scale);
+  if (plan.has_error()) return plan.error();
+  return check.cuda(launch_kpool_update(stream, pdl, *plan));
 }
 
 }  // namespace

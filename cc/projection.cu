@@ -26,14 +26,6 @@ namespace cg = cooperative_groups;
 
 using namespace gemm;
 
-struct ProjectionArgs {
-  Gemm gemm;              // x bf16[M, K], w bf16[256 + H, K]
-  uint16_t* key;          // bf16[M, 128]
-  float* head_w;          // f32[M, H]
-  uint16_t* gate;         // bf16[M, 128]
-  int32_t heads;          // H
-};
-
 // Element (token t, output n) of the product, n uniform over the CTA's region.
 __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_t n,
                                       float total) {
@@ -89,6 +81,60 @@ struct Pick {
   static constexpr Kernel kernel = indexer_projection_kernel<kBlocks, kStaged>;
 };
 
+}  // namespace
+
+ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::BufferR2<ffi::BF16> x,
+                                                  ffi::BufferR2<ffi::BF16> w_cat,
+                                                  ffi::ResultBufferR2<ffi::BF16> key,
+                                                  ffi::ResultBufferR2<ffi::F32> head_w,
+                                                  ffi::ResultBufferR2<ffi::BF16> gate,
+                                                  int32_t warps, int32_t split) {
+  const auto fail = [&](std::string_view what) { return ffi::Unexpected(check.fail(what)); };
+  const auto xd = x.dimensions();
+  const int64_t rows = xd[0], k = xd[1];
+  const auto wd = head_w->dimensions();
+  const int64_t heads = wd[1];
+  if (wd[0] != rows || heads <= 0 || heads % kTileN != 0)
+    return fail("head_w result must be f32[M, H] with H % 16 == 0");
+  const auto cd = w_cat.dimensions();
+  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
+  const auto kd = key->dimensions(), gd = gate->dimensions();
+  if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
+    return fail("key and gate results must be bf16[M, 128]");
+  if (heads > kI32Max / 2) return fail("too many heads");
+
+  const ffi::ErrorOr<Staging> st = check_tactic(check, k, warps, split, kMaxSplit);
+  if (st.has_error()) return ffi::Unexpected(st.error());
+  if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16))
+    return fail("x and w_cat must be 16 B aligned");
+  ProjectionLaunch plan;
+  if (rows == 0) return plan;
+  const int64_t chunks = (rows + kChunk - 1) / kChunk;
+  if (chunks > 65535) return fail("too many rows for one grid");
+
+  plan.args.gemm = make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st->stages);
+  plan.args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
+  plan.args.head_w = head_w->typed_data();
+  plan.args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
+  plan.args.heads = static_cast<int32_t>(heads);
+  plan.kernel = pick_kernel<Kernel, Pick>(*st);
+  plan.smem = partial_bytes(plan.args.gemm, warps);
+  plan.grid = dim3(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
+                   static_cast<unsigned>(chunks));
+  plan.warps = warps;
+  plan.split = split;
+  return plan;
+}
+
+cudaError_t launch_projection(cudaStream_t stream, bool pdl, const ProjectionLaunch& plan) {
+  if (plan.kernel == nullptr) return cudaSuccess;
+  if (cudaError_t err = allow_smem(plan.kernel, plan.smem); err != cudaSuccess) return err;
+  return launch_cluster(plan.kernel, plan.grid, dim3(plan.warps * kWarp), plan.smem, stream, pdl,
+                        static_cast<unsigned>(plan.split), plan.args);
+}
+
+namespace {
+
 ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
                                  ffi::BufferR2<ffi::BF16> w_cat,
                                  ffi::ResultBufferR2<ffi::BF16> key,
@@ -96,44 +142,10 @@ ffi::Error IndexerProjectionImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> x
                                  ffi::ResultBufferR2<ffi::BF16> gate, int32_t warps,
                                  int32_t split, bool pdl) {
   const Check check{targets::glm5_indexer_projection};
-  const auto xd = x.dimensions();
-  const int64_t rows = xd[0], k = xd[1];
-  const auto wd = head_w->dimensions();
-  const int64_t heads = wd[1];
-  if (wd[0] != rows || heads <= 0 || heads % kTileN != 0)
-    return check.fail("head_w result must be f32[M, H] with H % 16 == 0");
-  const auto cd = w_cat.dimensions();
-  if (cd[0] != 2 * kKeyRows + heads || cd[1] != k)
-    return check.fail("w_cat must be bf16[256 + H, K]");
-  const auto kd = key->dimensions(), gd = gate->dimensions();
-  if (kd[0] != rows || kd[1] != kKeyRows || gd[0] != rows || gd[1] != kKeyRows)
-    return check.fail("key and gate results must be bf16[M, 128]");
-  if (heads > kI32Max / 2) return check.fail("too many heads");
-
-  const ffi::ErrorOr<Staging> st = check_tactic(check, k, warps, split, kMaxSplit);
-  if (st.has_error()) return st.error();
-  if (!aligned(x.untyped_data(), 16) || !aligned(w_cat.untyped_data(), 16))
-    return check.fail("x and w_cat must be 16 B aligned");
-  if (rows == 0) return ffi::Error::Success();
-  const int64_t chunks = (rows + kChunk - 1) / kChunk;
-  if (chunks > 65535) return check.fail("too many rows for one grid");
-
-  ProjectionArgs args;
-  args.gemm = make_gemm(x.untyped_data(), w_cat.untyped_data(), rows, k, st->stages);
-  args.key = reinterpret_cast<uint16_t*>(key->untyped_data());
-  args.head_w = head_w->typed_data();
-  args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
-  args.heads = static_cast<int32_t>(heads);
-
-  const Kernel kernel = pick_kernel<Kernel, Pick>(*st);
-  const size_t smem = partial_bytes(args.gemm, warps);
-  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess)
-    return check.cuda(err);
-  const dim3 grid(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
-                  static_cast<unsigned>(chunks));
-  cudaError_t err = launch_cluster(kernel, grid, dim3(warps * kWarp), smem, stream, pdl,
-                                   static_cast<unsigned>(split), args);
-  return check.cuda(err);
+  const ffi::ErrorOr<ProjectionLaunch> plan =
+      prepare_projection(check, x, w_cat, key, head_w, gate, warps, split);
+  if (plan.has_error()) return plan.error();
+  return check.cuda(launch_projection(stream, pdl, *plan));
 }
 
 }  // namespace

@@ -253,4 +253,33 @@ Kernel pick_kernel(Staging st) {
 }
 
 }  // namespace gemm
+
+// indexer_projection's launch (projection.cu) as a checked plan and its stream work, so that
+// glm5_indexer_projection and glm5_indexer_update (update.cu) launch the kernel by one rule.
+struct ProjectionArgs {
+  gemm::Gemm gemm;        // x bf16[M, K], w bf16[256 + H, K]
+  uint16_t* key;          // bf16[M, 128]
+  float* head_w;          // f32[M, H]
+  uint16_t* gate;         // bf16[M, 128]
+  int32_t heads;          // H
+};
+
+struct ProjectionLaunch {
+  ProjectionArgs args;
+  void (*kernel)(ProjectionArgs) = nullptr;  // null: no rows, nothing to launch
+  dim3 grid;
+  int32_t warps = 0, split = 0;
+  size_t smem = 0;
+};
+
+// Validates the buffers and the tactic (warps, split); no stream work.
+ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::BufferR2<ffi::BF16> x,
+                                                  ffi::BufferR2<ffi::BF16> w_cat,
+                                                  ffi::ResultBufferR2<ffi::BF16> key,
+                                                  ffi::ResultBufferR2<ffi::F32> head_w,
+                                                  ffi::ResultBufferR2<ffi::BF16> gate,
+                                                  int32_t warps, int32_t split);
+
+cudaError_t launch_projection(cudaStream_t stream, bool pdl, const ProjectionLaunch& plan);
+
 }  // namespace glm5

@@ -22,23 +22,6 @@ namespace {
 
 constexpr int kWarps = 4;                       // warps per CTA
 
-struct QueryArgs {
-  const uint16_t* q;            // bf16[M, H, 128]
-  const uint16_t* key_raw;      // bf16[M, 128]
-  const float* head_w;          // f32[M, H]
-  const float* norm_weight;     // f32[128]
-  const float* norm_bias;       // f32[128]
-  uint32_t* q_out;              // e4m3[M, padded, 128] as 32 words per row
-  void* w_out;                  // f32 | bf16 [M, padded]
-  uint16_t* key_out;            // bf16[M, 128]
-  int64_t q_rows;               // M * padded
-  int64_t rows;                 // M
-  int32_t heads;                // H
-  int32_t padded;               // padded >= H
-  float scale;
-  float eps;
-};
-
 // q_fp8 / w_out of q row `q_row` = (token t, head h).
 template <bool kBf16>
 __device__ __forceinline__ void head_row(const QueryArgs& a, int64_t q_row, int lane) {
@@ -79,41 +62,46 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_query_kernel(const Que
   }
 }
 
-ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
-                            ffi::BufferR2<ffi::BF16> key_raw, ffi::BufferR2<ffi::F32> head_w,
-                            ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
-                            ffi::Result<ffi::AnyBuffer> q_out,
-                            ffi::Result<ffi::AnyBuffer> w_out,
-                            ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps,
-                            bool pdl) {
-  const Check check{targets::glm5_indexer_query};
+}  // namespace
+
+ffi::ErrorOr<QueryLaunch> prepare_query(const Check& check, ffi::BufferR3<ffi::BF16> q,
+                                        ffi::BufferR2<ffi::BF16> key_raw,
+                                        ffi::BufferR2<ffi::F32> head_w,
+                                        ffi::BufferR1<ffi::F32> norm_weight,
+                                        ffi::BufferR1<ffi::F32> norm_bias,
+                                        ffi::Result<ffi::AnyBuffer> q_out,
+                                        ffi::Result<ffi::AnyBuffer> w_out,
+                                        ffi::ResultBufferR2<ffi::BF16> key_out, float scale,
+                                        float eps) {
+  const auto fail = [&](std::string_view what) { return ffi::Unexpected(check.fail(what)); };
   const auto qd = q.dimensions();
   const int64_t rows = qd[0], heads = qd[1];
-  if (qd[2] != kDim) return check.fail("q must be bf16[M, H, 128]");
+  if (qd[2] != kDim) return fail("q must be bf16[M, H, 128]");
   const auto kd = key_raw.dimensions();
-  if (kd[0] != rows || kd[1] != kDim) return check.fail("key_raw must be bf16[M, 128]");
+  if (kd[0] != rows || kd[1] != kDim) return fail("key_raw must be bf16[M, 128]");
   const auto wd = head_w.dimensions();
-  if (wd[0] != rows || wd[1] != heads) return check.fail("head_w must be f32[M, H]");
+  if (wd[0] != rows || wd[1] != heads) return fail("head_w must be f32[M, H]");
   const ffi::ErrorOr<int64_t> padded =
       check_query_buffers(check, norm_weight, norm_bias, q_out, w_out, rows, heads);
-  if (padded.has_error()) return padded.error();
+  if (padded.has_error()) return ffi::Unexpected(padded.error());
   const bool bf16_w_out = w_out->element_type() == ffi::DataType::BF16;
   const auto kod = key_out->dimensions();
-  if (kod[0] != rows || kod[1] != kDim) return check.fail("key result must be bf16[M, 128]");
+  if (kod[0] != rows || kod[1] != kDim) return fail("key result must be bf16[M, 128]");
   // Vector accesses (XLA buffers are at least 16 B aligned; checked so that a violation fails
   // here, not as a device fault).
   if (!aligned(q.untyped_data(), 8) || !aligned(key_raw.untyped_data(), 16) ||
       !aligned(norm_weight.untyped_data(), 16) || !aligned(norm_bias.untyped_data(), 16) ||
       !aligned(q_out->untyped_data(), 4) || !aligned(key_out->untyped_data(), 16))
-    return check.fail(
+    return fail(
         "operand buffers are not aligned (q 8 B; key_raw, norm params, key 16 B; q_fp8 4 B)");
-  if (rows == 0) return ffi::Error::Success();
+  QueryLaunch plan;
+  if (rows == 0) return plan;
   const int64_t q_rows = rows * *padded;
   const int64_t warps = q_rows + (rows + 1) / 2;
   const int64_t blocks = (warps + kWarps - 1) / kWarps;
-  if (blocks > kI32Max) return check.fail("too many rows for one grid");
+  if (blocks > kI32Max) return fail("too many rows for one grid");
 
-  QueryArgs args;
+  QueryArgs& args = plan.args;
   args.q = reinterpret_cast<const uint16_t*>(q.untyped_data());
   args.key_raw = reinterpret_cast<const uint16_t*>(key_raw.untyped_data());
   args.head_w = head_w.typed_data();
@@ -128,11 +116,31 @@ ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
   args.padded = static_cast<int32_t>(*padded);
   args.scale = scale;
   args.eps = eps;
+  plan.kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;
+  plan.blocks = static_cast<unsigned>(blocks);
+  return plan;
+}
 
-  auto kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;
-  cudaError_t err = launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * kWarp), 0,
-                           stream, pdl, args);
-  return check.cuda(err);
+cudaError_t launch_query(cudaStream_t stream, bool pdl, const QueryLaunch& plan) {
+  if (plan.kernel == nullptr) return cudaSuccess;
+  return launch(plan.kernel, dim3(plan.blocks), dim3(kWarps * kWarp), 0, stream, pdl, plan.args);
+}
+
+namespace {
+
+ffi::Error IndexerQueryImpl(cudaStream_t stream, ffi::BufferR3<ffi::BF16> q,
+                            ffi::BufferR2<ffi::BF16> key_raw, ffi::BufferR2<ffi::F32> head_w,
+                            ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+                            ffi::Result<ffi::AnyBuffer> q_out,
+                            ffi::Result<ffi::AnyBuffer> w_out,
+                            ffi::ResultBufferR2<ffi::BF16> key_out, float scale, float eps,
+                            bool pdl) {
+  const Check check{targets::glm5_indexer_query};
+  const ffi::ErrorOr<QueryLaunch> plan = prepare_query(check, q, key_raw, head_w, norm_weight,
+                                                       norm_bias, q_out, w_out, key_out, scale,
+                                                       eps);
+  if (plan.has_error()) return plan.error();
+  return check.cuda(launch_query(stream, pdl, *plan));
 }
 
 }  // namespace

@@ -160,4 +160,43 @@ inline ffi::ErrorOr<int64_t> check_query_buffers(const Check& check,
   return padded;
 }
 
+
+// indexer_query's launch (query.cu) as a checked plan and its stream work, so that
+// glm5_indexer_query and glm5_indexer_update (update.cu) launch the kernel by one rule.
+struct QueryArgs {
+  const uint16_t* q;            // bf16[M, H, 128]
+  const uint16_t* key_raw;      // bf16[M, 128]
+  const float* head_w;          // f32[M, H]
+  const float* norm_weight;     // f32[128]
+  const float* norm_bias;       // f32[128]
+  uint32_t* q_out;              // e4m3[M, padded, 128] as 32 words per row
+  void* w_out;                  // f32 | bf16 [M, padded]
+  uint16_t* key_out;            // bf16[M, 128]
+  int64_t q_rows;               // M * padded
+  int64_t rows;                 // M
+  int32_t heads;                // H
+  int32_t padded;               // padded >= H
+  float scale;
+  float eps;
+};
+
+struct QueryLaunch {
+  QueryArgs args;
+  void (*kernel)(QueryArgs) = nullptr;  // null: no rows, nothing to launch
+  unsigned blocks = 0;
+};
+
+// Validates the buffers; no stream work.
+ffi::ErrorOr<QueryLaunch> prepare_query(const Check& check, ffi::BufferR3<ffi::BF16> q,
+                                        ffi::BufferR2<ffi::BF16> key_raw,
+                                        ffi::BufferR2<ffi::F32> head_w,
+                                        ffi::BufferR1<ffi::F32> norm_weight,
+                                        ffi::BufferR1<ffi::F32> norm_bias,
+                                        ffi::Result<ffi::AnyBuffer> q_out,
+                                        ffi::Result<ffi::AnyBuffer> w_out,
+                                        ffi::ResultBufferR2<ffi::BF16> key_out, float scale,
+                                        float eps);
+
+cudaError_t launch_query(cudaStream_t stream, bool pdl, const QueryLaunch& plan);
+
 }  // namespace glm5

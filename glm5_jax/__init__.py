@@ -14,6 +14,7 @@ from ._primitive import Routing
 # are re-exported through __all__, which derives from OPS.
 from .indexer import indexer_projection, indexer_query, indexer_projection_fused  # noqa: F401
 from .kpool import kpool_update, kpool_compress, kpool_seed_tail  # noqa: F401
+from .update import indexer_update  # noqa: F401
 from .expand import expand_pools, expand_and_remap  # noqa: F401
 from .logits import upcast_logits, mqa_logits, pool_topk, select_pools  # noqa: F401
 # isort: on

@@ -14,8 +14,8 @@ I32, F32, BF16 = np.int32, np.float32, jnp.bfloat16
 
 
 def _update_shapes(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
-                   scale_format, round_scale):
-  op = "kpool_update"
+                   scale_format, round_scale, op="kpool_update"):
+  # op: the name errors give (indexer_update checks its kpool_update part here too).
   check_cache(op, kv_cache)
   check_tail(op, tail)
   expect(op, "key", key, BF16, (None, None, DIM))

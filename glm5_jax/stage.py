@@ -18,8 +18,11 @@ from .indexer import W_OUT_DTYPES, indexer_projection, indexer_projection_fused,
 from .kpool import kpool_update
 from .logits import select_pools
 from .reference.numerics import DIM, POOL
+from .update import indexer_update
 
 MQA_MIN_HEADS = 32
+# IndexerConfig.update: the stage's update part as the three ops, or as indexer_update.
+UPDATES = ("ops", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +37,11 @@ class IndexerConfig:
   on CUDA (glm5_jax.Routing; by default GLM5_JAX_KERNELS and GLM5_JAX_PDL as they are
   when the config is built). The config is a static argument of the jitted stage, so a
   config with another routing (or fused) compiles anew instead of reusing a stale
-  executable. rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer,
-  SPEC §9).
+  executable. update: "ops" runs indexer_projection, indexer_query and kpool_update as
+  three ops, "fused" as indexer_update, their kernels in one FFI call (bit-identical to
+  the three kernels; its kernel is off unless the routing names it until it is measured
+  on the H200: Op.kernel_off); not with fused=True. rope_dim: the indexer's RoPE head
+  dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
   topk_tokens: int = 2048
@@ -46,6 +52,7 @@ class IndexerConfig:
   scale_format: str = "fp32"
   w_out_dtype: str = "float32"
   fused: bool = False
+  update: str = "ops"
   routing: Routing = dataclasses.field(default_factory=Routing.from_env)
   rope_dim: int = 0
 
@@ -76,6 +83,11 @@ class IndexerConfig:
            f"got {self.w_out_dtype!r}", TypeError)
     if not isinstance(self.fused, bool):
       fail(op, "fused", f"must be a bool, got {self.fused!r}", TypeError)
+    if self.update not in UPDATES:
+      fail(op, "update", f"must be one of {UPDATES}, got {self.update!r}")
+    if self.update == "fused" and self.fused:
+      fail(op, "update", "must be 'ops' with fused=True: 'fused' (indexer_update) runs "
+           "indexer_projection and indexer_query, fused=True indexer_projection_fused")
 
   @property
   def padded(self):
@@ -217,7 +229,7 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         select_pools, expand_and_remap)
+         indexer_update, select_pools, expand_and_remap)
   if use_reference:
     return types.SimpleNamespace(**{f.__name__: getattr(reference, f.__name__) for f in fns})
   return types.SimpleNamespace(**{f.__name__: functools.partial(f, routing=config.routing)
@@ -316,7 +328,12 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                w_out_dtype=np.dtype(config.w_out_dtype))
-  if config.fused:
+  if config.update == "fused":
+    *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(
+        x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
+        cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions,
+        heads=config.heads, scale_format=config.scale_format, **query)
+  elif config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
         heads=config.heads, **query)
@@ -324,10 +341,11 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
-  kv_cache, tail = ops.kpool_update(
-      cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
-      gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
-      scale_format=config.scale_format)
+  if config.update == "ops":
+    kv_cache, tail = ops.kpool_update(
+        cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
+        gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
+        scale_format=config.scale_format)
   positions = batch.positions.reshape(rows)
   # Rows whose pools all fit in the top-k select every pool (the causal fill), others
   # the top-k of their logits; decided per row inside select_pools: no branch here.

@@ -75,6 +75,18 @@ BAD_ARGS = [
     ("indexer_query", _replace(3, _cast(jnp.bfloat16)), TypeError, "norm_weight must be float32"),
     ("indexer_projection_fused", _replace(2, _cut(1)), ValueError, "q must have shape"),
     ("indexer_projection_fused", _replace(4, _cut(0)), ValueError, "norm_bias must have shape"),
+    # indexer_update: each part checked by its op's rule, named as indexer_update.
+    ("indexer_update", _replace(0, _cut(0)), ValueError,
+     r"x must have requests x next_n = 3 x 2 rows \(tslot's shape\), got \(5, 1024\)"),
+    ("indexer_update", _replace(1, _cut(1)), ValueError, "w_cat must have shape"),
+    ("indexer_update", _replace(2, _cut(0)), ValueError, "q must have shape"),
+    ("indexer_update", _replace(3, _cast(jnp.bfloat16)), TypeError, "norm_weight must be float32"),
+    ("indexer_update", _replace(5, _cut(2)), ValueError, r"kv_cache must have shape \(\*, \*,"),
+    ("indexer_update", _replace(6, lambda t: t[:, :, :6]), ValueError, "tail ring size"),
+    ("indexer_update", _replace(7, _cast(jnp.int16)), TypeError, "tslot must be int32"),
+    ("indexer_update", _replace(8, _cut(0)), ValueError, "ape must have shape"),
+    ("indexer_update", _replace(9, _cut(1)), ValueError, "loc must have shape"),
+    ("indexer_update", _replace(10, _cast(jnp.float32)), TypeError, "pos must be int32"),
 ]
 
 
@@ -108,6 +120,12 @@ BAD_PARAMS = [
     ("indexer_query", dict(padded=2), "padded must be >= the head count 4"),
     ("indexer_query", dict(w_out_dtype=jnp.float16), "w_out_dtype must be float32 or bfloat16"),
     ("indexer_projection_fused", dict(heads=5), "w_cat must have shape"),
+    ("indexer_update", dict(heads=5), "w_cat must have shape"),
+    ("indexer_update", dict(padded=8), "padded must be >= the head count 16, got 8"),
+    ("indexer_update", dict(scale_format="e8"), "scale_format must be one of"),
+    ("indexer_update", dict(scale_format="ue8m0", round_scale=False), "round_scale"),
+    ("indexer_update", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
+    ("indexer_update", dict(tactic=(8, 8)), r"tactic \(8, 8\) does not tile K = 1024"),
     ("indexer_projection", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
     ("indexer_projection", dict(tactic=(4, 3)), "tactic .* does not tile K = 1024"),
     ("indexer_projection_fused", dict(tactic=(8, 2)), r"tactic must be \(warps 1..8, split 1..1\)"),

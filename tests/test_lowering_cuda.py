@@ -19,7 +19,8 @@ from glm5_jax.testing.cases import CASES
 
 OPS = sorted(CASES)
 # In-place ops: operand -> result aliasing their FFI calls must declare.
-ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0}}
+ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0},
+           "indexer_update": {5: 6, 6: 7}}
 
 
 def cuda_module(fn, args, donate=()):

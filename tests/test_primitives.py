@@ -71,8 +71,8 @@ def test_eager_matches_jit(op):
 def _vmap_cases():
   for op in OPS:
     for which in ["all"] + list(range(len(CASES[op].make(np.random.default_rng(0))))):
-      # kpool_update's vmap maps the op over the examples: seconds per operand
-      slow = op == "kpool_update" and which != "all"
+      # The caches' ops map over the examples under vmap: seconds per operand
+      slow = op in ("kpool_update", "indexer_update") and which != "all"
       yield pytest.param(op, which, marks=[pytest.mark.slow] if slow else [])
 
 

@@ -183,6 +183,11 @@ BAD_CONFIGS = [
     (dict(w_out_dtype="float16"), TypeError, C + "w_out_dtype must be one of"),
     (dict(w_out_dtype="fp32"), TypeError, C + "w_out_dtype must be one of"),
     (dict(fused=1), TypeError, C + "fused must be a bool"),
+    (dict(update="kernel"), ValueError, C + r"update must be one of \('ops', 'fused'\), "
+     "got 'kernel'"),
+    (dict(update=True), ValueError, C + "update must be one of"),
+    (dict(update="fused", fused=True), ValueError, C + "update must be 'ops' with fused=True: "
+     r"'fused' \(indexer_update\) runs indexer_projection and indexer_query"),
     (dict(routing="kernels"), TypeError, C + "routing must be a glm5_jax.Routing, got str"),
 ]
 
@@ -196,7 +201,8 @@ def test_bad_config(fields, error, message):
 @pytest.mark.parametrize("fields", [dict(), dict(heads=16, topk_tokens=4, max_pools=1),
                                     dict(block_size=4, eps=0.0, softmax_scale=1),
                                     dict(w_out_dtype="bfloat16", scale_format="ue8m0"),
-                                    dict(w_out_dtype=jnp.bfloat16, heads=np.int64(64))])
+                                    dict(w_out_dtype=jnp.bfloat16, heads=np.int64(64)),
+                                    dict(update="fused"), dict(update="ops", fused=True)])
 def test_good_config(fields):
   config = glm5_jax.IndexerConfig(**fields)
   assert hash(config) == hash(glm5_jax.IndexerConfig(**fields))

@@ -165,6 +165,20 @@ def _fused_args(rng):
   return _projection_args(rng) + (bf16(rng, 3, PROJECTION_HEADS, 128),) + _norm(rng)
 
 
+def _exact_bf16(rng, *shape):
+  """bf16 multiples of 2^-5 in [-3/32, 3/32]: GEMM sums of up to 2^14 of their products
+  are exact in fp32 (multiples of 2^-10 below 2^4), so any summation order gives the
+  same bits (the projection's kernel, XLA's GEMM and the reference agree exactly)."""
+  return jnp.asarray(rng.integers(-3, 4, shape) / 32, jnp.bfloat16)
+
+
+def _indexer_update_args(rng):
+  kv, tail, tslot, _, _, ape, loc, pos = _update_args(rng)
+  rows, heads = tslot.size, PROJECTION_HEADS
+  return ((_exact_bf16(rng, rows, PROJECTION_K), _exact_bf16(rng, 256 + heads, PROJECTION_K),
+           bf16(rng, rows, heads, 128)) + _norm(rng) + (kv, tail, tslot, ape, loc, pos))
+
+
 # Tolerance of the non-exact cases against the reference (the GEMM and einsum sum in
 # another order than XLA: SPEC D2).
 TOLERANCE = dict(rtol=2e-2, atol=1e-3)
@@ -201,6 +215,9 @@ CASES = {
     "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=PROJECTION_HEADS),
                                _projection_args, exact=False),
     "indexer_query": Case(P(glm5_jax.indexer_query, **_query), _query_args),
+    # Exact: its GEMM's inputs make every summation order give the same sums.
+    "indexer_update": Case(P(glm5_jax.indexer_update, heads=PROJECTION_HEADS, scale=2.0 ** -6,
+                             padded=32), _indexer_update_args),
     "indexer_projection_fused": Case(
         P(glm5_jax.indexer_projection_fused, heads=PROJECTION_HEADS, scale=2.0 ** -6,
           padded=32), _fused_args,

@@ -1,0 +1,54 @@
+// kpool_update's launch (kpool.cu) as a checked plan and its stream work, so that
+// glm5_kpool_update and glm5_indexer_update (update.cu) launch the kernel by one rule.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common.h"
+
+namespace glm5 {
+
+struct UpdateArgs {
+  uint8_t* cache;            // u8[pages, page, 132], dense
+  uint16_t* tail;            // bf16[blocks, 2, ring, 128], dense; read and written
+  // Read-only for the kernel's lifetime (never aliased with cache/tail): read via __ldg.
+  const int32_t* tslot;      // [B, N]
+  const uint16_t* key;       // bf16[B, N, 128]
+  const uint16_t* gate;      // bf16[B, N, 128]
+  const float* ape;          // f32[4, 128]
+  const int32_t* loc;        // [B, N]
+  const int32_t* pos;        // [B, N]
+  int64_t capacity;          // pages * page: flat slots of the cache
+  int64_t blocks;            // tail blocks
+  int32_t next_n;            // N
+  int32_t ring;              // RING
+  int32_t page;              // PAGE
+};
+
+struct UpdateLaunch {
+  // A cache result XLA did not alias with its operand starts as a copy of it (kpool.cu).
+  struct Copy {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+  };
+  UpdateArgs args;
+  void (*kernel)(UpdateArgs) = nullptr;  // null: no rows, nothing to launch
+  unsigned requests = 0;
+  size_t smem = 0;
+  Copy copies[2];
+};
+
+// Validates the buffers; no stream work.
+ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
+    const Check& check, ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail,
+    ffi::BufferR2<ffi::S32> tslot, ffi::BufferR3<ffi::BF16> key, ffi::BufferR3<ffi::BF16> gate,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::ResultBufferR3<ffi::U8> kv_out, ffi::ResultBufferR4<ffi::BF16> tail_out, bool ue8m0,
+    bool round_scale);
+
+// The copies of unaliased caches, then the kernel (with PDL only where nothing was copied).
+cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan);
+
+}  // namespace glm5

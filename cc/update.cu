@@ -1,0 +1,121 @@
+// indexer_update (issue 12, first step): the update part of a decode step after the q GEMM,
+// as one FFI call launching three kernels back to back on the stream:
+//
+//   indexer_projection   x @ w_cat^T -> key_raw, head_w, gate       (projection.cu)
+//   indexer_query        key LayerNorm, q Hadamard + FP8, w_out      (query.cu)
+//   kpool_update         tail stash + pool compression, in place     (kpool.cu)
+//
+// Each kernel is launched by its op's own plan (prepare_* checks every buffer before the first
+// launch; launch_* is the same stream work as the op's handler), so the results are bit for
+// bit those of the three FFI calls with the same tactic and attributes. With PDL each later
+// kernel may start while the one before finishes: the query and kpool kernels read nothing
+// before their griddepcontrol.wait (which waits for the whole previous grid), the projection
+// only its weights. The intermediates key_raw, head_w, gate and key are results XLA allocates.
+#include <array>
+#include <cstdint>
+
+#include "common.h"
+#include "constants.h"
+#include "handlers.h"
+#include "kpool.cuh"
+#include "projection.cuh"
+#include "query.cuh"
+
+namespace glm5 {
+namespace {
+
+// A result's bytes seen with other dimensions of the same element count (XLA buffers are
+// dense, row-major): the query epilogue writes key and the projection gate as [M, 128],
+// kpool_update reads them as [B, N, 128]. The view owns the dims its Buffer points to, so it
+// must outlive that Buffer (not copyable).
+template <ffi::DataType kType, size_t kRank>
+class Reshaped {
+ public:
+  Reshaped(void* data, std::array<int64_t, kRank> dims) : dims_(dims) {
+    raw_.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    raw_.extension_start = nullptr;
+    raw_.dtype = static_cast<XLA_FFI_DataType>(kType);
+    raw_.data = data;
+    raw_.rank = static_cast<int64_t>(kRank);
+    raw_.dims = dims_.data();
+  }
+  Reshaped(const Reshaped&) = delete;
+  Reshaped& operator=(const Reshaped&) = delete;
+
+  ffi::Buffer<kType, kRank> buffer() const { return ffi::Buffer<kType, kRank>(&raw_); }
+
+ private:
+  std::array<int64_t, kRank> dims_;
+  XLA_FFI_Buffer raw_{};
+};
+
+ffi::Error IndexerUpdateImpl(
+    cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
+    ffi::BufferR3<ffi::BF16> q, ffi::BufferR1<ffi::F32> norm_weight,
+    ffi::BufferR1<ffi::F32> norm_bias, ffi::BufferR3<ffi::U8> kv_cache,
+    ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot, ffi::BufferR2<ffi::F32> ape,
+    ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::ResultBufferR2<ffi::BF16> key_raw, ffi::ResultBufferR2<ffi::F32> head_w,
+    ffi::ResultBufferR2<ffi::BF16> gate, ffi::Result<ffi::AnyBuffer> q_out,
+    ffi::Result<ffi::AnyBuffer> w_out, ffi::ResultBufferR2<ffi::BF16> key,
+    ffi::ResultBufferR3<ffi::U8> kv_out, ffi::ResultBufferR4<ffi::BF16> tail_out, int32_t warps,
+    int32_t split, float scale, float eps, bool ue8m0, bool round_scale, bool pdl) {
+  const Check check{targets::glm5_indexer_update};
+  const auto td = tslot.dimensions();
+  const int64_t requests = td[0], next_n = td[1];
+  if (x.dimensions()[0] != requests * next_n)
+    return check.fail("x must have requests x next_n rows (tslot is s32[B, N])");
+  const ffi::ErrorOr<ProjectionLaunch> projection =
+      prepare_projection(check, x, w_cat, key_raw, head_w, gate, warps, split);
+  if (projection.has_error()) return projection.error();
+  const ffi::ErrorOr<QueryLaunch> query = prepare_query(
+      check, q, *key_raw, *head_w, norm_weight, norm_bias, q_out, w_out, key, scale, eps);
+  if (query.has_error()) return query.error();
+  // key and gate are [M = B * N, 128] (checked by the two plans above).
+  const Reshaped<ffi::DataType::BF16, 3> key3(key->untyped_data(), {requests, next_n, kDim});
+  const Reshaped<ffi::DataType::BF16, 3> gate3(gate->untyped_data(), {requests, next_n, kDim});
+  const ffi::ErrorOr<UpdateLaunch> update =
+      prepare_kpool_update(check, kv_cache, tail, tslot, key3.buffer(), gate3.buffer(), ape, loc,
+                           pos, kv_out, tail_out, ue8m0, round_scale);
+  if (update.has_error()) return update.error();
+
+  if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
+    return check.cuda(err);
+  if (cudaError_t err = launch_query(stream, pdl, *query); err != cudaSuccess)
+    return check.cuda(err);
+  return check.cuda(launch_kpool_update(stream, pdl, *update));
+}
+
+}  // namespace
+}  // namespace glm5
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerUpdate, glm5::IndexerUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::BF16>>()  // x
+                                  .Arg<ffi::BufferR2<ffi::BF16>>()  // w_cat
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // q
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_weight
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_bias
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR4<ffi::BF16>>()  // tail
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // tslot
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // ape
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // loc
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // pos
+                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // key_raw
+                                  .Ret<ffi::BufferR2<ffi::F32>>()   // head_w
+                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // gate
+                                  .Ret<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+                                  .Ret<ffi::AnyBuffer>()            // w_out (f32 | bf16)
+                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // key
+                                  .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
+                                  .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
+                                  .Attr<int32_t>("warps")
+                                  .Attr<int32_t>("split")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("ue8m0")
+                                  .Attr<bool>("round_scale")
+                                  .Attr<bool>("pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});

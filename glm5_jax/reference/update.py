@@ -1,0 +1,29 @@
+"""The update part of a decode step after the q GEMM (issue 12): indexer_projection,
+indexer_query and kpool_update composed, as indexer_stage composes them."""
+import jax.numpy as jnp
+
+from .indexer import indexer_projection, indexer_query
+from .kpool import kpool_update
+from .numerics import DIM
+
+
+def indexer_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                   pos, *, heads, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                   scale_format="fp32", round_scale=True):
+  """indexer_projection -> indexer_query -> kpool_update (SPEC §1, §2, §3).
+
+  x bf16[M, K]; w_cat bf16[256 + heads, K]; q bf16[M, heads, 128]; norm_weight,
+  norm_bias f32[128]; kv_cache u8[pages, PAGE, 132]; tail bf16[blocks, 2, RING, 128];
+  tslot, loc, pos i32[B, N] with M = B * N (rows request-major); ape f32[4, 128].
+  Returns the three ops' results in order: (key_raw bf16[M, 128], head_w f32[M, heads],
+  gate bf16[M, 128], q_fp8 e4m3[M, padded, 128], w_out w_out_dtype[M, padded],
+  key bf16[M, 128], kv_cache, tail); kpool_update sees key and gate as [B, N, 128].
+  """
+  key_raw, head_w, gate = indexer_projection(x, w_cat, heads=heads)
+  q_fp8, w_out, key = indexer_query(q, key_raw, head_w, norm_weight, norm_bias, scale=scale,
+                                    eps=eps, padded=padded, w_out_dtype=w_out_dtype)
+  grid = tslot.shape + (DIM,)
+  kv_cache, tail = kpool_update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid),
+                                ape, loc, pos, scale_format=scale_format,
+                                round_scale=round_scale)
+  return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail

@@ -1,0 +1,123 @@
+"""indexer_update: indexer_projection, indexer_query and kpool_update as one op, one FFI
+call launching their three kernels back to back (issue 12, the update path at the launch
+floor). Shapes and dtypes: see glm5_jax.reference.update."""
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from . import indexer, kpool
+from . import reference as ref
+from ._checks import expect, fail
+from ._primitive import Op, Routing, Split
+from .reference.numerics import DIM
+
+I32, BF16 = indexer.I32, indexer.BF16
+OP = "indexer_update"
+# The ops whose kernels glm5_indexer_update launches, in launch order.
+PARTS = (indexer._projection, indexer._query, kpool._update)
+
+
+def _parts(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+           heads, tactic, scale, eps, padded, w_out_dtype, scale_format, round_scale):
+  """[(Op, operand avals, params)] of the three ops one call runs: the intermediates'
+  avals from the ops' own shape rules, key and gate as kpool_update sees them."""
+  aval = lambda shape, dtype: jax.core.ShapedArray(shape, dtype)
+  projection = dict(heads=heads, tactic=tactic)
+  key_raw, head_w, gate = (aval(s, d) for s, d in indexer._projection.shapes(
+      x, w_cat, **projection))
+  query = dict(scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype)
+  grid = aval(tuple(tslot.shape) + (DIM,), BF16)
+  update = dict(scale_format=scale_format, round_scale=round_scale)
+  return [(indexer._projection, (x, w_cat), projection),
+          (indexer._query, (q, key_raw, head_w, norm_weight, norm_bias), query),
+          (kpool._update, (kv_cache, tail, tslot, grid, grid, ape, loc, pos), update)]
+
+
+def _shapes(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+            heads, tactic, scale, eps, padded, w_out_dtype, scale_format, round_scale):
+  """The three ops' result shapes in order, each part checked by its op's rule (errors
+  name indexer_update), and M = B * N between x and tslot."""
+  expect(OP, "tslot", tslot, I32, (None, None))
+  out = indexer._projection_shapes(OP, x, w_cat, heads)
+  indexer._check_tactic(OP, tactic, x.shape[1])
+  b, n = tslot.shape
+  if x.shape[0] != b * n:
+    fail(OP, "x", f"must have requests x next_n = {b} x {n} rows (tslot's shape), "
+         f"got {tuple(x.shape)}")
+  out += indexer._query_shapes(OP, q, None, norm_weight, norm_bias, x.shape[0], heads,
+                               scale, eps, padded, w_out_dtype)
+  grid = jax.core.ShapedArray((b, n, DIM), BF16)
+  return out + kpool._update_shapes(kv_cache, tail, tslot, grid, grid, ape, loc, pos,
+                                    scale_format=scale_format, round_scale=round_scale,
+                                    op=OP)
+
+
+def _kernel_supports(*avals, **params):
+  """Where each of the three kernels supports its part (their own rules)."""
+  return all(op.kernel_supports(*a, **p) for op, a, p in _parts(*avals, **params))
+
+
+def _attribute_values(*avals, **params):
+  """The three kernels' attribute values (projection tactic, scale format flags)."""
+  values = {}
+  for op, a, p in _parts(*avals, **params):
+    values.update(p, **op.attribute_values(*a, **p))
+  return values
+
+
+def _kernel_params(*avals, **params):
+  """The projection's tactic taken at the whole call's rows (Split: every device's block
+  runs the whole call's tactic, as indexer_projection's does)."""
+  (op, a, p), *_ = _parts(*avals, **params)
+  return op.kernel_params(*a, **p)
+
+
+def _localize(index, x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+              pos):
+  """kpool_update's ids (tslot, loc) made device-local by its own rule."""
+  kv_cache, tail, tslot, _, _, ape, loc, pos = kpool._update_localize(
+      index, kv_cache, tail, tslot, None, None, ape, loc, pos)
+  return x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
+
+
+# Every attribute of the three kernels (their names do not collide), pdl implicit.
+_ATTRIBUTES = {name: typ for op in PARTS for name, typ in op.attributes.items() if name != "pdl"}
+
+_update = Op(
+    OP, lambda *args, tactic, **params: ref.indexer_update(*args, **params), _shapes,
+    aliases={5: 6, 6: 7}, kernel="glm5_indexer_update", attributes=_ATTRIBUTES,
+    attribute_values=_attribute_values, kernel_supports=_kernel_supports,
+    kernel_limits="those of indexer_projection, indexer_query and kpool_update",
+    kernel_off="not yet measured on the H200",
+    kernel_params=_kernel_params,
+    split=Split(("rows", None, "rows", None, None, "pages", "blocks", "requests", None,
+                 "requests", "requests"), ("rows",) * 6 + ("pages", "blocks"), _localize))
+
+
+def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: jax.Array,
+                   norm_bias: jax.Array, kv_cache: jax.Array, tail: jax.Array,
+                   tslot: jax.Array, ape: jax.Array, loc: jax.Array, pos: jax.Array, *,
+                   heads: int, scale: float, eps: float = 1e-6, padded: int | None = None,
+                   w_out_dtype: DTypeLike = jnp.float32, scale_format: str = "fp32",
+                   round_scale: bool = True, tactic: tuple[int, int] | None = None,
+                   routing: Routing | None = None) -> tuple[jax.Array, ...]:
+  """indexer_projection -> indexer_query -> kpool_update as one op: (key_raw bf16[M, 128],
+  head_w f32[M, heads], gate bf16[M, 128], q_fp8 e4m3[M, padded, 128], w_out[M, padded],
+  key bf16[M, 128], kv_cache, tail), the three ops' results in order; x bf16[M, K] with
+  M = B * N rows of tslot, loc, pos i32[B, N] (request-major). See
+  glm5_jax.reference.indexer_update.
+
+  The CUDA kernel (glm5_indexer_update; off unless the routing names it: Op.kernel_off)
+  launches the three ops' kernels back to back in one FFI call with PDL between them, at
+  the shapes all three support (others run the reference). Its outputs are bit-identical
+  to indexer_projection(tactic=projection_tactic(M, K, tactic)), indexer_query and
+  kpool_update each run as its kernel: the same kernels with the same arguments. The
+  caches are updated in place (donate them), as by kpool_update; w_cat is read before the
+  preceding kernel has finished (PDL), as by indexer_projection. tactic: the projection's
+  (None: the table by M). routing: None = Routing.from_env().
+  """
+  params = indexer._query_params(OP, scale, eps, padded, heads, w_out_dtype)
+  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  return tuple(_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                       pos, heads=int(heads), tactic=tactic, scale_format=scale_format,
+                       round_scale=bool(round_scale), routing=routing, **params))

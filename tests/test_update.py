@@ -1,0 +1,130 @@
+"""indexer_update on any machine: its reference is the three ops' references composed
+(as indexer_stage composed them before the op existed), its caches are updated in place
+under donation, and its kernel is off by default (not yet measured). The kernel against
+the three kernels: tests/test_update_gpu.py."""
+import functools
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import glm5_jax
+from glm5_jax import Routing
+from glm5_jax import reference as ref
+from glm5_jax._primitive import Op
+from glm5_jax.testing.cases import CASES, stage_state, tree_bytes
+
+from graphs import copied_shapes
+
+HEADS, HIDDEN = 32, 1024    # a hidden size the projection kernel tiles at every M
+
+
+def update_args(b, n, seed=0):
+  """indexer_update's operands at the stage's shapes: b requests x n rows (synthetic
+  layer and decode cache, as tests/test_stage.py builds them)."""
+  config = glm5_jax.IndexerConfig(heads=HEADS, max_pools=1024)
+  rng = np.random.default_rng(seed)
+  weights, cache, x, _, batch = stage_state(list(rng.integers(3, 900, b)), n, seed,
+                                            config=config, hidden=HIDDEN, q_lora=256)
+  q = jnp.asarray(rng.standard_normal((b * n, HEADS, 128)), jnp.bfloat16)
+  return (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
+          cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions)
+
+
+def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                     pos, *, heads, scale, eps, padded, w_out_dtype, scale_format,
+                     round_scale):
+  """The three references, each jitted on its own, composed as indexer_stage did."""
+  key_raw, head_w, gate = jax.jit(functools.partial(ref.indexer_projection, heads=heads))(
+      x, w_cat)
+  query = jax.jit(functools.partial(ref.indexer_query, scale=scale, eps=eps, padded=padded,
+                                    w_out_dtype=w_out_dtype))
+  q_fp8, w_out, key = query(q, key_raw, head_w, norm_weight, norm_bias)
+  grid = tslot.shape + (128,)
+  update = jax.jit(functools.partial(ref.kpool_update, scale_format=scale_format,
+                                     round_scale=round_scale))
+  kv_cache, tail = update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid), ape,
+                          loc, pos)
+  return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
+
+
+PARAMS = dict(heads=HEADS, scale=0.01, eps=1e-6, padded=64, w_out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (4, 1), (3, 2), (2, 4)])
+@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype", [
+    ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16), ("fp32", False, jnp.float32)])
+def test_reference_is_the_three_references_composed(b, n, scale_format, round_scale,
+                                                    w_out_dtype):
+  """Every result byte of reference.indexer_update (and of the op, on the CPU its
+  reference) equals the three references run one after the other."""
+  args = update_args(b, n, seed=b * 10 + n)
+  params = dict(PARAMS, w_out_dtype=w_out_dtype, scale_format=scale_format,
+                round_scale=round_scale)
+  want = three_references(*args, **params)
+  got = jax.jit(functools.partial(ref.indexer_update, **params))(*args)
+  for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
+    np.testing.assert_array_equal(g, w)
+  op = jax.jit(functools.partial(glm5_jax.indexer_update, **params))(*args)
+  for g, w in zip(tree_bytes(op), tree_bytes(want), strict=True):
+    np.testing.assert_array_equal(g, w)
+  assert np.asarray(want[6] != args[5]).any(), "some pool must complete"
+
+
+def test_donated_caches_are_updated_in_place():
+  """Donated, the op writes its caches into the operands' buffers: no copy of the K cache
+  in the compiled program (on the CPU the tail's bf16 <-> u16 bitcasts copy it, as for
+  kpool_update); without donation the check sees the copy (negative control)."""
+  args = update_args(3, 2)
+  fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
+  donated = jax.jit(fn, donate_argnums=(5, 6))
+  kv, tail = args[5].shape, args[6].shape
+  copies = copied_shapes(donated.lower(*args).compile().as_text(), [kv, tail])
+  assert kv not in copies, copies
+  assert kv in copied_shapes(jax.jit(fn).lower(*args).compile().as_text(), [kv])
+  fresh = list(args)
+  fresh[5] = jnp.copy(args[5])
+  before = fresh[5].unsafe_buffer_pointer()
+  outs = donated(*fresh)
+  assert fresh[5].is_deleted()
+  assert outs[6].unsafe_buffer_pointer() == before
+
+
+def cuda_calls(fn, args, donate=()):
+  """The glm5_ FFI targets the CUDA lowering of fn calls, in order."""
+  exported = export.export(jax.jit(fn, donate_argnums=donate), platforms=["cuda"],
+                           disabled_checks=glm5_jax.export_checks())(*args)
+  return [c for c in re.findall(r"stablehlo.custom_call @(\w+)", exported.mlir_module())
+          if c.startswith("glm5_")]
+
+
+def test_kernel_is_off_by_default_and_the_stage_switch_reaches_it(monkeypatch):
+  """Default routing: no glm5_indexer_update call (Op.kernel_off: not yet measured), the
+  stage with update="fused" then runs the three ops' reference (indexer_update's, not
+  their kernels); naming the op routes the stage's update part to the one FFI call, its
+  caches aliased to the donated stage caches."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  assert Op.registry["indexer_update"].kernel_off == "not yet measured on the H200"
+  case = CASES["indexer_update"]
+  args = case.make(np.random.default_rng(0))
+  assert cuda_calls(case.fn, args) == []
+  on = functools.partial(case.fn, routing=Routing(ops={"indexer_update": True}))
+  assert cuda_calls(on, args, donate=(5, 6)) == ["glm5_indexer_update"]
+  config = dict(heads=HEADS, max_pools=1024)
+  state = stage_state([10, 1500, 77], 1, 0, config=glm5_jax.IndexerConfig(**config),
+                      hidden=HIDDEN, q_lora=256)
+  on = Routing(ops={"indexer_update": True})
+  # (routing, update) -> the update kernels the stage calls. With update="fused" and the
+  # default routing the whole update part is indexer_update's reference (kpool_update's
+  # kernel too): name the op in the routing to measure the switch.
+  for routing, update, want in ((Routing(), "fused", []),
+                                (on, "fused", ["glm5_indexer_update"]),
+                                (on, "ops", ["glm5_kpool_update"])):
+    step = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
+        update=update, routing=routing, **config))
+    calls = cuda_calls(step, state, donate=(1,))
+    assert [c for c in calls if c in ("glm5_indexer_update", "glm5_kpool_update")] == want, (
+        routing, update, calls)
