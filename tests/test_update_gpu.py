@@ -1,0 +1,180 @@
+"""indexer_update as the CUDA kernel (glm5_indexer_update) on the GPU.
+
+(a) Bit-identical to the three kernels it launches: glm5_indexer_projection (same tactic),
+    glm5_indexer_query and glm5_kpool_update, each its own FFI call with the same
+    arguments, give every byte of every result (key_raw, head_w, gate, q_fp8, w_out, key
+    and both caches) at M = 0, 1, 2, 4, 16, 64 rows of next_n 1, 2, 4, both scale formats
+    (and unrounded fp32 scales), f32 and bf16 w_out, with PDL on and off, the table's
+    tactic and explicit ones.
+(b) Donated, the caches are updated in place and a second step continues from them; the
+    FFI call runs inside a command buffer.
+Its kernels against the reference: tests/test_primitives.py (CASES["indexer_update"],
+inputs whose GEMM is exact in any order) and tests/test_stage.py.
+"""
+import functools
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from glm5_jax import Routing, synthetic
+from glm5_jax.testing.cases import stage_state, tree_bytes
+
+from graphs import copied_shapes, run_and_check_graphed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
+
+TARGET = "glm5_indexer_update"
+PARTS = ["glm5_indexer_projection", "glm5_indexer_query", "glm5_kpool_update"]
+HEADS, PADDED = 32, 64
+# (requests, next_n): M = requests x next_n rows.
+GRIDS = [(1, 1), (2, 1), (1, 2), (1, 4), (16, 1), (8, 2), (4, 4), (64, 1), (32, 2), (16, 4)]
+SCALES = [("fp32", True), ("ue8m0", True), ("fp32", False)]
+
+
+PARAMS = dict(heads=HEADS, scale=glm5_jax.IndexerConfig().scale, padded=PADDED)
+
+
+def update_args(b, n, seed=0, hidden=synthetic.HIDDEN):
+  """indexer_update's operands: the synthetic layer and decode cache of b requests at
+  random contexts (every pool phase), n rows each; q random."""
+  config = glm5_jax.IndexerConfig(heads=HEADS, max_pools=1024)
+  rng = np.random.default_rng(seed)
+  weights, cache, x, _, batch = stage_state(list(rng.integers(3, 900, b)), n, seed,
+                                            config=config, hidden=hidden, q_lora=256)
+  q = jnp.asarray(rng.standard_normal((b * n, HEADS, 128)), jnp.bfloat16)
+  return (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
+          cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions)
+
+
+def three_ops(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+              heads, scale, padded, w_out_dtype, scale_format, round_scale, tactic, routing):
+  """The three public ops, each its own FFI call, as indexer_stage composes them."""
+  key_raw, head_w, gate = glm5_jax.indexer_projection(x, w_cat, heads=heads, tactic=tactic,
+                                                      routing=routing)
+  q_fp8, w_out, key = glm5_jax.indexer_query(q, key_raw, head_w, norm_weight, norm_bias,
+                                             scale=scale, padded=padded,
+                                             w_out_dtype=w_out_dtype, routing=routing)
+  grid = tslot.shape + (128,)
+  kv_cache, tail = glm5_jax.kpool_update(kv_cache, tail, tslot, key.reshape(grid),
+                                         gate.reshape(grid), ape, loc, pos,
+                                         scale_format=scale_format, round_scale=round_scale,
+                                         routing=routing)
+  return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
+
+
+def targets(fn, args):
+  text = jax.jit(fn).lower(*args).as_text()
+  return [t for t in re.findall(r"custom_call @(\w+)", text) if t.startswith("glm5_")]
+
+
+def run_both(args, routing, **params):
+  """(fused results, three ops' results), each from its own jit, after checking that each
+  lowers to the kernels (never silently to a reference)."""
+  params = dict(PARAMS, routing=routing, **params)
+  fused = functools.partial(glm5_jax.indexer_update, **params)
+  parts = functools.partial(three_ops, **params)
+  assert targets(fused, args) == [TARGET]
+  assert targets(parts, args) == PARTS
+  copies = lambda: [jnp.copy(a) for a in args]     # each run its own caches
+  return jax.jit(fused)(*copies()), jax.jit(parts)(*copies())
+
+
+def assert_bits(got, want):
+  names = ["key_raw", "head_w", "gate", "q_fp8", "w_out", "key", "kv_cache", "tail"]
+  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
+    diff = g != w
+    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
+
+
+@pytest.mark.parametrize("scale_format,round_scale", SCALES)
+@pytest.mark.parametrize("b,n", GRIDS)
+def test_bit_identical_to_the_three_kernels(b, n, scale_format, round_scale):
+  args = update_args(b, n, seed=100 * b + n)
+  got, want = run_both(args, Routing(kernels=True), w_out_dtype=jnp.float32,
+                       scale_format=scale_format, round_scale=round_scale, tactic=None)
+  assert_bits(got, want)
+  assert np.asarray(got[6] != args[5]).any() or b * n < 4, "some pool must complete"
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("tactic", [None, (4, 2), (8, 1), (2, 8)])
+@pytest.mark.parametrize("w_out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("b,n", [(1, 1), (8, 2), (16, 4)])
+def test_bit_identical_at_every_tactic_and_pdl(b, n, w_out_dtype, tactic, pdl):
+  args = update_args(b, n, seed=7 * b + n)
+  got, want = run_both(args, Routing(kernels=True, pdl=pdl), w_out_dtype=w_out_dtype,
+                       scale_format="ue8m0", round_scale=True, tactic=tactic)
+  assert_bits(got, want)
+
+
+def test_no_rows():
+  """M = 0: nothing launched, every (empty) result and the caches as the three ops leave
+  them."""
+  args = list(update_args(1, 1))
+  for i in (0, 2, 7, 9, 10):                     # x, q, tslot, loc, pos: no rows
+    args[i] = args[i][:0]
+  got, want = run_both(tuple(args), Routing(kernels=True), w_out_dtype=jnp.float32,
+                       scale_format="fp32", round_scale=True, tactic=None)
+  assert_bits(got, want)
+
+
+def test_donated_step_updates_in_place_and_continues():
+  """Two donated steps (the rows of step 2 at the next positions): the caches stay in the
+  operands' buffers (no copy in the compiled program) and equal the three kernels' run."""
+  b, n = 8, 2
+  config = glm5_jax.IndexerConfig(heads=HEADS, max_pools=1024)
+  rng = np.random.default_rng(5)
+  contexts = list(rng.integers(3, 900, b))
+  weights, cache, x, _, batch = stage_state(contexts, 2 * n, 5, config=config,
+                                            hidden=synthetic.HIDDEN, q_lora=256)
+  q = jnp.asarray(rng.standard_normal((b * n, HEADS, 128)), jnp.bfloat16)
+  # Step s: rows s*n .. s*n + n - 1 of each request.
+  steps = [tuple(a[:, s * n:(s + 1) * n] for a in (batch.tslot, batch.loc, batch.positions))
+           for s in range(2)]
+  xs = x.reshape(b, 2 * n, -1)
+  step_x = [xs[:, s * n:(s + 1) * n].reshape(b * n, -1) for s in range(2)]
+  params = dict(PARAMS, w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True,
+                tactic=None, routing=Routing(kernels=True))
+  fused = jax.jit(functools.partial(glm5_jax.indexer_update, **params), donate_argnums=(5, 6))
+  parts = jax.jit(functools.partial(three_ops, **params))
+  w = (weights.w_cat, q, weights.norm_weight, weights.norm_bias)
+  kv, tail = jnp.copy(cache.kv_cache), jnp.copy(cache.tail)
+  rkv, rtail = jnp.copy(cache.kv_cache), jnp.copy(cache.tail)
+  ptrs = (kv.unsafe_buffer_pointer(), tail.unsafe_buffer_pointer())
+  hlo = fused.lower(step_x[0], *w, kv, tail, steps[0][0], weights.ape, *steps[0][1:]
+                    ).compile().as_text()
+  assert not copied_shapes(hlo, [kv.shape, tail.shape])
+  for s, (tslot, loc, pos) in enumerate(steps):
+    outs = fused(step_x[s], *w, kv, tail, tslot, weights.ape, loc, pos)
+    assert kv.is_deleted() and tail.is_deleted()
+    kv, tail = outs[6], outs[7]
+    assert (kv.unsafe_buffer_pointer(), tail.unsafe_buffer_pointer()) == ptrs
+    rkv, rtail = parts(step_x[s], *w, rkv, rtail, tslot, weights.ape, loc, pos)[6:]
+  for g, r in zip(tree_bytes((kv, tail)), tree_bytes((rkv, rtail)), strict=True):
+    np.testing.assert_array_equal(g, r)
+
+
+def test_kernel_runs_inside_a_command_buffer(tmp_path):
+  """With XLA's default flags the chained FFI calls are captured in a CUDA graph."""
+  script = (
+      "import jax, jax.numpy as jnp, numpy as np, glm5_jax\n"
+      "m, k, h = 2, 4096, 32\n"
+      "x = jnp.ones((m, k), jnp.bfloat16); w = jnp.full((256 + h, k), 0.01, jnp.bfloat16)\n"
+      "q = jnp.ones((m, h, 128), jnp.bfloat16); nw = jnp.ones(128, jnp.float32)\n"
+      "nb = jnp.zeros(128, jnp.float32); ape = jnp.zeros((4, 128), jnp.float32)\n"
+      "kv = jnp.zeros((2, 8, 132), jnp.uint8); tail = jnp.ones((2, 2, 4, 128), jnp.bfloat16)\n"
+      "pos = jnp.array([[3], [7]], jnp.int32); ts = jnp.array([[3], [7]], jnp.int32)\n"
+      "loc = jnp.array([[0], [1]], jnp.int32)\n"
+      "def f(kv, tail):\n"
+      "  for i in range(6):\n"
+      "    *_, kv, tail = glm5_jax.indexer_update(x * (i + 1), w, q, nw, nb, kv, tail, ts,\n"
+      "        ape, loc + 2 * i, pos, heads=h, scale=0.01, padded=64)\n"
+      "  return kv, tail\n"
+      "kv, tail = jax.jit(f)(kv, tail)\n"
+      "print(int((kv != 0).any()))\n")
+  out = run_and_check_graphed(script, [TARGET], tmp_path)
+  assert out.split()[-1] == "1", out
