@@ -5,7 +5,10 @@ dispatched back to back (harness.time_step: STEPS decode steps per executable, s
 host's dispatch of each run is amortised). Rows "M=<m>,ctx=<tokens>": µs per layer
 (step time / layers) in device_us, M requests of one decode token each, every request
 at the same context; variant "kernel" = the default routing, "reference" = every op on
-its pure-JAX reference (Routing(kernels=False)), in the same run."""
+its pure-JAX reference (Routing(kernels=False)), in the same run; with
+--stage-update-fused also "kernel, update fused" = the default routing with the update part
+as indexer_update's one FFI call (IndexerConfig(update="fused"), its kernel named in the
+routing: it is off by default until measured)."""
 import gc
 
 import numpy as np
@@ -17,7 +20,7 @@ from glm5_jax import synthetic
 
 from .harness import time_step
 from .sizes import CONFIG, POOL, Sizes
-from .variants import KERNEL, NO_PDL, REFERENCE
+from .variants import KERNEL, NO_PDL, REFERENCE, UPDATE_FUSED
 
 NAME = "stage"
 
@@ -47,19 +50,26 @@ def add_arguments(parser):
   parser.add_argument("--stage-pdl-off", action="store_true",
                       help="also time the kernels with PDL off (Routing(pdl=False)): the "
                            "launches after XLA's own kernels gain nothing from it")
+  parser.add_argument("--stage-update-fused", action="store_true",
+                      help="also time the stage with IndexerConfig(update='fused'): "
+                           "indexer_update's kernel (projection, query epilogue and "
+                           "kpool_update in one FFI call) in place of the three ops")
 
 
 ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=False),
-            NO_PDL: glm5_jax.Routing(pdl=False)}
+            NO_PDL: glm5_jax.Routing(pdl=False),
+            UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True})}
+# The variants whose stage runs IndexerConfig.update other than "ops".
+UPDATES = {UPDATE_FUSED: "fused"}
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
 
 
-def _config(ctx, routing):
+def _config(ctx, routing, update="ops"):
   # The logits width of a deployment serving contexts up to ctx tokens (page-padded).
   max_pools = max(-(-(ctx // POOL) // 64) * 64, CONFIG.topk_tokens // POOL)
-  return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing)
+  return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing, update=update)
 
 
 def layers_state(rng, m, max_context, layers):
@@ -98,6 +108,7 @@ def _step(config):
 def run(bench):
   s = bench.s
   variants = ([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
+              + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
               if bench.module else [REFERENCE])
   for ctx, m in shapes(bench, NAME):
     shape = f"M={m},ctx={ctx}"
@@ -113,7 +124,8 @@ def run(bench):
     for variant in variants:
       routing = ROUTINGS[variant]
       try:
-        sec, caches, info = time_step(_step(_config(ctx, routing)), caches,
+        config = _config(ctx, routing, UPDATES.get(variant, "ops"))
+        sec, caches, info = time_step(_step(config), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,
                                       steps=STEPS)
         bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,

@@ -19,7 +19,9 @@ PALLAS = "pallas"
 THREE_DOTS = "reference, three dots"
 TWO_KERNELS = "projection + query kernels"
 GEMM_QUERY = "XLA GEMM + query kernel"
-VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY)
+UPDATE_FUSED = "kernel, update fused"    # the stage with IndexerConfig(update="fused")
+VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
+            UPDATE_FUSED)
 
 
 def three_dots(x, w_cat):
