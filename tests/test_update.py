@@ -15,7 +15,7 @@ import glm5_jax
 from glm5_jax import Routing
 from glm5_jax import reference as ref
 from glm5_jax._primitive import Op
-from glm5_jax.testing.cases import CASES, stage_state, tree_bytes
+from glm5_jax.testing.cases import CASES, stage_state, tree_bytes, update_state
 
 from graphs import copied_shapes
 
@@ -23,15 +23,7 @@ HEADS, HIDDEN = 32, 1024    # a hidden size the projection kernel tiles at every
 
 
 def update_args(b, n, seed=0):
-  """indexer_update's operands at the stage's shapes: b requests x n rows (synthetic
-  layer and decode cache, as tests/test_stage.py builds them)."""
-  config = glm5_jax.IndexerConfig(heads=HEADS, max_pools=1024)
-  rng = np.random.default_rng(seed)
-  weights, cache, x, _, batch = stage_state(list(rng.integers(3, 900, b)), n, seed,
-                                            config=config, hidden=HIDDEN, q_lora=256)
-  q = jnp.asarray(rng.standard_normal((b * n, HEADS, 128)), jnp.bfloat16)
-  return (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
-          cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions)
+  return update_state(b, n, seed, heads=HEADS, hidden=HIDDEN)
 
 
 def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,

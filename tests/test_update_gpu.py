@@ -21,7 +21,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import Routing, synthetic
-from glm5_jax.testing.cases import stage_state, tree_bytes
+from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
 
 from graphs import copied_shapes, run_and_check_graphed
 
@@ -38,16 +38,8 @@ SCALES = [("fp32", True), ("ue8m0", True), ("fp32", False)]
 PARAMS = dict(heads=HEADS, scale=glm5_jax.IndexerConfig().scale, padded=PADDED)
 
 
-def update_args(b, n, seed=0, hidden=synthetic.HIDDEN):
-  """indexer_update's operands: the synthetic layer and decode cache of b requests at
-  random contexts (every pool phase), n rows each; q random."""
-  config = glm5_jax.IndexerConfig(heads=HEADS, max_pools=1024)
-  rng = np.random.default_rng(seed)
-  weights, cache, x, _, batch = stage_state(list(rng.integers(3, 900, b)), n, seed,
-                                            config=config, hidden=hidden, q_lora=256)
-  q = jnp.asarray(rng.standard_normal((b * n, HEADS, 128)), jnp.bfloat16)
-  return (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
-          cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions)
+def update_args(b, n, seed=0):
+  return update_state(b, n, seed, heads=HEADS, hidden=synthetic.HIDDEN)
 
 
 def three_ops(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,

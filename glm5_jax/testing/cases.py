@@ -57,6 +57,19 @@ def stage_state(contexts, next_n=1, seed=0, *, config, hidden, q_lora):
   return weights, cache, x, qr, batch
 
 
+def update_state(requests, next_n, seed=0, *, heads, hidden):
+  """indexer_update's operands (x, w_cat, q, norm_weight, norm_bias, kv_cache, tail,
+  tslot, ape, loc, pos) at the stage's shapes: a synthetic layer and decode cache of
+  `requests` requests at random contexts (every pool phase), next_n rows each; q random."""
+  config = glm5_jax.IndexerConfig(heads=heads, max_pools=1024)
+  rng = np.random.default_rng(seed)
+  weights, cache, x, _, batch = stage_state(list(rng.integers(3, 900, requests)), next_n,
+                                            seed, config=config, hidden=hidden, q_lora=256)
+  q = jnp.asarray(rng.standard_normal((requests * next_n, heads, 128)), jnp.bfloat16)
+  return (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
+          cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions)
+
+
 def _update_args(rng):
   b, n = 3, 2
   start = rng.integers(0, 40, b)
