@@ -173,6 +173,7 @@ def test_expand_pools_edge_cases():
 
 # One test per compaction mode, so that pytest-xdist runs them side by side (as one jit of
 # every edge call they were the GPU suite's second-longest test, 103 s).
+@pytest.mark.long
 @pytest.mark.parametrize("compact", [True, False])
 def test_expand_and_remap_edge_cases(compact):
   run_and_compare(remap_edge_calls(np.random.default_rng(2 + compact), compact))

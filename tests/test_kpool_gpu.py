@@ -335,6 +335,7 @@ POOLS_PER_CALL = 1 << 17
 
 # One test per batch (2^17 pools each, 2^20 over the eight), so that pytest-xdist spreads
 # them over its workers: as one test they were the GPU suite's longest tail (140 s).
+@pytest.mark.long
 @pytest.mark.parametrize("i", range(len(TRITON_BATCHES)))
 def test_million_pools_bit_identical_to_triton(i):
   """2^20 pools of random data over the 8 batches (normal keys/gates, and wide: keys * 8,
