@@ -221,8 +221,17 @@ def shardings(mesh: jax.sharding.Mesh, specs):
 
 
 def put(mesh: jax.sharding.Mesh, specs, tree):
-  """jax.device_put of `tree` laid out as the spec tree `specs` on `mesh`."""
-  return jax.device_put(tree, shardings(mesh, specs))
+  """jax.device_put of `tree` laid out as the spec tree `specs` on `mesh`. A jax.Array
+  already laid out so (e.g. a step's returned cache, whose spec jax writes out in full
+  rank) is returned as it is: a second Array over the same buffers would keep a
+  reference that stops the next step's donation (jax 0.11 then copies the cache,
+  silently)."""
+  def one(sharding, sub):   # sub: a leaf, or the subtree under a prefix spec
+    if isinstance(sub, jax.Array) and sub.sharding.is_equivalent_to(sharding, sub.ndim):
+      return sub
+    return jax.device_put(sub, sharding)
+  return jax.tree.map(one, shardings(mesh, specs), tree,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def assemble(specs, parts):

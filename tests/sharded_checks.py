@@ -535,7 +535,13 @@ def check_context_stage():
                                        devices * (CONFIG.topk_tokens // 4),
                                        f"context stage, {devices} devices")
       got, got_cache = step(*args, config=CONFIG)
-      assert args[1].kv_cache.is_deleted(), "the cache is donated"
+      if not args[1].kv_cache.is_deleted():
+        aliased = "input_output_alias" in compiled.as_text()
+        raise AssertionError(
+            f"context stage, {devices} devices, step {t}: the cache is not donated (jax "
+            f"{jax.__version__}; the compiled step {'has' if aliased else 'has no'} "
+            f"input_output_alias; cache in {args[1].kv_cache.sharding}, out "
+            f"{got_cache.kv_cache.sharding})")
       assert_bits_equal((got, got_cache), (want, want_cache),
                         f"context stage, {devices} devices, step {t}")
   print("  (context stage: outputs and caches bit-equal to one device)")
