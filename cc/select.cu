@@ -283,10 +283,15 @@ __device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* w
   }
   if (lane == kWarp - 1) warp_sums[warp] = incl;
   __syncthreads();
-  uint32_t before = 0;
+  // The warps' totals scanned across the lanes of every warp (no second barrier).
+  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
+  uint32_t across = total;
 #pragma unroll
-  for (int w = 0; w < kThreads / kWarp; ++w)
-    if (w < warp) before += warp_sums[w];
+  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
+    if (lane >= d) across += o;
+  }
+  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
   return before + incl;
 }
 
@@ -308,14 +313,38 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0 && kPer % 4 == 0);
   __shared__ uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
   __shared__ uint32_t warp_sums[kWarps];
-  __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps];
+  __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps], warp_bound_of[kWarps];
   __shared__ uint32_t shared_digit, shared_above, shared_count;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x;
   const int32_t k = a.k;
   int32_t* out = a.out + static_cast<int64_t>(r) * k;
 
-  if (!a.early_rows) pdl_wait();
+  // 1. The thread's logits. Without early rows the loads go out before the row length
+  //    is read (both in flight at once); with them a row that keeps every pool must not
+  //    wait for the logits kernel, so its length comes first.
+  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
+  const int32_t base = threadIdx.x * kPer;
+  float val[kPer];
+  auto load = [&] {
+    if (base + kPer <= a.width && a.width % 4 == 0) {  // rows 16-byte aligned: vector loads
+#pragma unroll
+      for (int j = 0; j < kPer / 4; ++j) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(row + base) + j);
+        val[4 * j] = v.x;
+        val[4 * j + 1] = v.y;
+        val[4 * j + 2] = v.z;
+        val[4 * j + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) val[i] = base + i < a.width ? __ldg(row + base + i) : 0.f;
+    }
+  };
+  if (!a.early_rows) {
+    pdl_wait();
+    load();
+  }
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (n <= k) {  // every pool is selected: ids 0..n-1 in order, then -1
     for (int32_t i = threadIdx.x; i < k; i += kThreads) out[i] = i < n ? i : -1;
@@ -323,51 +352,61 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
     pdl_launch_dependents();
     return;
   }
-  if (a.early_rows) pdl_wait();
+  if (a.early_rows) {
+    pdl_wait();
+    load();
+  }
   for (int i = threadIdx.x; i < kTopkBins; i += kThreads) hist[0][i] = 0;
 
-  // 1. The thread's keys (0 = no pool: past n; every pool's key is > 0), its min and max.
-  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
-  const int32_t base = threadIdx.x * kPer;
+  // Keys (0 = no pool: past n; every pool's key is > 0); the thread's min and max.
   uint32_t key[kPer];
-  if (base + kPer <= a.width && a.width % 4 == 0) {  // rows 16-byte aligned: vector loads
-    float4 v[kPer / 4];
-#pragma unroll
-    for (int j = 0; j < kPer / 4; ++j) v[j] = __ldg(reinterpret_cast<const float4*>(row + base) + j);
-#pragma unroll
-    for (int j = 0; j < kPer / 4; ++j) {
-      key[4 * j] = order_key(v[j].x);
-      key[4 * j + 1] = order_key(v[j].y);
-      key[4 * j + 2] = order_key(v[j].z);
-      key[4 * j + 3] = order_key(v[j].w);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPer; ++i)
-      key[i] = base + i < a.width ? order_key(__ldg(row + base + i)) : 0u;
-  }
   uint32_t lo = 0xffffffffu, hi = 0u;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    if (base + i >= n) key[i] = 0u;
-    if (key[i] != 0u) {
-      lo = min(lo, key[i]);
-      hi = max(hi, key[i]);
-    }
+    key[i] = base + i < n ? order_key(val[i]) : 0u;
+    if (key[i] != 0u) lo = min(lo, key[i]);
+    hi = max(hi, key[i]);
   }
+  // A lower bound B on the k-th largest key: in every warp at least c = ceil(k / warps)
+  // threads have a maximum >= the warp's c-th largest maximum >= B, so at least
+  // warps * c >= k keys are >= B. Keys below B are never selected: they are dropped,
+  // and the digits start below the bits B and the row's largest key share (a range
+  // much narrower than the row's, so the first digit spreads over the bins instead of
+  // piling onto a few exponents, and fewer keys take part). c > 32 (k > 32 * warps):
+  // no bound.
+  const int c = (k + kWarps - 1) / kWarps;
+  uint32_t sorted = hi;  // bitonic sort of the warp's maxima, descending
+#pragma unroll
+  for (int size = 2; size <= kWarp; size <<= 1)
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, sorted, stride);
+      const bool descending = (lane & size) == 0 || size == kWarp;
+      const bool lower = (lane & stride) == 0;
+      sorted = lower == descending ? max(sorted, other) : min(sorted, other);
+    }
+  const uint32_t warp_bound = c <= kWarp ? __shfl_sync(0xffffffffu, sorted, c - 1) : 0u;
   lo = __reduce_min_sync(0xffffffffu, lo);
-  hi = __reduce_max_sync(0xffffffffu, hi);
+  hi = __shfl_sync(0xffffffffu, sorted, 0);  // the warp's largest
   if (lane == 0) {
     warp_lo[warp] = lo;
     warp_hi[warp] = hi;
+    warp_bound_of[warp] = warp_bound;
   }
   __syncthreads();
+  uint32_t bound = warp_bound;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
     lo = min(lo, warp_lo[w]);
     hi = max(hi, warp_hi[w]);
+    bound = min(bound, warp_bound_of[w]);
   }
-
+  if (bound > lo) {
+    lo = bound;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (key[i] < bound) key[i] = 0u;
+  }
   // 2. The digits. Invariant: the keys whose bits above `bits` equal the prefix number
   //    at least `remaining`, and the keys above them fewer than k.
   int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
@@ -473,11 +512,12 @@ cudaError_t launch_topk_as(cudaStream_t stream, bool pdl, const TopkArgs& args) 
                 dim3(kThreads), 0, stream, pdl, args);
 }
 
-// Threads and keys per thread from the logits width (a static shape): the fewest threads
-// that hold the row with 8 keys each, then more keys per thread. Fewer threads per row
-// make every barrier of the radix passes cheaper; 8 keys are two 16-byte loads.
+// Threads and keys per thread from the logits width (a static shape): at least 16 warps
+// (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
+// past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
+// 1024 threads per CTA).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  if (args.width <= 2048) return launch_topk_as<256, 8>(stream, pdl, args);
+  if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_as<1024, 8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_as<1024, 16>(stream, pdl, args);
