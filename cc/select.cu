@@ -152,11 +152,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
   const int32_t padded = kHeadTiles * 8;
   const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
 
-  // Two work items of a row in flight per warp when the next item is in the same row:
-  // both tiles' page lookups, then both tiles' loads, are issued before the first mma, so
-  // a warp keeps 4 KB of the cache in flight instead of 2 (the kernel is bound by loads
-  // in flight: 128 registers, 4 CTAs per SM). Each pool's arithmetic is unchanged.
-  for (int32_t item = begin; item < end;) {
+  for (int32_t item = begin; item < end; ++item) {
     while (first_item[r + 1] <= item) ++r;
     if (r != row) {
       row = r;
@@ -173,76 +169,61 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
         w1[j] = __ldg(wr + 1);
       }
     }
-    const bool pair = item + 1 < end && first_item[r + 1] > item + 1;
+    const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
     float* out = a.logits + static_cast<int64_t>(r) * a.width;
-    int32_t p0[2], pg[2];
-    uint32_t ka[2][8], kb[2][8];
-    float scale_lo[2], scale_hi[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the page of each tile (a.page % 16 == 0: one page)
-      p0[h] = (item + h - first_item[r]) * kItemPools + warp * kWarpPools;
-      const int32_t slot = p0[h] / a.page;
-      pg[h] = (h == 0 || pair) && p0[h] < n && table != nullptr && slot < a.table_width
-                  ? table[slot] : -1;
-      if (pg[h] >= a.pages) pg[h] = -1;
+    // Lane t = 0 stores pool g, lane t = 1 pool g + 8.
+    const int32_t mine = p0 + g + (t == 1 ? 8 : 0);
+    if (p0 >= n) {  // the warp's pools are all past the row's end (fill mode only)
+      if (t < 2 && mine < a.width) out[mine] = -INFINITY;
+      continue;
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the tiles' entries and scales
-      if (pg[h] < 0) continue;
-      const uint8_t* page = a.kv + pg[h] * page_bytes;
-      const int e = p0[h] % a.page + g;
-      words(ka[h], page + e * kDim + 16 * t);
-      words(kb[h], page + (e + 8) * kDim + 16 * t);
+    // a.page % 16 == 0, so the warp's 16 pools share one page.
+    const int32_t slot = p0 / a.page;
+    const int32_t pg = table != nullptr && slot < a.table_width ? table[slot] : -1;
+    float s_lo = -INFINITY, s_hi = -INFINITY;
+    if (pg >= 0 && pg < a.pages) {
+      const uint8_t* page = a.kv + pg * page_bytes;
+      const int e = p0 % a.page + g;
+      uint32_t ka[8], kb[8];
+      words(ka, page + e * kDim + 16 * t);
+      words(kb, page + (e + 8) * kDim + 16 * t);
       const uint8_t* scales = page + static_cast<int64_t>(a.page) * kDim;
+      float scale_lo, scale_hi;
       if (a.ue8m0) {
-        scale_lo[h] = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * e)) << 23);
-        scale_hi[h] = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * (e + 8))) << 23);
+        scale_lo = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * e)) << 23);
+        scale_hi = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * (e + 8))) << 23);
       } else {
-        scale_lo[h] = __ldg(reinterpret_cast<const float*>(scales) + e);
-        scale_hi[h] = __ldg(reinterpret_cast<const float*>(scales) + e + 8);
+        scale_lo = __ldg(reinterpret_cast<const float*>(scales) + e);
+        scale_hi = __ldg(reinterpret_cast<const float*>(scales) + e + 8);
       }
+      float acc[kHeadTiles][4];
+#pragma unroll
+      for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int j = 0; j < kHeadTiles; ++j)
+          mma_e4m3(acc[j], ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qw[j][2 * s],
+                   qw[j][2 * s + 1]);
+      float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+      for (int j = 0; j < kHeadTiles; ++j) {
+        sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
+        sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
+        sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
+        sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
+      }
+      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
+      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
+      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
+      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
+      s_lo = sum_lo * scale_lo;
+      s_hi = sum_hi * scale_hi;
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (h == 1 && !pair) break;  // warp-uniform
-      // Lane t = 0 stores pool g, lane t = 1 pool g + 8.
-      const int32_t mine = p0[h] + g + (t == 1 ? 8 : 0);
-      if (p0[h] >= n) {  // the warp's pools are all past the row's end (fill mode only)
-        if (t < 2 && mine < a.width) out[mine] = -INFINITY;
-        continue;
-      }
-      float s_lo = -INFINITY, s_hi = -INFINITY;
-      if (pg[h] >= 0) {
-        float acc[kHeadTiles][4];
-#pragma unroll
-        for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-          for (int j = 0; j < kHeadTiles; ++j)
-            mma_e4m3(acc[j], ka[h][2 * s], kb[h][2 * s], ka[h][2 * s + 1], kb[h][2 * s + 1],
-                     qw[j][2 * s], qw[j][2 * s + 1]);
-        float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-        for (int j = 0; j < kHeadTiles; ++j) {
-          sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
-          sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
-          sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
-          sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
-        }
-        sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
-        sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
-        sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
-        sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
-        s_lo = sum_lo * scale_lo[h];
-        s_hi = sum_hi * scale_hi[h];
-      }
-      if (t < 2) {
-        if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-        else if (a.fill && mine < a.width) out[mine] = -INFINITY;
-      }
+    if (t < 2) {
+      if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+      else if (a.fill && mine < a.width) out[mine] = -INFINITY;
     }
-    item += pair ? 2 : 1;
   }
   pdl_launch_dependents();
 }
