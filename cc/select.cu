@@ -301,31 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   const int32_t k = a.k;
   int32_t* out = a.out + static_cast<int64_t>(r) * k;
 
-  // 1. The thread's logits. Without early rows the loads go out before the row length
-  //    is read (both in flight at once); with them a row that keeps every pool must not
-  //    wait for the logits kernel, so its length comes first.
-  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
-  const int32_t base = threadIdx.x * kPer;
-  float val[kPer];
-  auto load = [&] {
-    if (base + kPer <= a.width && a.width % 4 == 0) {  // rows 16-byte aligned: vector loads
-#pragma unroll
-      for (int j = 0; j < kPer / 4; ++j) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(row + base) + j);
-        val[4 * j] = v.x;
-        val[4 * j + 1] = v.y;
-        val[4 * j + 2] = v.z;
-        val[4 * j + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) val[i] = base + i < a.width ? __ldg(row + base + i) : 0.f;
-    }
-  };
-  if (!a.early_rows) {
-    pdl_wait();
-    load();
-  }
+  if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (n <= k) {  // every pool is selected: ids 0..n-1 in order, then -1
     for (int32_t i = threadIdx.x; i < k; i += kThreads) out[i] = i < n ? i : -1;
@@ -333,9 +309,29 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
     pdl_launch_dependents();
     return;
   }
-  if (a.early_rows) {
-    pdl_wait();
-    load();
+  if (a.early_rows) pdl_wait();
+
+  // 1. The thread's logits: `chunk` of them from the row's length (not its width), so a
+  //    short row in wide logits (the stage: max_pools wide) still spreads over every
+  //    thread.
+  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
+  const int32_t chunk = min(kPer, (n + kThreads - 1) / kThreads);  // n > k >= 1: >= 1
+  const int32_t base = threadIdx.x * chunk;
+  float val[kPer];
+  if (chunk % 4 == 0 && a.width % 4 == 0) {  // rows and chunks 16-byte aligned
+#pragma unroll
+    for (int j = 0; j < kPer / 4; ++j) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (4 * j < chunk && base + 4 * j + 4 <= a.width)
+        v = __ldg(reinterpret_cast<const float4*>(row + base) + j);
+      val[4 * j] = v.x;
+      val[4 * j + 1] = v.y;
+      val[4 * j + 2] = v.z;
+      val[4 * j + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) val[i] = i < chunk && base + i < n ? __ldg(row + base + i) : 0.f;
   }
   for (int i = threadIdx.x; i < kTopkBins; i += kThreads) hist[0][i] = 0;
 
@@ -344,18 +340,19 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   uint32_t lo = 0xffffffffu, hi = 0u;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    key[i] = base + i < n ? order_key(val[i]) : 0u;
+    key[i] = i < chunk && base + i < n ? order_key(val[i]) : 0u;
     if (key[i] != 0u) lo = min(lo, key[i]);
     hi = max(hi, key[i]);
   }
-  // A lower bound B on the k-th largest key: in every warp at least c = ceil(k / warps)
-  // threads have a maximum >= the warp's c-th largest maximum >= B, so at least
-  // warps * c >= k keys are >= B. Keys below B are never selected: they are dropped,
-  // and the digits start below the bits B and the row's largest key share (a range
-  // much narrower than the row's, so the first digit spreads over the bins instead of
-  // piling onto a few exponents, and fewer keys take part). c > 32 (k > 32 * warps):
-  // no bound.
-  const int c = (k + kWarps - 1) / kWarps;
+  // A lower bound B on the k-th largest key. The first `full` warps have a pool in every
+  // thread; in each of them at least c = ceil(k / full) threads have a maximum >= the
+  // warp's c-th largest maximum >= B, so at least full * c >= k keys are >= B. Keys below
+  // B are never selected: they are dropped, and the digits start below the bits B and
+  // the row's largest key share (a range much narrower than the row's, so the first
+  // digit spreads over the bins instead of piling onto a few exponents, and fewer keys
+  // take part). No bound where c > 32 (k > 32 * full).
+  const int full = (n + chunk - 1) / chunk / kWarp;
+  const int c = full > 0 ? (k + full - 1) / full : kWarp + 1;
   uint32_t sorted = hi;  // bitonic sort of the warp's maxima, descending
 #pragma unroll
   for (int size = 2; size <= kWarp; size <<= 1)
@@ -366,7 +363,10 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
       const bool lower = (lane & stride) == 0;
       sorted = lower == descending ? max(sorted, other) : min(sorted, other);
     }
-  const uint32_t warp_bound = c <= kWarp ? __shfl_sync(0xffffffffu, sorted, c - 1) : 0u;
+  // Warps past `full` do not bound (all ones: neutral in the min below).
+  const uint32_t warp_bound = c > kWarp ? 0u
+                              : warp < full ? __shfl_sync(0xffffffffu, sorted, c - 1)
+                                            : 0xffffffffu;
   lo = __reduce_min_sync(0xffffffffu, lo);
   hi = __shfl_sync(0xffffffffu, sorted, 0);  // the warp's largest
   if (lane == 0) {
