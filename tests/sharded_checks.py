@@ -535,15 +535,15 @@ def check_context_stage():
                                        devices * (CONFIG.topk_tokens // 4),
                                        f"context stage, {devices} devices")
       got, got_cache = step(*args, config=CONFIG)
+      assert_bits_equal((got, got_cache), (want, want_cache),
+                        f"context stage, {devices} devices, step {t}")
       if not args[1].kv_cache.is_deleted():
         aliased = "input_output_alias" in compiled.as_text()
         raise AssertionError(
-            f"context stage, {devices} devices, step {t}: the cache is not donated (jax "
-            f"{jax.__version__}; the compiled step {'has' if aliased else 'has no'} "
-            f"input_output_alias; cache in {args[1].kv_cache.sharding}, out "
-            f"{got_cache.kv_cache.sharding})")
-      assert_bits_equal((got, got_cache), (want, want_cache),
-                        f"context stage, {devices} devices, step {t}")
+            f"context stage, {devices} devices, step {t}: bit-equal, but the cache is not "
+            f"donated (jax {jax.__version__}; the compiled step "
+            f"{'has' if aliased else 'has no'} input_output_alias; cache in "
+            f"{args[1].kv_cache.sharding}, out {got_cache.kv_cache.sharding})")
   print("  (context stage: outputs and caches bit-equal to one device)")
   m = context_meshes()[-1]
   cache, x, qr, batch = context_stage_inputs(m.shape[CONTEXT_AXIS])
