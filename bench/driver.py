@@ -64,6 +64,23 @@ class Bench:
   def has_kernel(self, op):
     return self.module and op in glm5_jax.KERNEL_TARGETS
 
+  def states(self, group, shapes, variants, build):
+    """(shape label, args, state) of each (label, args) of `shapes` of a whole-step group
+    whose state build(*args) could be made: a shape past the time budget is skipped
+    (logged), a failed build gives an error row for each variant."""
+    for shape, args in shapes:
+      if self.over_budget():
+        self.log(f"{group} {shape}: skipped (over the time budget)")
+        continue
+      try:
+        state = build(*args)
+      except Exception as e:                               # noqa: BLE001
+        for v in variants:
+          self.error_row(group, shape, v, e)
+        continue
+      yield shape, args, state
+      del state   # before the next build: a step's caches can be most of the GPU
+
   def over_budget(self):
     return time.monotonic() - self.t0 > self.args.budget_s
 

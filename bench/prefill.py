@@ -25,6 +25,7 @@ from glm5_jax.reference.numerics import DIM, POOL
 
 from .harness import time_step
 from .sizes import CONFIG, ENTRY, HIDDEN, W_ROWS, Sizes
+from .stage import ROUTINGS
 from .variants import KERNEL, REFERENCE
 from .workloads import floor_us
 
@@ -80,23 +81,16 @@ def _step(config):
 def run(bench):
   s = bench.s
   variants = [KERNEL, REFERENCE] if bench.module else [REFERENCE]
-  for shape, lengths in shapes(bench):
-    if bench.over_budget():
-      bench.log(f"prefill {shape}: skipped (over the time budget)")
-      continue
-    try:
-      weights, cache, xs, batch = _state(lengths, seed=sum(lengths))
-    except Exception as e:                               # noqa: BLE001
-      for v in variants:
-        bench.error_row(NAME, shape, v, e)
-      continue
+  labelled = [(shape, (lengths,)) for shape, lengths in shapes(bench)]
+  build = lambda lengths: _state(lengths, seed=sum(lengths))  # noqa: E731
+  for shape, (lengths,), state in bench.states(NAME, labelled, variants, build):
+    weights, cache, xs, batch = state
+    del state
     rows, ring = int(sum(lengths)), cache.tail.shape[2]
     nbytes, flops = prefill_bytes(lengths, ring), 2 * rows * HIDDEN * W_ROWS
     floor = floor_us(nbytes, flops, bench.bw)
     for variant in variants:
-      routing = (glm5_jax.Routing() if variant == KERNEL
-                 else glm5_jax.Routing(kernels=False))
-      config = glm5_jax.IndexerConfig(routing=routing)
+      config = glm5_jax.IndexerConfig(routing=ROUTINGS[variant])
       try:
         sec, cache, info = time_step(_step(config), cache, (weights, xs, batch), s,
                                      steps=STEPS)

@@ -129,17 +129,10 @@ def run(bench):
   s = bench.s
   layers = s.stage_layers
   sizes = dataclasses.replace(s, reps=s.serving_steps)
-  for ctx, m in shapes(bench, NAME):
-    shape = f"M={m},ctx={ctx}"
-    if bench.over_budget():
-      bench.log(f"serving {shape}: skipped (over the time budget)")
-      continue
-    try:
-      weights, caches, x, qr, pt, bt = _state(m, ctx, layers, seed=m * 11 + ctx)
-    except Exception as e:                               # noqa: BLE001
-      for v in VARIANTS:
-        bench.error_row(NAME, shape, v, e)
-      continue
+  build = lambda ctx, m: _state(m, ctx, layers, seed=m * 11 + ctx)  # noqa: E731
+  for shape, (ctx, m), state in bench.states(NAME, shapes(bench, NAME), VARIANTS, build):
+    weights, caches, x, qr, pt, bt = state
+    del state
     config = _config(ctx + MARGIN, glm5_jax.Routing())
     fixed = (weights, x, qr, pt, bt)
     page, ring = caches[0].kv_cache.shape[1], caches[0].tail.shape[2]

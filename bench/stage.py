@@ -37,12 +37,13 @@ def shape_arguments(parser, group):
 
 
 def shapes(bench, group):
-  """[(context, M)] of a whole-step group: its flags, else the run's sizes."""
+  """[("M=<m>,ctx=<context>", (context, M))] of a whole-step group: its flags, else the
+  run's sizes."""
   def ints(what):
     text = getattr(bench.args, f"{group}_{what}")
     return (tuple(int(v) for v in text.split(",")) if text
             else getattr(bench.s, f"{group}_{what}"))
-  return [(ctx, m) for ctx in ints("contexts") for m in ints("rows")]
+  return [(f"M={m},ctx={ctx}", (ctx, m)) for ctx in ints("contexts") for m in ints("rows")]
 
 
 def add_arguments(parser):
@@ -110,17 +111,10 @@ def run(bench):
   variants = ([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
               + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
               if bench.module else [REFERENCE])
-  for ctx, m in shapes(bench, NAME):
-    shape = f"M={m},ctx={ctx}"
-    if bench.over_budget():
-      bench.log(f"stage {shape}: skipped (over the time budget)")
-      continue
-    try:
-      weights, caches, xs, qrs, batch = _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
-    except Exception as e:                               # noqa: BLE001
-      for v in variants:
-        bench.error_row(NAME, shape, v, e)
-      continue
+  build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)  # noqa: E731
+  for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
+    weights, caches, xs, qrs, batch = state
+    del state
     for variant in variants:
       routing = ROUTINGS[variant]
       try:

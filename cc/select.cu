@@ -12,16 +12,15 @@
 // schedule kernel) and takes a contiguous range of items, so at M = 1 a 32K-pool row is
 // spread over every SM. Scores come from mma.sync m16n8k32 e4m3 x e4m3 -> f32.
 //
-// Top-k: one CTA of 1024 threads per row, exact and deterministic by construction:
-// order-preserving 32-bit keys in shared memory, a candidate bound from per-thread maxima,
-// radix select of the threshold over the candidates, then a bitmap pass that emits the
-// selected pool ids in ascending id order (ties at the threshold by ascending id). No
-// atomic decides an order; shared-memory atomics only count.
+// Top-k: one CTA per row (256 to 1024 threads by the logits width), exact and
+// deterministic by construction: order-preserving 32-bit keys in registers, radix select
+// of the threshold with 11-bit digits that start below the bits the row's extreme keys
+// share, then one prefix sum of per-thread counts that places the selected pool ids in
+// ascending id order (ties at the threshold by ascending id). No atomic decides an order;
+// shared-memory atomics only count.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 
 #include "common.h"
 #include "constants.h"
@@ -34,13 +33,10 @@ constexpr int kWarpPools = 16;                       // pools per warp tile (mma
 constexpr int kLogitsWarps = 4;
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kItemPools = kWarpPools * kLogitsWarps;  // 64 pools per work item
-constexpr int kTopkThreads = 1024;
-constexpr int kTopkWarps = kTopkThreads / kWarp;
-// One 32-bit word of the selection bitmap per thread: rows of up to 32768 pools.
-constexpr int kTopkMaxPools = kWarp * kTopkThreads;
-constexpr int kCandidates = 8192;                    // candidate keys kept in shared memory
-constexpr int kRadixBits = 8;
-constexpr int kRadixBins = 1 << kRadixBits;
+// Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys.
+constexpr int kTopkMaxPools = 32768;
+constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
+constexpr int kTopkBins = 1 << kTopkDigitBits;
 
 // Pools of a row: pool_lens[r], or (positions[r] + 1) / 4 (0 for pads) without the int32
 // overflow of pos + 1; at most `width` (the logits width).
@@ -255,8 +251,10 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix sum over the 1024 threads of the CTA (thread order).
-__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* warp_sums) {
+// Inclusive prefix sum over the CTA's threads in thread order. warp_sums is written here:
+// the caller puts a barrier between this call and the next one.
+template <int kThreads>
+__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* warp_sums) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   uint32_t incl = v;
 #pragma unroll
@@ -266,28 +264,38 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* w
   }
   if (lane == kWarp - 1) warp_sums[warp] = incl;
   __syncthreads();
-  if (warp == 0) {
-    uint32_t x = warp_sums[lane], xi = x;
+  // The warps' totals scanned across the lanes of every warp (no second barrier).
+  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
+  uint32_t across = total;
 #pragma unroll
-    for (int d = 1; d < kWarp; d <<= 1) {
-      const uint32_t o = __shfl_up_sync(0xffffffffu, xi, d);
-      if (lane >= d) xi += o;
-    }
-    warp_sums[lane] = xi - x;
+  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
+    if (lane >= d) across += o;
   }
-  __syncthreads();
-  const uint32_t out = warp_sums[warp] + incl - v;
-  __syncthreads();  // warp_sums is reused by the caller
-  return out;
+  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
+  return before + incl;
 }
 
-__global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) {
-  extern __shared__ uint32_t keys[];  // [roundup(width, 32)] then [kCandidates]
-  __shared__ uint32_t hist[kRadixBins];
-  __shared__ uint32_t scan[kTopkThreads];
-  __shared__ uint32_t warp_sums[kTopkWarps];
-  __shared__ uint32_t warp_max[kTopkWarps];
-  __shared__ uint32_t shared_count, shared_digit, shared_above, shared_bound, shared_top;
+// One CTA of kThreads per row; thread t holds the keys of pools [t * kPer, (t + 1) * kPer)
+// in registers (kThreads * kPer >= the logits width), so emitting the selection in
+// ascending id order is one prefix sum of per-thread counts.
+//
+// Radix select of the k-th largest key over digits of at most kTopkDigitBits, starting
+// below the bits that the row's smallest and largest keys share (the digits adapt to the
+// row's range, so keys of a narrow range still spread over the bins). After each digit
+// the selection is "keys whose bits above `shift` exceed the prefix, plus the first
+// `remaining` (by id) of those equal to it"; it stops when every key equal to the prefix
+// is selected, or at shift 0 (ties at the k-th key, taken by ascending id). Shared-memory
+// atomics only count; the order of the output is fixed by the prefix sum.
+template <int kThreads, int kPer>
+__global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
+  constexpr int kWarps = kThreads / kWarp;
+  constexpr int kBinsPerThread = kTopkBins / kThreads;
+  static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0 && kPer % 4 == 0);
+  __shared__ uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
+  __shared__ uint32_t warp_sums[kWarps];
+  __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps], warp_bound_of[kWarps];
+  __shared__ uint32_t shared_digit, shared_above, shared_count;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x;
   const int32_t k = a.k;
@@ -296,41 +304,56 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
   if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (n <= k) {  // every pool is selected: ids 0..n-1 in order, then -1
-    for (int32_t i = threadIdx.x; i < k; i += kTopkThreads) out[i] = i < n ? i : -1;
+    for (int32_t i = threadIdx.x; i < k; i += kThreads) out[i] = i < n ? i : -1;
     if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
     pdl_launch_dependents();
     return;
   }
   if (a.early_rows) pdl_wait();
 
-  // 1. Keys into shared memory (pads up to a whole word are 0 = no pool), per-thread max.
+  // 1. The thread's logits: `chunk` of them from the row's length (not its width), so a
+  //    short row in wide logits (the stage: max_pools wide) still spreads over every
+  //    thread.
   const float* row = a.logits + static_cast<int64_t>(r) * a.width;
-  const int32_t words_n = (n + kWarp - 1) / kWarp;
-  const int32_t padded_n = words_n * kWarp;
-  uint32_t* candidates = keys + ((a.width + kWarp - 1) / kWarp) * kWarp;
-  uint32_t own_max = 0;
-  constexpr int kBatch = 8;  // loads in flight per thread
-  for (int32_t base = threadIdx.x; base < padded_n; base += kBatch * kTopkThreads) {
-    float v[kBatch];
+  const int32_t chunk = min(kPer, (n + kThreads - 1) / kThreads);  // n > k >= 1: >= 1
+  const int32_t base = threadIdx.x * chunk;
+  float val[kPer];
+  if (chunk % 4 == 0 && a.width % 4 == 0) {  // rows and chunks 16-byte aligned
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int32_t i = base + b * kTopkThreads;
-      v[b] = i < n ? __ldg(row + i) : 0.f;
+    for (int j = 0; j < kPer / 4; ++j) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (4 * j < chunk && base + 4 * j + 4 <= a.width)
+        v = __ldg(reinterpret_cast<const float4*>(row + base) + j);
+      val[4 * j] = v.x;
+      val[4 * j + 1] = v.y;
+      val[4 * j + 2] = v.z;
+      val[4 * j + 3] = v.w;
     }
+  } else {
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int32_t i = base + b * kTopkThreads;
-      if (i < padded_n) {
-        const uint32_t key = i < n ? order_key(v[b]) : 0u;
-        keys[i] = key;
-        own_max = max(own_max, key);
-      }
-    }
+    for (int i = 0; i < kPer; ++i) val[i] = i < chunk && base + i < n ? __ldg(row + base + i) : 0.f;
   }
-  // 2. A lower bound on the k-th largest key: every warp holds at least c = ceil(k / 32)
-  //    per-thread maxima >= its c-th largest one, and 32 warps * c >= k such keys exist,
-  //    so the k-th largest key is >= the smallest of the warps' c-th largest maxima.
-  uint32_t sorted = own_max;  // bitonic sort of the warp's maxima, descending
+  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) hist[0][i] = 0;
+
+  // Keys (0 = no pool: past n; every pool's key is > 0); the thread's min and max.
+  uint32_t key[kPer];
+  uint32_t lo = 0xffffffffu, hi = 0u;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    key[i] = i < chunk && base + i < n ? order_key(val[i]) : 0u;
+    if (key[i] != 0u) lo = min(lo, key[i]);
+    hi = max(hi, key[i]);
+  }
+  // A lower bound B on the k-th largest key. The first `full` warps have a pool in every
+  // thread; in each of them at least c = ceil(k / full) threads have a maximum >= the
+  // warp's c-th largest maximum >= B, so at least full * c >= k keys are >= B. Keys below
+  // B are never selected: they are dropped, and the digits start below the bits B and
+  // the row's largest key share (a range much narrower than the row's, so the first
+  // digit spreads over the bins instead of piling onto a few exponents, and fewer keys
+  // take part). No bound where c > 32 (k > 32 * full).
+  const int full = (n + chunk - 1) / chunk / kWarp;
+  const int c = full > 0 ? (k + full - 1) / full : kWarp + 1;
+  uint32_t sorted = hi;  // bitonic sort of the warp's maxima, descending
 #pragma unroll
   for (int size = 2; size <= kWarp; size <<= 1)
 #pragma unroll
@@ -340,158 +363,113 @@ __global__ void __launch_bounds__(kTopkThreads, 1) pool_topk_kernel(TopkArgs a) 
       const bool lower = (lane & stride) == 0;
       sorted = lower == descending ? max(sorted, other) : min(sorted, other);
     }
-  const int c = (k + kTopkWarps - 1) / kTopkWarps;
-  const uint32_t warp_bound = c <= kWarp ? __shfl_sync(0xffffffffu, sorted, c - 1) : 0u;
+  // Warps past `full` do not bound (all ones: neutral in the min below).
+  const uint32_t warp_bound = c > kWarp ? 0u
+                              : warp < full ? __shfl_sync(0xffffffffu, sorted, c - 1)
+                                            : 0xffffffffu;
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __shfl_sync(0xffffffffu, sorted, 0);  // the warp's largest
   if (lane == 0) {
-    warp_sums[warp] = warp_bound;
-    warp_max[warp] = sorted;  // lane 0 holds the warp's largest
-  }
-  if (threadIdx.x == 0) shared_count = 0;
-  __syncthreads();
-  if (warp == 0) {
-    const uint32_t bound = __reduce_min_sync(0xffffffffu, warp_sums[lane]);
-    const uint32_t top = __reduce_max_sync(0xffffffffu, warp_max[lane]);
-    if (lane == 0) {
-      shared_bound = bound;
-      shared_top = top;
-    }
+    warp_lo[warp] = lo;
+    warp_hi[warp] = hi;
+    warp_bound_of[warp] = warp_bound;
   }
   __syncthreads();
-  const uint32_t bound = shared_bound, top = shared_top;
-
-  // 3. Candidates: the keys >= bound (order irrelevant: only counted below).
-  for (int32_t i = threadIdx.x; i < padded_n; i += kTopkThreads) {
-    const uint32_t key = keys[i];
-    const bool take = key != 0u && key >= bound;
-    const uint32_t mask = __ballot_sync(0xffffffffu, take);
-    uint32_t at = 0;
-    if (lane == 0 && mask != 0u) at = atomicAdd(&shared_count, __popc(mask));
-    at = __shfl_sync(0xffffffffu, at, 0) + __popc(mask & ((1u << lane) - 1u));
-    if (take && at < static_cast<uint32_t>(kCandidates)) candidates[at] = key;
+  uint32_t bound = warp_bound;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    lo = min(lo, warp_lo[w]);
+    hi = max(hi, warp_hi[w]);
+    bound = min(bound, warp_bound_of[w]);
   }
-  __syncthreads();
-  const uint32_t count = shared_count;
-  const uint32_t* source = count <= static_cast<uint32_t>(kCandidates) ? candidates : keys;
-  const int32_t source_n = count <= static_cast<uint32_t>(kCandidates)
-                               ? static_cast<int32_t>(count) : padded_n;
-
-  // 4. Radix select of the k-th largest key T among keys in [bound, top], 8 bits at a time
-  //    below the bits bound and top share. `remaining` ends as the number of keys equal
-  //    to T that are selected (the rest of k are the keys above T).
-  int bits = bound == top ? 0 : 32 - __clz(bound ^ top);
-  uint32_t prefix = bits == 32 ? 0u : top & ~((1u << bits) - 1u);
+  if (bound > lo) {
+    lo = bound;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (key[i] < bound) key[i] = 0u;
+  }
+  // 2. The digits. Invariant: the keys whose bits above `bits` equal the prefix number
+  //    at least `remaining`, and the keys above them fewer than k.
+  int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
+  uint32_t prefix = bits == 32 ? 0u : hi & ~((1u << bits) - 1u);
   uint32_t remaining = static_cast<uint32_t>(k);
+  int shift = 0, buffer = 0;
   while (bits > 0) {
-    const int shift = bits > kRadixBits ? bits - kRadixBits : 0;
+    shift = bits > kTopkDigitBits ? bits - kTopkDigitBits : 0;
     const uint32_t digit_mask = (1u << (bits - shift)) - 1u;
-    for (int i = threadIdx.x; i < kRadixBins; i += kTopkThreads) hist[i] = 0;
-    __syncthreads();
-    for (int32_t i = threadIdx.x; i < source_n; i += kTopkThreads) {
-      const uint32_t key = source[i];
-      if (key != 0u && key >= bound && (bits == 32 || (key >> bits) == (prefix >> bits)))
-        atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
-    }
-    __syncthreads();
-    if (warp == 0) {  // the digit holding the remaining-th largest, scanning from the top
-      constexpr int kPer = kRadixBins / kWarp;
-      uint32_t mine = 0;
+    uint32_t* h = hist[buffer];
 #pragma unroll
-      for (int b = 0; b < kPer; ++b) mine += hist[lane * kPer + b];
-      uint32_t suffix = mine;  // bins of this lane and above
+    for (int i = 0; i < kPer; ++i)
+      if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
+        atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
+    __syncthreads();
+    // Thread t owns kBinsPerThread bins, thread 0 the highest: the thread whose prefix
+    // sum crosses `remaining` holds the digit.
+    const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
+    uint32_t mine[kBinsPerThread], sum = 0;
 #pragma unroll
-      for (int d = 1; d < kWarp; d <<= 1) {
-        const uint32_t o = __shfl_down_sync(0xffffffffu, suffix, d);
-        if (lane + d < kWarp) suffix += o;
-      }
-      uint32_t above = suffix - mine;
-      if (above < remaining && remaining <= suffix) {
-        for (int b = kPer - 1; b >= 0; --b) {
-          const uint32_t h = hist[lane * kPer + b];
-          if (above + h >= remaining) {
-            shared_digit = lane * kPer + b;
-            shared_above = above;
-            break;
-          }
-          above += h;
+    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = h[first_bin + b];
+    const uint32_t incl = block_inclusive_scan<kThreads>(sum, warp_sums);
+    uint32_t above = incl - sum;
+    if (above < remaining && remaining <= incl) {
+#pragma unroll
+      for (int b = kBinsPerThread - 1; b >= 0; --b) {
+        if (above + mine[b] >= remaining) {
+          shared_digit = static_cast<uint32_t>(first_bin + b);
+          shared_above = above;
+          shared_count = mine[b];
+          break;
         }
+        above += mine[b];
       }
     }
+    for (int i = threadIdx.x; i < kTopkBins; i += kThreads) hist[buffer ^ 1][i] = 0;
     __syncthreads();
     prefix |= shared_digit << shift;
     remaining -= shared_above;
     bits = shift;
-    __syncthreads();
+    if (shared_count == remaining) break;  // every key equal to the prefix is selected
+    buffer ^= 1;
   }
-  const uint32_t threshold = prefix;
 
-  // 5. Bitmap of the selection, one 32-pool word per thread: warp w takes words
-  //    w, w + 32, ... and lane i keeps the i-th of them (ballots of keys > T and == T).
+  // 3. Emit: keys above the prefix, and the first `remaining` keys equal to it, in id
+  //    order (counts packed: above in the high half, equal in the low; each <= 32768).
+  const uint32_t top = prefix >> shift;
   uint32_t gt = 0, eq = 0;
-  const int32_t word = warp + kTopkWarps * lane;
-  for (int i = 0; i < kWarp; ++i) {
-    const int32_t w = warp + kTopkWarps * i;
-    if (w >= words_n) break;  // warp-uniform
-    const uint32_t key = keys[w * kWarp + lane];
-    const uint32_t above = __ballot_sync(0xffffffffu, key > threshold);
-    const uint32_t equal = __ballot_sync(0xffffffffu, key == threshold);
-    if (lane == i) {
-      gt = above;
-      eq = equal;
-    }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (key[i] == 0u) continue;
+    gt += (key[i] >> shift) > top;
+    eq += (key[i] >> shift) == top;
   }
-  // Counts in word order (packed: keys above T in the high half, equal in the low half;
-  // each total is at most 32768 < 2^16).
-  scan[word] = (static_cast<uint32_t>(__popc(gt)) << 16) | static_cast<uint32_t>(__popc(eq));
-  __syncthreads();
-  const uint32_t before_word = block_exclusive_scan(scan[threadIdx.x], warp_sums);
-  scan[threadIdx.x] = before_word;
-  __syncthreads();
-  const uint32_t before = scan[word];
+  const uint32_t packed = (gt << 16) | eq;
+  const uint32_t before = block_inclusive_scan<kThreads>(packed, warp_sums) - packed;
   const uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
-  // Ties at T: the first `remaining` of them by ascending id.
-  int take = static_cast<int>(min(max(static_cast<int64_t>(remaining) - eq_before, int64_t{0}),
-                                  static_cast<int64_t>(__popc(eq))));
-  uint32_t chosen = 0, rest = eq;
-  for (; take > 0; --take) {
-    const uint32_t low = rest & (~rest + 1u);
-    chosen |= low;
-    rest ^= low;
-  }
-  uint32_t selected = gt | chosen;
+  uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
   int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
-  while (selected != 0u) {
-    out[at++] = word * kWarp + (__ffs(selected) - 1);
-    selected &= selected - 1u;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (key[i] == 0u) continue;
+    const uint32_t d = key[i] >> shift;
+    if (d > top || (d == top && take > 0u)) {
+      if (d == top) --take;
+      out[at++] = base + i;
+    }
   }
   pdl_launch_dependents();
 }
 
 // ------------------------------------------------------------------------------ launch
 
-constexpr int kMaxDevices = 64;  // devices of one process with per-device state here
-
-// Device properties and kernel attributes belong to the current device (XLA makes the
-// stream's device current before it calls a handler): never cache them process-wide, or
-// the second GPU of a process launches with the first one's settings.
+// Device properties belong to the current device (XLA makes the stream's device current
+// before it calls a handler): never cache them process-wide, or the second GPU of a
+// process launches with the first one's settings.
 int sm_count() {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   return sms > 0 ? sms : 1;
 }
-
-// cudaFuncSetAttribute once per device (it is host-side state of that device's context).
-template <typename Kernel>
-cudaError_t allow_smem_once(Kernel kernel, int smem, std::atomic<bool> (&done)[kMaxDevices]) {
-  int device = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return cudaSuccess;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err == cudaSuccess && device < kMaxDevices) done[device].store(true, std::memory_order_release);
-  return err;
-}
-
 
 cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                           int32_t padded) {
@@ -509,21 +487,22 @@ cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                 pdl, args);
 }
 
-int topk_smem(int32_t width) {
-  return ((width + kWarp - 1) / kWarp * kWarp + kCandidates) *
-         static_cast<int>(sizeof(uint32_t));
+template <int kThreads, int kPer>
+cudaError_t launch_topk_as(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  return launch(pool_topk_kernel<kThreads, kPer>, dim3(static_cast<unsigned>(args.rows)),
+                dim3(kThreads), 0, stream, pdl, args);
 }
 
+// Threads and keys per thread from the logits width (a static shape): at least 16 warps
+// (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
+// past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
+// 1024 threads per CTA).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  // A kernel attribute is host-side state of a device, not stream work: set it once per
-  // device, before that device's first launch.
-  static std::atomic<bool> allowed[kMaxDevices] = {};
-  if (cudaError_t err = allow_smem_once(pool_topk_kernel, topk_smem(kTopkMaxPools), allowed);
-      err != cudaSuccess)
-    return err;
-  const int smem = topk_smem(args.width);
-  return launch(pool_topk_kernel, dim3(static_cast<unsigned>(args.rows)), dim3(kTopkThreads),
-                smem, stream, pdl, args);
+  if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
+  if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
+  if (args.width <= 8192) return launch_topk_as<1024, 8>(stream, pdl, args);
+  if (args.width <= 16384) return launch_topk_as<1024, 16>(stream, pdl, args);
+  return launch_topk_as<1024, 32>(stream, pdl, args);
 }
 
 // --------------------------------------------------------------------------- handlers

@@ -67,8 +67,13 @@ Both compile to steps with no collective (tests/test_sharding.py, 4 host CPU dev
 
      select = glm5_jax.sharding.context_parallel_select(mesh, "context")
      ids, logits = select(*put(mesh, context_specs("context").operands, operands),
-                          k=2048, max_pools=max_pools)
+                          k=512, max_pools=max_pools)
+
+   context_parallel_stage(mesh, axis) is indexer_stage in that layout
+   (context_stage_specs): the update path replicated, each completed pool written by
+   the device holding its slot, the selection as above.
 """
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -84,7 +89,18 @@ from ._checks import fail
 from ._primitive import Routing, local_ids
 from .logits import mqa_logits, pool_topk
 from .reference.logits import pool_counts
-from .stage import DecodeBatch, IndexerCache, IndexerOutput, IndexerWeights, indexer_stage
+from .stage import (
+  DecodeBatch,
+  IndexerCache,
+  IndexerConfig,
+  IndexerOutput,
+  IndexerWeights,
+  _check_stage_inputs,
+  _ops,
+  indexer_stage,
+  select_path,
+  update_path,
+)
 
 try:
   _shard_map = jax.shard_map
@@ -205,8 +221,17 @@ def shardings(mesh: jax.sharding.Mesh, specs):
 
 
 def put(mesh: jax.sharding.Mesh, specs, tree):
-  """jax.device_put of `tree` laid out as the spec tree `specs` on `mesh`."""
-  return jax.device_put(tree, shardings(mesh, specs))
+  """jax.device_put of `tree` laid out as the spec tree `specs` on `mesh`. A jax.Array
+  already laid out so (e.g. a step's returned cache, whose spec jax writes out in full
+  rank) is returned as it is: a second Array over the same buffers would keep a
+  reference that stops the next step's donation (jax 0.11 then copies the cache,
+  silently)."""
+  def one(sharding, sub):   # sub: a leaf, or the subtree under a prefix spec
+    if isinstance(sub, jax.Array) and sub.sharding.is_equivalent_to(sharding, sub.ndim):
+      return sub
+    return jax.device_put(sub, sharding)
+  return jax.tree.map(one, shardings(mesh, specs), tree,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def assemble(specs, parts):
@@ -313,6 +338,40 @@ def context_parallel_topk(mesh: jax.sharding.Mesh, axis: str = "context"):
   return topk
 
 
+def _select_shard(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                  scale_format, routing, axis):
+  """One device's part of context_parallel_select inside its shard_map (its pages and
+  page-table columns, everything else whole): (pool_ids, its logits)."""
+  d = lax.axis_index(axis)
+  requests, width = page_table.shape[0], page_table.shape[1] * kv_cache.shape[1]
+  ok = (req_ids >= 0) & (req_ids < requests)
+  table = local_ids(page_table[jnp.clip(req_ids, 0, requests - 1)], d, kv_cache.shape[0])
+  table = jnp.where(ok[:, None], table, -1)
+  n = jnp.minimum(pool_counts(positions), max_pools)    # the spec's count, as select_pools
+  lens = jnp.clip(n - d * width, 0, width).astype(jnp.int32)
+  # Rows whose pools all fit in k select them all (the causal fill) and need no logits,
+  # as in select_pools: their logits are skipped (pool_lens 0).
+  logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, lens, 0),
+                      max_pools=width, scale_format=scale_format, routing=routing)
+  local = pool_topk(logits, lens, k=k, routing=routing)
+  return _merge_topk(local, logits, k=k, axis=axis, routing=routing), logits
+
+
+def _check_context_layout(op, devices, axis, kv_cache, page_table, max_pools):
+  """Each device holds a block of pages and whole pages of every row's pools."""
+  pages, page = jax.typeof(kv_cache).shape[:2]
+  if pages % devices:
+    fail(op, "kv_cache", f"dim 0 must be a multiple of the {devices} devices of mesh "
+         f"axis {axis!r} (each device holds a block of pages), got {pages}")
+  if max_pools <= 0 or max_pools % (devices * page):
+    fail(op, "max_pools", f"must be a positive multiple of {devices} devices x PAGE "
+         f"{page} (each device holds whole pages of every row), got {max_pools}")
+  columns = jax.typeof(page_table).shape[1]
+  if columns * page != max_pools:
+    fail(op, "page_table", f"dim 1 must be max_pools / PAGE = {max_pools // page} (device "
+         f"d holds the columns of pools [d * max_pools / {devices}, ...)), got {columns}")
+
+
 def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
   """glm5_jax.select_pools with each request's pools split over mesh axis `axis`
   (module docstring, form 3), jitted: select(q_fp8, w_out, kv_cache, page_table,
@@ -337,41 +396,77 @@ def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
                                                "routing"))
   def run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
           scale_format, routing):
-    def body(q_fp8, w_out, kv_cache, page_table, req_ids, positions):
-      d = lax.axis_index(axis)
-      requests, width = page_table.shape[0], page_table.shape[1] * kv_cache.shape[1]
-      ok = (req_ids >= 0) & (req_ids < requests)
-      table = local_ids(page_table[jnp.clip(req_ids, 0, requests - 1)], d,
-                        kv_cache.shape[0])
-      table = jnp.where(ok[:, None], table, -1)
-      n = jnp.minimum(pool_counts(positions), max_pools)    # the spec's count, as select_pools
-      lens = jnp.clip(n - d * width, 0, width).astype(jnp.int32)
-      # Rows whose pools all fit in k select them all (the causal fill) and need no
-      # logits, as in select_pools: their logits are skipped (pool_lens 0).
-      logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, lens, 0),
-                          max_pools=width, scale_format=scale_format, routing=routing)
-      local = pool_topk(logits, lens, k=k, routing=routing)
-      return _merge_topk(local, logits, k=k, axis=axis, routing=routing), logits
+    body = functools.partial(_select_shard, k=k, max_pools=max_pools,
+                             scale_format=scale_format, routing=routing, axis=axis)
     return _shard_map(body, mesh=mesh, in_specs=specs.operands, out_specs=specs.results,
                       check_vma=False)(q_fp8, w_out, kv_cache, page_table, req_ids,
                                        positions)
 
   def select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
              scale_format="fp32", routing=None):
-    pages, page = jax.typeof(kv_cache).shape[:2]
-    if pages % devices:
-      fail(op, "kv_cache", f"dim 0 must be a multiple of the {devices} devices of mesh "
-           f"axis {axis!r} (each device holds a block of pages), got {pages}")
-    if max_pools <= 0 or max_pools % (devices * page):
-      fail(op, "max_pools", f"must be a positive multiple of {devices} devices x PAGE "
-           f"{page} (each device holds whole pages of every row), got {max_pools}")
-    columns = jax.typeof(page_table).shape[1]
-    if columns * page != max_pools:
-      fail(op, "page_table", f"dim 1 must be max_pools / PAGE = {max_pools // page} (device "
-           f"d holds the columns of pools [d * max_pools / {devices}, ...)), got {columns}")
+    _check_context_layout(op, devices, axis, kv_cache, page_table, max_pools)
     return run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
                max_pools=int(max_pools), scale_format=scale_format,
                routing=Routing.from_env() if routing is None else routing)
 
   select.__name__ = select.__qualname__ = op
   return select
+
+
+def context_stage_specs(axis: str = "context") -> RequestSpecs:
+  """The layout of context_parallel_stage over mesh axis `axis` (RequestSpecs' fields):
+  the K cache split by pages (each device a block of pages) and the page table by
+  columns (device d: pools [d * max_pools / D, ...) of every row), as context_specs;
+  everything else replicated (the tail ring, x, qr, the other batch fields, the packed
+  metadata, the outputs)."""
+  whole, pages, columns = P(), P(axis), P(None, axis)
+  return RequestSpecs(
+      weights=IndexerWeights(*(whole,) * 5), cache=IndexerCache(pages, whole), rows=whole,
+      batch=DecodeBatch(whole, whole, whole, whole, columns, whole), packed=whole,
+      output=IndexerOutput(*(whole,) * 4))
+
+
+def context_parallel_stage(mesh: jax.sharding.Mesh, axis: str = "context"):
+  """indexer_stage with each request's pools split over mesh axis `axis` (long
+  contexts), jitted with the cache donated: step(weights, cache, x, qr, batch, *,
+  config=None, use_reference=False) -> (IndexerOutput, IndexerCache), laid out as
+  context_stage_specs(axis); global ids (loc, page_table) as on one device, the page
+  table's columns of device d pointing into its block of pages; config.max_pools ==
+  page_table.shape[1] * PAGE, a multiple of D * PAGE.
+
+  Every device runs the update path on the whole batch (the projection, the query
+  epilogue and the tail ring are small and replicated); kpool_update writes a completed
+  pool only on the device whose block holds its slot (elsewhere the slot is out of
+  range: no write). The selection is context_parallel_select's (local logits and top-k,
+  one all-gather of the D * k candidates, the exact merge), expand_and_remap runs on the
+  merged pool ids everywhere. So the result equals indexer_stage on one device bit for
+  bit, cache included, with one collective per layer."""
+  op = "context_parallel_stage"
+  devices = _check_axis(op, mesh, axis)
+  s = context_stage_specs(axis)
+
+  def body(weights, cache, x, qr, batch, *, config, use_reference):
+    d = lax.axis_index(axis)
+    b, n = batch.positions.shape
+    ops = _ops(config, use_reference)
+    capacity = cache.kv_cache.shape[0] * cache.kv_cache.shape[1]   # this device's slots
+    mine = dataclasses.replace(batch, loc=local_ids(batch.loc, d, capacity))
+    q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, mine, b * n)
+    routing = Routing(kernels=False) if use_reference else config.routing
+    select = functools.partial(_select_shard, routing=routing, axis=axis)
+    slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n,
+                                select_pools=select)
+    return IndexerOutput(q_fp8, w_out, slots, counts), cache
+
+  def step(weights, cache, x, qr, batch, *, config=None, use_reference=False):
+    config = IndexerConfig() if config is None else config
+    _check_stage_inputs(weights, cache, x, qr, batch, config)
+    _check_context_layout(op, devices, axis, cache.kv_cache, batch.page_table,
+                          config.max_pools)
+    fn = functools.partial(body, config=config, use_reference=use_reference)
+    return _shard_map(fn, mesh=mesh, in_specs=(s.weights, s.cache, s.rows, s.rows, s.batch),
+                      out_specs=(s.output, s.cache), check_vma=False)(
+                          weights, cache, x, qr, batch)
+
+  step.__name__ = step.__qualname__ = op
+  return jax.jit(step, static_argnames=("config", "use_reference"), donate_argnums=1)

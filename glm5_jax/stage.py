@@ -316,7 +316,17 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   config = IndexerConfig() if config is None else config
   b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
   ops = _ops(config, use_reference)
-  rows = b * n
+  q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n)
+  slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n)
+  return IndexerOutput(q_fp8, w_out, slots, counts), cache
+
+
+def update_path(ops, config, weights, cache, x, qr, batch, rows):
+  """The stage up to the cache update (inputs already checked): q, the projection, the
+  query epilogue and kpool_update, as three ops or (config.update == "fused") as
+  indexer_update, so every composition of update_path honours the switch. Returns
+  (q_fp8, w_out, IndexerCache)."""
+  b, n = batch.positions.shape
   # q = qr wq_b^T contracting wq_b's dim 1 where it lies (as the projection's reference
   # contracts w_cat), not `wq_b.T`: run eagerly, the .T is its own transpose and the dot
   # then XLA CPU's bf16 GEMM, while under jit the transpose folds into the dot, which the
@@ -346,13 +356,21 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
         cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
         gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
         scale_format=config.scale_format)
+  return q_fp8, w_out, IndexerCache(kv_cache, tail)
+
+
+def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=None):
+  """The stage from the updated cache on: select_pools (or `select_pools`, a function of
+  its signature: sharding's context-parallel one) and expand_and_remap. Returns
+  (slots, counts)."""
+  select_pools = ops.select_pools if select_pools is None else select_pools
   positions = batch.positions.reshape(rows)
   # Rows whose pools all fit in the top-k select every pool (the causal fill), others
   # the top-k of their logits; decided per row inside select_pools: no branch here.
-  pool_ids, _ = ops.select_pools(q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table,
-                                 batch.req_ids, positions, k=config.topk_tokens // POOL,
-                                 max_pools=config.max_pools, scale_format=config.scale_format)
+  pool_ids, _ = select_pools(q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table,
+                             batch.req_ids, positions, k=config.topk_tokens // POOL,
+                             max_pools=config.max_pools, scale_format=config.scale_format)
   slots, counts = ops.expand_and_remap(pool_ids, positions, batch.req_ids,
                                        batch.block_table, block_size=config.block_size,
                                        width=config.width)
-  return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)
+  return slots, counts

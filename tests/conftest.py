@@ -37,6 +37,13 @@ def pytest_runtest_setup(item):
     pytest.skip("needs a CUDA GPU (GLM5_JAX_REQUIRE_GPU=1 makes this a failure)")
 
 
+def pytest_collection_modifyitems(session, config, items):
+  """Tests marked `long` first (stable otherwise): pytest-xdist hands tests out in
+  collection order, and long ones collected last ran one after another on one worker,
+  the suite's tail."""
+  items.sort(key=lambda item: "long" not in item.keywords)
+
+
 def pytest_sessionfinish(session, exitstatus):
   """A run that collected no test fails (never a green 'no tests ran')."""
   if session.testscollected == 0:

@@ -484,6 +484,81 @@ def check_context():
   assert_context_errors(context_meshes()[-1])
 
 
+def context_stage_inputs(devices, seed=0):
+  """indexer_stage's arguments (one device's form, global ids) for 3 requests at
+  contexts of 300, 3000 and 4000 tokens (the causal fill, and the top-k of 750 and
+  1000 pools), next_n 2, CONFIG.max_pools = 1024 pools over 64 page-table columns of
+  16-entry pages: each device's columns point into its own block of pages."""
+  rng = np.random.default_rng(seed)
+  contexts, page = [300, 3000, 4000], CONTEXT_PAGE
+  cache, table, blocks = synthetic.decode_cache(rng, len(contexts), 4095, next_n=NEXT_N,
+                                                page=page)
+  columns = np.asarray(table).shape[1]
+  assert columns * page == CONFIG.max_pools and columns % devices == 0
+  share = columns // devices
+  # request r's column c -> page (c // share) * (R * share) + r * share + c % share
+  c = np.arange(columns)
+  placed = ((c // share) * len(contexts) * share + np.arange(len(contexts))[:, None] * share
+            + c % share)
+  kv = np.zeros_like(np.asarray(cache.kv_cache))
+  kv[placed] = np.asarray(cache.kv_cache)[np.asarray(table)]
+  cache = glm5_jax.IndexerCache(jnp.asarray(kv), cache.tail)
+  table = jnp.asarray(placed, jnp.int32)
+  pos = np.asarray(contexts)[:, None] + np.arange(NEXT_N)
+  batch = synthetic.decode_batch(pos, cache, table, blocks)
+  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
+  return cache, x, qr, batch
+
+
+def check_context_stage():
+  """context_parallel_stage on 2 and DEVICES devices equals indexer_stage on one device
+  bit for bit (outputs and every byte of the cache, over two steps with the cache
+  donated), with the candidates' all-gather its only collective."""
+  w = weights()
+  for m in context_meshes():
+    devices = m.shape[CONTEXT_AXIS]
+    cache, x, qr, batch = context_stage_inputs(devices)
+    step = sharding.context_parallel_stage(m, CONTEXT_AXIS)
+    specs = sharding.context_stage_specs(CONTEXT_AXIS)
+    arg_specs = (specs.weights, specs.cache, specs.rows, specs.rows, specs.batch)
+    # A cache put from numpy may alias host memory on the CPU (jax 0.11: then it is not
+    # donated, silently): a copy of its own, as in check_stage.
+    want_cache = cache
+    got_cache = jax.device_put(sharding.put(m, specs.cache, cache),
+                               sharding.shardings(m, specs.cache), may_alias=False)
+    for t in range(2):           # the second step reads the first one's pools
+      pos = batch.positions + t * NEXT_N
+      b = synthetic.decode_batch(np.asarray(pos), cache, batch.page_table, batch.block_table)
+      want, want_cache = STEP(w, want_cache, x, qr, b, config=CONFIG)
+      args = sharding.put(m, arg_specs, (w, got_cache, x, qr, b))
+      if t == 0:
+        compiled = step.lower(*args, config=CONFIG).compile()
+        assert_gathers_only_candidates(compiled, x.shape[0],
+                                       devices * (CONFIG.topk_tokens // 4),
+                                       f"context stage, {devices} devices")
+      got, got_cache = step(*args, config=CONFIG)
+      assert_bits_equal((got, got_cache), (want, want_cache),
+                        f"context stage, {devices} devices, step {t}")
+      if not args[1].kv_cache.is_deleted():
+        aliased = "input_output_alias" in compiled.as_text()
+        raise AssertionError(
+            f"context stage, {devices} devices, step {t}: bit-equal, but the cache is not "
+            f"donated (jax {jax.__version__}; the compiled step "
+            f"{'has' if aliased else 'has no'} input_output_alias; cache in "
+            f"{args[1].kv_cache.sharding}, out {got_cache.kv_cache.sharding})")
+  print("  (context stage: outputs and caches bit-equal to one device)")
+  m = context_meshes()[-1]
+  cache, x, qr, batch = context_stage_inputs(m.shape[CONTEXT_AXIS])
+  step = sharding.context_parallel_stage(m, CONTEXT_AXIS)
+  narrow = glm5_jax.IndexerConfig(max_pools=CONFIG.max_pools // 2)
+  try:
+    step(w, cache, x, qr, batch, config=narrow)
+  except ValueError as e:
+    assert "context_parallel_stage: page_table" in str(e), e
+  else:
+    raise AssertionError("context_parallel_stage accepted page-table columns != max_pools / PAGE")
+
+
 def assert_context_topk(m, devices):
   rng = np.random.default_rng(devices)
   rows, width = 7, devices * 40

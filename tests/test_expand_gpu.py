@@ -150,21 +150,20 @@ def remap_call(rng, *, G, width, block_size, compact, rows, expanded, stride_row
               width=width, stride_rows=stride_rows, seq_offset=seq_offset, compact=compact)
 
 
-def remap_edge_calls(rng):
+def remap_edge_calls(rng, compact):
   calls = []
-  for compact in (True, False):
-    for G, widths in [(32, [131, 132, 133, 200]), (64, [259, 260, 515]),
-                      (512, [2051, 2052, 2053, 2055, 2176, 2300]), (1024, [4099, 4100, 4352]),
-                      (40, [163, 164]), (8, [35, 36])]:
-      for width in widths:
-        block_size = int(rng.choice([4, 16, 64, 128]))
-        stride = int(rng.choice([block_size, 2 * block_size + 8, 1 << 20]))
-        calls.append(remap_call(rng, G=G, width=width, block_size=block_size, compact=compact,
-                                rows=14, expanded=11, stride_rows=stride,
-                                seq_offset=int(rng.choice([0, 1, 3, -2]))))
-    for rows, expanded in [(3, 9), (6, 0), (0, 4), (0, 0), (40, 40), (1, 1)]:
-      calls.append(remap_call(rng, G=GLM_G, width=GLM_W, block_size=64, compact=compact,
-                              rows=rows, expanded=expanded))
+  for G, widths in [(32, [131, 132, 133, 200]), (64, [259, 260, 515]),
+                    (512, [2051, 2052, 2053, 2055, 2176, 2300]), (1024, [4099, 4100, 4352]),
+                    (40, [163, 164]), (8, [35, 36])]:
+    for width in widths:
+      block_size = int(rng.choice([4, 16, 64, 128]))
+      stride = int(rng.choice([block_size, 2 * block_size + 8, 1 << 20]))
+      calls.append(remap_call(rng, G=G, width=width, block_size=block_size, compact=compact,
+                              rows=14, expanded=11, stride_rows=stride,
+                              seq_offset=int(rng.choice([0, 1, 3, -2]))))
+  for rows, expanded in [(3, 9), (6, 0), (0, 4), (0, 0), (40, 40), (1, 1)]:
+    calls.append(remap_call(rng, G=GLM_G, width=GLM_W, block_size=64, compact=compact,
+                            rows=rows, expanded=expanded))
   return calls
 
 
@@ -172,8 +171,12 @@ def test_expand_pools_edge_cases():
   run_and_compare(expand_edge_calls(np.random.default_rng(1)))
 
 
-def test_expand_and_remap_edge_cases():
-  run_and_compare(remap_edge_calls(np.random.default_rng(2)))
+# One test per compaction mode, so that pytest-xdist runs them side by side (as one jit of
+# every edge call they were the GPU suite's second-longest test, 103 s).
+@pytest.mark.long
+@pytest.mark.parametrize("compact", [True, False])
+def test_expand_and_remap_edge_cases(compact):
+  run_and_compare(remap_edge_calls(np.random.default_rng(2 + compact), compact))
 
 
 def test_expand_pools_grid_stride():

@@ -51,8 +51,10 @@ def _logit_rows(rng, rows, width, kind):
   raise ValueError(kind)
 
 
+# Widths cover every launch shape of the kernel (threads x keys per thread by width: 2048,
+# 4096, 8192, 16384, 32768), the vector and scalar loads (width % 4) and a partial chunk.
 @pytest.mark.parametrize("rows,width", [(1, 2048), (16, 8192), (64, 32768), (3, 8195),
-                                        (5, 700), (2, 32768)])
+                                        (5, 700), (2, 32768), (4, 4096), (3, 12002)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
 def test_topk_kernel_equals_reference(rows, width, kind):
   rng = np.random.default_rng(rows * 7 + width)

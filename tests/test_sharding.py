@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import jax
 import pytest
 
 from glm5_jax._primitive import SPLIT_GROUPS, Op, local_ids
@@ -88,6 +89,16 @@ def test_context_parallel_select_equals_one_device():
   run_check("context")
 
 
+@pytest.mark.slow
+def test_context_parallel_stage_equals_one_device():
+  """context_parallel_stage (each request's pools and their pages split over 2 and 4
+  devices; the update path replicated, each completed pool written by the device that
+  holds its slot; the selection merged from the gathered candidates) equals
+  indexer_stage on one device bit for bit, outputs and cache, over two donated steps;
+  the candidates' all-gather is its only collective."""
+  run_check("context_stage")
+
+
 def test_data_parallel_errors_name_the_argument():
   run_check("errors")
 
@@ -123,3 +134,18 @@ def test_local_ids():
   """Ids in the device's block lose its start; negative ids stay; others are `size`."""
   ids = np.asarray([-1, 0, 9, 10, 14, 15, 40], np.int32)
   assert local_ids(ids, 2, 5).tolist() == [-1, 5, 5, 0, 4, 5, 5]
+
+
+def test_put_keeps_an_array_already_laid_out():
+  """sharding.put returns a jax.Array whose sharding is already equivalent to the target
+  (a step's returned cache, its spec written in full rank) as it is: a second Array over
+  the same buffers would block the next step's donation. Other leaves are put."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from glm5_jax import sharding
+  m = Mesh(np.asarray(jax.devices()[:1]), ("r",))
+  a = jax.device_put(np.arange(12, dtype=np.int32).reshape(4, 3), NamedSharding(m, P("r", None)))
+  kept, moved = sharding.put(m, (P("r"), P()), (a, np.ones(3, np.float32)))
+  assert kept is a
+  assert isinstance(moved, jax.Array) and moved.sharding.is_equivalent_to(NamedSharding(m, P()), 1)
