@@ -198,7 +198,7 @@ def update(r, s, b, next_n):
 
 
 def indexer_update(r, s, b, next_n):
-  """kpool_update's workload (B requests x next_n tokens) with the projection and query
+  """kpool_update's workload (B requests, next_n each) with the projection and query
   inputs of its M = B * next_n rows: the key and gate come from the projection. Floor: the
   three ops' floors summed (the intermediates still go through memory)."""
   upd = update(r, s, b, next_n)

@@ -9,7 +9,9 @@ where there are N (the two-GPU run: `python tests/sharded_checks.py --devices 2`
 N host CPU devices (the flag below; JAX_PLATFORMS=cpu forces them).
 """
 import argparse
+import dataclasses
 import functools
+import itertools
 import os
 import re
 
@@ -513,10 +515,14 @@ def context_stage_inputs(devices, seed=0):
 def check_context_stage():
   """context_parallel_stage on 2 and DEVICES devices equals indexer_stage on one device
   bit for bit (outputs and every byte of the cache, over two steps with the cache
-  donated), with the candidates' all-gather its only collective."""
+  donated), with the candidates' all-gather its only collective; with the update part as
+  three ops and as indexer_update (IndexerConfig(update="fused"): its update_path runs
+  it), each against indexer_stage with the same config."""
   w = weights()
-  for m in context_meshes():
+  fused = dataclasses.replace(CONFIG, update="fused")
+  for m, config in itertools.product(context_meshes(), (CONFIG, fused)):
     devices = m.shape[CONTEXT_AXIS]
+    what = f"context stage, {devices} devices, update {config.update!r}"
     cache, x, qr, batch = context_stage_inputs(devices)
     step = sharding.context_parallel_stage(m, CONTEXT_AXIS)
     specs = sharding.context_stage_specs(CONTEXT_AXIS)
@@ -529,22 +535,24 @@ def check_context_stage():
     for t in range(2):           # the second step reads the first one's pools
       pos = batch.positions + t * NEXT_N
       b = synthetic.decode_batch(np.asarray(pos), cache, batch.page_table, batch.block_table)
-      want, want_cache = STEP(w, want_cache, x, qr, b, config=CONFIG)
+      want, want_cache = STEP(w, want_cache, x, qr, b, config=config)
       args = sharding.put(m, arg_specs, (w, got_cache, x, qr, b))
       if t == 0:
-        compiled = step.lower(*args, config=CONFIG).compile()
+        traced = step.trace(*args, config=config)
+        # The switch reaches update_path inside the shard_map: indexer_update is traced.
+        assert ("glm5_indexer_update" in str(traced.jaxpr)) == (config.update == "fused"), \
+            f"{what}: indexer_update traced only with update='fused'"
+        compiled = traced.lower().compile()
         assert_gathers_only_candidates(compiled, x.shape[0],
-                                       devices * (CONFIG.topk_tokens // 4),
-                                       f"context stage, {devices} devices")
-      got, got_cache = step(*args, config=CONFIG)
-      assert_bits_equal((got, got_cache), (want, want_cache),
-                        f"context stage, {devices} devices, step {t}")
+                                       devices * (CONFIG.topk_tokens // 4), what)
+      got, got_cache = step(*args, config=config)
+      assert_bits_equal((got, got_cache), (want, want_cache), f"{what}, step {t}")
       if not args[1].kv_cache.is_deleted():
         aliased = "input_output_alias" in compiled.as_text()
         raise AssertionError(
-            f"context stage, {devices} devices, step {t}: bit-equal, but the cache is not "
-            f"donated (jax {jax.__version__}; the compiled step "
-            f"{'has' if aliased else 'has no'} input_output_alias; cache in "
+            f"{what}, step {t}: bit-equal, but the cache is not donated (jax "
+            f"{jax.__version__}; the compiled step {'has' if aliased else 'has no'} "
+            "input_output_alias; cache in "
             f"{args[1].kv_cache.sharding}, out {got_cache.kv_cache.sharding})")
   print("  (context stage: outputs and caches bit-equal to one device)")
   m = context_meshes()[-1]

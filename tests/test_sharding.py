@@ -94,7 +94,8 @@ def test_context_parallel_stage_equals_one_device():
   """context_parallel_stage (each request's pools and their pages split over 2 and 4
   devices; the update path replicated, each completed pool written by the device that
   holds its slot; the selection merged from the gathered candidates) equals
-  indexer_stage on one device bit for bit, outputs and cache, over two donated steps;
+  indexer_stage on one device bit for bit, outputs and cache, over two donated steps,
+  with the update part as three ops and as indexer_update (IndexerConfig(update="fused"));
   the candidates' all-gather is its only collective."""
   run_check("context_stage")
 
