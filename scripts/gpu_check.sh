@@ -2,17 +2,21 @@
 # The H200 workflow (no package registry there): build with CUDA against the
 # installed jax, run the whole test suite on the GPU with GPU skips turned into
 # failures, then the benchmarks. Logs and BENCHMARKS.* go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [--no-tests] [--no-bench] [--sanitize] [-- bench args]
+#   scripts/gpu_check.sh [--no-tests] [--tests "PYTEST TARGETS"] [--no-bench] [--sanitize]
+#                        [--ncu] [-- bench args]
+# --tests runs those targets instead of the whole suite (a branch's own tests); --ncu times
+# the select-path kernels under Nsight Compute (bench/kernel_times.py) into ncu.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # pytest-xdist workers share the GPU: without this each one takes 75% of its memory.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-tests=1 bench=1 sanitize=0
+tests=1 bench=1 sanitize=0 ncu=0 targets=tests
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-tests) tests=0 ;; --no-bench) bench=0 ;; --sanitize) sanitize=1 ;;
+    --no-tests) tests=0 ;; --no-bench) bench=0 ;; --sanitize) sanitize=1 ;; --ncu) ncu=1 ;;
+    --tests) shift; targets="$1" ;;
     --) shift; break ;; *) echo "unknown option $1"; exit 2 ;;
   esac
   shift
@@ -27,7 +31,7 @@ if [ "$tests" = 1 ]; then
   # (-q prints their names only in the final summary); --timeout names a hung test.
   GLM5_JAX_REQUIRE_GPU=1 timeout "${GLM5_JAX_TEST_SECONDS:-560}" python3 -m pytest -v \
     -p no:cacheprovider -p no:benchmark --timeout 300 --durations 15 \
-    -n "${GLM5_JAX_TEST_WORKERS:-15}" tests > "$out/pytest.log" 2>&1
+    -n "${GLM5_JAX_TEST_WORKERS:-15}" $targets > "$out/pytest.log" 2>&1
   [ $? = 0 ] || status=1
   grep -E "^FAILED|^ERROR| passed| failed" "$out/pytest.log" | tail -25
 fi
@@ -39,6 +43,12 @@ if [ "$sanitize" = 1 ]; then
       > "$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log"))"
   done
+fi
+if [ "$ncu" = 1 ]; then
+  ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \
+    -k regex:'mqa_logits_kernel|pool_topk_kernel' python3 -m bench.kernel_times \
+    > "$out/ncu.csv" 2> "$out/ncu.err"
+  python3 -m bench.kernel_times --parse "$out/ncu.csv" | tee "$out/ncu.txt"
 fi
 if [ "$bench" = 1 ]; then
   python3 -m bench --out BENCHMARKS.json --md BENCHMARKS.md "$@" 2>&1 \
