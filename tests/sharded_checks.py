@@ -335,7 +335,10 @@ def check_jit_stage():
     assert args[1].kv_cache.is_deleted(), "the cache is donated"
     for leaf in jax.tree.leaves(got):
       assert leaf.sharding.spec[:1] == (AXIS,), leaf.sharding
-    assert_step_equal(got, want, f"jit stage {axis_type}")
+    try:
+      assert_step_equal(got, want, f"jit stage {axis_type}")
+    except AssertionError as e:
+      raise AssertionError(f"{e}\n{explain_update(m, arg_specs, (w, *host))}") from None
     local = sharding.assemble(arg_specs, [(w, *p) for p in parts])
     shard_map = sharding.data_parallel_stage(m, AXIS)(*sharding.put(m, arg_specs, local),
                                                      config=CONFIG)
@@ -345,6 +348,41 @@ def check_jit_stage():
   control = STEP.lower(*sharding.put(m, arg_specs, (w, *host)), config=CONFIG,
                        use_reference=True).compile().as_text()
   assert COLLECTIVE.search(control), "the reference under plain jit was expected to gather"
+
+
+def explain_update(m, arg_specs, args):
+  """Which op of the update path (stage.update_path's own composition, each op call
+  recorded) first gives other bytes under plain jit on `m` than on one device: a
+  diagnosis for a failed jit_stage check."""
+  from glm5_jax import stage
+  names = []
+
+  def recorded(w, cache, x, qr, batch):
+    ops, seen = stage._ops(CONFIG, False), []
+    names.clear()
+
+    class Recorder:
+      def __getattr__(self, name):
+        def call(*a, **k):
+          out = getattr(ops, name)(*a, **k)
+          names.append(name)
+          seen.append((a, out))
+          return out
+        return call
+    b, n = batch.positions.shape
+    stage.update_path(Recorder(), CONFIG, w, cache, x, qr, batch, b * n)
+    return seen
+
+  got = jax.jit(recorded)(*sharding.put(m, arg_specs, args))
+  want = jax.jit(recorded)(*args)
+  lines = []
+  for name, (g_in, g_out), (w_in, w_out) in zip(names, got, want):
+    for what, g, w in (("inputs", g_in, w_in), ("outputs", g_out, w_out)):
+      for i, (gl, wl) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(w))):
+        gb, wb = tree_bytes(gl)[0], tree_bytes(wl)[0]
+        if gb.shape != wb.shape or not np.array_equal(gb, wb):
+          lines.append(f"  {name} {what}[{i}]: {difference(gb, wb, wl.dtype)}")
+  return "update path under plain jit vs one device:\n" + ("\n".join(lines) or "  equal")
 
 
 def check_jit_step():
