@@ -573,7 +573,10 @@ def check_context_stage():
                                        devices * (CONFIG.topk_tokens // 4),
                                        f"context stage, {devices} devices")
       got, got_cache = step(*args, config=CONFIG)
-      assert_bits_equal((got, got_cache), (want, want_cache),
+      # Compared through device copies: on the CPU, np.asarray of an Array can be a
+      # zero-copy view that the Array keeps cached, an outside reference to the buffer
+      # that makes the next step's donation fall back to a copy (jax 0.11.2).
+      assert_bits_equal(jax.tree.map(jnp.copy, (got, got_cache)), (want, want_cache),
                         f"context stage, {devices} devices, step {t}")
       if not args[1].kv_cache.is_deleted():
         aliased = "input_output_alias" in compiled.as_text()
