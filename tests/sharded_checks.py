@@ -49,13 +49,20 @@ def mesh(axis_type):
                        devices=jax.devices()[:DEVICES])
 
 
-def assert_bits_equal(got, want, what):
+def differing_leaves(got, want, what):
+  """[(leaf index, what differs)] of the leaves whose bytes differ, in tree order."""
   leaves = jax.tree.leaves(want)
   got, want = tree_bytes(got), tree_bytes(want)
   assert len(got) == len(want), what
-  for i, (g, w) in enumerate(zip(got, want)):
-    assert g.shape == w.shape and np.array_equal(g, w), \
-        f"{what}: leaf {i} differs: {difference(g, w, leaves[i].dtype)}"
+  return [(i, difference(g, w, leaves[i].dtype) if g.shape == w.shape
+           else f"shape {g.shape} vs {w.shape}")
+          for i, (g, w) in enumerate(zip(got, want))
+          if g.shape != w.shape or not np.array_equal(g, w)]
+
+
+def assert_bits_equal(got, want, what):
+  bad = differing_leaves(got, want, what)
+  assert not bad, f"{what}: leaf {bad[0][0]} differs: {bad[0][1]}"
 
 
 def difference(g, w, dtype):
@@ -375,13 +382,10 @@ def explain_update(m, arg_specs, args):
 
   got = jax.jit(recorded)(*sharding.put(m, arg_specs, args))
   want = jax.jit(recorded)(*args)
-  lines = []
-  for name, (g_in, g_out), (w_in, w_out) in zip(names, got, want):
-    for what, g, w in (("inputs", g_in, w_in), ("outputs", g_out, w_out)):
-      for i, (gl, wl) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(w))):
-        gb, wb = tree_bytes(gl)[0], tree_bytes(wl)[0]
-        if gb.shape != wb.shape or not np.array_equal(gb, wb):
-          lines.append(f"  {name} {what}[{i}]: {difference(gb, wb, wl.dtype)}")
+  lines = [f"  {name} {what}[{i}]: {text}"
+           for name, (g_in, g_out), (w_in, w_out) in zip(names, got, want)
+           for what, g, w in (("inputs", g_in, w_in), ("outputs", g_out, w_out))
+           for i, text in differing_leaves(g, w, name)]
   return "update path under plain jit vs one device:\n" + ("\n".join(lines) or "  equal")
 
 
@@ -557,11 +561,10 @@ def check_context_stage():
     step = sharding.context_parallel_stage(m, CONTEXT_AXIS)
     specs = sharding.context_stage_specs(CONTEXT_AXIS)
     arg_specs = (specs.weights, specs.cache, specs.rows, specs.rows, specs.batch)
-    # A cache put from numpy may alias host memory on the CPU (jax 0.11: then it is not
+    # A cache made from numpy may alias host memory on the CPU (jax 0.11: then it is not
     # donated, silently): a copy of its own, as in check_stage.
     want_cache = cache
-    got_cache = jax.device_put(sharding.put(m, specs.cache, cache),
-                               sharding.shardings(m, specs.cache), may_alias=False)
+    got_cache = jax.device_put(cache, sharding.shardings(m, specs.cache), may_alias=False)
     for t in range(2):           # the second step reads the first one's pools
       pos = batch.positions + t * NEXT_N
       b = synthetic.decode_batch(np.asarray(pos), cache, batch.page_table, batch.block_table)

@@ -91,7 +91,7 @@ def test_prefill_floor_bytes():
 
 def test_kernel_times_parses_a_subset_of_the_ops():
   """bench.kernel_times --parse reads ncu's CSV in launch order: with --ops pool_topk one
-  kernel per shape; select_pools' two kernels are summed as two entries; a CSV whose
+  kernel per shape; select_pools' two kernels are listed as two entries; a CSV whose
   kernel count does not match the ops run is refused."""
   from bench import kernel_times
   from bench.sizes import sizes_for
