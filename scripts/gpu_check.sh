@@ -2,20 +2,22 @@
 # The H200 workflow (no package registry there): build with CUDA against the
 # installed jax, run the whole test suite on the GPU with GPU skips turned into
 # failures, then the benchmarks. Logs and BENCHMARKS.* go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [--no-tests] [--tests "PYTEST TARGETS"] [--no-bench] [--sanitize]
-#                        [--ncu] [-- bench args]
+#   scripts/gpu_check.sh [--no-build] [--no-tests] [--tests "PYTEST TARGETS"] [--no-bench]
+#                        [--sanitize] [--ncu] [-- bench args]
 # --tests runs those targets instead of the whole suite (a branch's own tests); --ncu times
-# the select-path kernels under Nsight Compute (bench/kernel_times.py) into ncu.txt.
+# the select-path kernels under Nsight Compute (bench/kernel_times.py) into ncu.txt;
+# --no-build reuses the install of an earlier call on the same (warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # pytest-xdist workers share the GPU: without this each one takes 75% of its memory.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-tests=1 bench=1 sanitize=0 ncu=0 targets=tests
+build=1 tests=1 bench=1 sanitize=0 ncu=0 targets=tests
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-tests) tests=0 ;; --no-bench) bench=0 ;; --sanitize) sanitize=1 ;; --ncu) ncu=1 ;;
+    --no-build) build=0 ;; --no-tests) tests=0 ;; --no-bench) bench=0 ;;
+    --sanitize) sanitize=1 ;; --ncu) ncu=1 ;;
     --tests) shift; targets="$1" ;;
     --) shift; break ;; *) echo "unknown option $1"; exit 2 ;;
   esac
@@ -23,8 +25,10 @@ while [ $# -gt 0 ]; do
 done
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
-  > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+if [ "$build" = 1 ]; then
+  GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
+    > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+fi
 python3 -m glm5_jax.info || exit 1
 if [ "$tests" = 1 ]; then
   # -v: a run stopped by a time limit still names the tests that failed before it
