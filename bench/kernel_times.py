@@ -27,29 +27,29 @@ OPS = ("mqa_logits", "pool_topk", "select_pools")
 KERNELS = {"mqa_logits": 1, "pool_topk": 1, "select_pools": 2}   # launches per call
 
 
-def calls(sizes):
+def calls(sizes, ops=OPS):
   """[(op, label)] in the order run() calls them."""
   _, shapes = WORKLOADS[OPS[0]]
-  return [(op, label) for label, _ in shapes(sizes) for op in OPS]
+  return [(op, label) for label, _ in shapes(sizes) for op in ops]
 
 
-def run(sizes):
+def run(sizes, ops=OPS):
   for label, kwargs in WORKLOADS[OPS[0]][1](sizes):
-    for op in OPS:
+    for op in ops:
       builder, _ = WORKLOADS[op]
       w = builder(Rand(zlib.crc32(f"{op} {label}".encode())), sizes, **kwargs)
       fn = jax.jit(lambda fixed, args, w=w: w.call(None, fixed, args)[1])
       jax.block_until_ready(fn(w.fixed, w.rotated[0]))
 
 
-def parse(text, sizes):
+def parse(text, sizes, ops=OPS):
   """ncu's CSV -> {op: {label: µs of the call's kernels}} (kernels in launch order)."""
   start = text.find('"ID"')
   rows = [r for r in csv.DictReader(io.StringIO(text[start:]))
           if r["Metric Name"] == "gpu__time_duration.sum"]
   scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
   us = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]] for r in rows]
-  order = calls(sizes)
+  order = calls(sizes, ops)
   want = sum(KERNELS[op] for op, _ in order)
   if len(us) != want:
     raise SystemExit(f"bench.kernel_times: {len(us)} kernels in the CSV, expected {want}")
@@ -66,16 +66,22 @@ def main():
   p.add_argument("--parse", help="ncu CSV to read instead of running the ops")
   p.add_argument("--json", help="write the parsed table here")
   p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes (the test)")
+  p.add_argument("--ops", default=",".join(OPS),
+                 help="comma-separated subset of the ops, the same when running and parsing "
+                      "(e.g. --ops pool_topk with ncu -k regex:pool_topk_kernel)")
   args = p.parse_args()
+  ops = tuple(o for o in args.ops.split(",") if o)
+  if not set(ops) <= set(OPS):
+    p.error(f"--ops: choose from {', '.join(OPS)}")
   sizes = sizes_for(False, args.cpu_smoke)
   if not args.parse:
-    return run(sizes)
-  table = parse(open(args.parse).read(), sizes)
+    return run(sizes, ops)
+  table = parse(open(args.parse).read(), sizes, ops)
   labels = [label for label, _ in WORKLOADS[OPS[0]][1](sizes)]
-  print("kernel µs (ncu, L2 flushed before each kernel)  " + "  ".join(OPS))
+  print("kernel µs (ncu, L2 flushed before each kernel)  " + "  ".join(ops))
   for label in labels:
     print(f"{label:>18}  " + "  ".join(
-        f"{'+'.join(f'{v:.2f}' for v in table[op][label]):>14}" for op in OPS))
+        f"{'+'.join(f'{v:.2f}' for v in table[op][label]):>14}" for op in ops))
   if args.json:
     json.dump(table, open(args.json, "w"), indent=1)
 

@@ -12,10 +12,10 @@
 // schedule kernel) and takes a contiguous range of items, so at M = 1 a 32K-pool row is
 // spread over every SM. Scores come from mma.sync m16n8k32 e4m3 x e4m3 -> f32.
 //
-// Top-k: one CTA per row (256 to 1024 threads by the logits width), exact and
+// Top-k: one CTA per row (512 or 1024 threads by the logits width), exact and
 // deterministic by construction: order-preserving 32-bit keys in registers, radix select
-// of the threshold with 11-bit digits that start below the bits the row's extreme keys
-// share, then one prefix sum of per-thread counts that places the selected pool ids in
+// of the threshold with 11-bit digits that start below the bits a candidate bound and the
+// row's largest key share, then one prefix sum of per-thread counts that places the selected pool ids in
 // ascending id order (ties at the threshold by ascending id). No atomic decides an order;
 // shared-memory atomics only count.
 #include <algorithm>
@@ -33,8 +33,10 @@ constexpr int kWarpPools = 16;                       // pools per warp tile (mma
 constexpr int kLogitsWarps = 4;
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kItemPools = kWarpPools * kLogitsWarps;  // 64 pools per work item
-// Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys.
-constexpr int kTopkMaxPools = 32768;
+// Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys
+// (launch_topk's widest shape).
+constexpr int kTopkMaxThreads = 1024, kTopkMaxKeys = 32;
+constexpr int kTopkMaxPools = kTopkMaxThreads * kTopkMaxKeys;  // 32768
 constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
 constexpr int kTopkBins = 1 << kTopkDigitBits;
 
@@ -276,13 +278,14 @@ __device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* w
   return before + incl;
 }
 
-// One CTA of kThreads per row; thread t holds the keys of pools [t * kPer, (t + 1) * kPer)
-// in registers (kThreads * kPer >= the logits width), so emitting the selection in
-// ascending id order is one prefix sum of per-thread counts.
+// One CTA of kThreads per row; thread t holds the keys of pools [t * chunk, (t + 1) *
+// chunk) in registers, chunk = ceil(n / kThreads) <= kPer (kThreads * kPer >= the logits
+// width), so emitting the selection in ascending id order is one prefix sum of
+// per-thread counts.
 //
 // Radix select of the k-th largest key over digits of at most kTopkDigitBits, starting
-// below the bits that the row's smallest and largest keys share (the digits adapt to the
-// row's range, so keys of a narrow range still spread over the bins). After each digit
+// below the bits that the row's smallest candidate and largest key share (the digits
+// adapt to the row's range, so keys of a narrow range still spread over the bins). After each digit
 // the selection is "keys whose bits above `shift` exceed the prefix, plus the first
 // `remaining` (by id) of those equal to it"; it stops when every key equal to the prefix
 // is selected, or at shift 0 (ties at the k-th key, taken by ascending id). Shared-memory
@@ -502,7 +505,7 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_as<1024, 8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_as<1024, 16>(stream, pdl, args);
-  return launch_topk_as<1024, 32>(stream, pdl, args);
+  return launch_topk_as<kTopkMaxThreads, kTopkMaxKeys>(stream, pdl, args);
 }
 
 // --------------------------------------------------------------------------- handlers

@@ -170,12 +170,7 @@ class Op:
 
   def __call__(self, *args, routing=None, **params):
     """Binds the primitive; routing None = Routing.from_env() (at trace time)."""
-    if routing is None:
-      routing = Routing.from_env()
-    elif not isinstance(routing, Routing):
-      raise TypeError(f"glm5_jax.{self.name}: routing must be a glm5_jax.Routing or None, "
-                      f"got {type(routing).__name__}")
-    return self.primitive.bind(*args, routing=routing, **params)
+    return self.primitive.bind(*args, routing=Routing.resolve(routing, self.name), **params)
 
   @property
   def attributes(self):
@@ -393,6 +388,17 @@ class Routing:
     """The routing's word on `op`: True or False where it names the op (or every op),
     None where it does not (the op's default applies)."""
     return dict(self.ops).get(op, self.kernels)
+
+  @classmethod
+  def resolve(cls, routing: "Routing | None", op: str) -> "Routing":
+    """A routing keyword's value: None = Routing.from_env() (read now, so that the
+    result can key a jit cache); anything but a Routing is a TypeError naming `op`."""
+    if routing is None:
+      return cls.from_env()
+    if not isinstance(routing, cls):
+      raise TypeError(f"glm5_jax.{op}: routing must be a glm5_jax.Routing or None, "
+                      f"got {type(routing).__name__}")
+    return routing
 
   @classmethod
   def from_env(cls, environ: Mapping[str, str] | None = None) -> "Routing":

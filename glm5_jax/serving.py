@@ -76,10 +76,18 @@ def decode_metadata(positions, page_table, *, page: int, ring: int, requests=Non
     if value.shape != (b,):
       raise ValueError(f"glm5_jax.serving.decode_metadata: {name} must have shape ({b},), "
                        f"got {value.shape}")
-  pt = np.asarray(page_table)
+  loc, tslot = token_slots(pos, req[:, None], tail[:, None], page_table, page=page, ring=ring)
+  return DecodeBatch.pack(pos, loc, tslot, np.repeat(req, n))
+
+
+def token_slots(positions, requests, tail_blocks, page_table, *, page: int, ring: int):
+  """(loc, tslot) of tokens at `positions` (-1 pads) of `requests` (their page_table
+  rows) owning tail blocks `tail_blocks`, both broadcast against positions (SPEC §0):
+  loc the K-cache slot of the pool a token completes (-1: it completes none), tslot its
+  tail-ring slot (-1 for pads). Host numpy; the one place this rule is written."""
+  pos = np.asarray(positions)
   pid = pos // POOL
   completes = (pos >= 0) & ((pos + 1) % POOL == 0)
-  page_of = pt[req[:, None], np.where(completes, pid // page, 0)]
+  page_of = np.asarray(page_table)[requests, np.where(completes, pid // page, 0)]
   loc = np.where(completes, page_of * page + pid % page, -1)
-  tslot = np.where(pos >= 0, tail[:, None] * ring + pos % ring, -1)
-  return DecodeBatch.pack(pos, loc, tslot, np.repeat(req, n))
+  return loc, np.where(pos >= 0, tail_blocks * ring + pos % ring, -1)

@@ -159,8 +159,7 @@ def _check_divides(op, mesh, axis, names, specs, args):
 
 
 def _data_parallel(op, fn, mesh, axis, names, in_specs, out_specs):
-  if axis not in mesh.shape:
-    fail(op, "axis", f"{axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  _check_axis(op, mesh, axis)
 
   def step(*args, config=None, use_reference=False):
     _check_divides(op, mesh, axis, names, in_specs, args)
@@ -331,8 +330,7 @@ def context_parallel_topk(mesh: jax.sharding.Mesh, axis: str = "context"):
     if len(shape) != 2 or shape[1] % devices:
       fail(op, "logits", f"dim 1 must be a multiple of the {devices} devices of mesh axis "
            f"{axis!r}, got shape {tuple(shape)}")
-    return run(logits, pool_lens, k=int(k),
-               routing=Routing.from_env() if routing is None else routing)
+    return run(logits, pool_lens, k=int(k), routing=Routing.resolve(routing, op))
 
   topk.__name__ = topk.__qualname__ = op
   return topk
@@ -407,7 +405,7 @@ def context_parallel_select(mesh: jax.sharding.Mesh, axis: str = "context"):
     _check_context_layout(op, devices, axis, kv_cache, page_table, max_pools)
     return run(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
                max_pools=int(max_pools), scale_format=scale_format,
-               routing=Routing.from_env() if routing is None else routing)
+               routing=Routing.resolve(routing, op))
 
   select.__name__ = select.__qualname__ = op
   return select

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from .prefill import PrefillBatch
 from .reference.numerics import DIM, POOL
+from .serving import token_slots
 from .stage import DecodeBatch, IndexerCache, prepare_weights
 
 HIDDEN, Q_LORA = 4096, 1536     # GLM-5.3-Flash (SPEC §9)
@@ -60,11 +61,8 @@ def decode_cache(rng, requests, max_context, *, next_n=1, page=64, block_size=12
 
 def _slots(pos, req, cache, page_table):
   """(loc, tslot) of positions `pos` of requests `req` (request r owns tail block r)."""
-  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
-  pid = pos // POOL
-  loc = np.where((pos >= 0) & ((pos + 1) % POOL == 0),
-                 np.asarray(page_table)[req, pid // page] * page + pid % page, -1)
-  return loc, np.where(pos >= 0, req * ring + pos % ring, -1)
+  return token_slots(pos, req, req, page_table, page=cache.kv_cache.shape[1],
+                     ring=cache.tail.shape[2])
 
 
 def prefill_batch(starts, lengths, cache, page_table, rows=None):

@@ -2,32 +2,40 @@
 # The H200 workflow (no package registry there): build with CUDA against the
 # installed jax, run the whole test suite on the GPU with GPU skips turned into
 # failures, then the benchmarks. Logs and BENCHMARKS.* go to $OUT (or ./gpu_out).
-#   scripts/gpu_check.sh [--no-tests] [--no-bench] [--sanitize] [-- bench args]
+#   scripts/gpu_check.sh [--no-build] [--no-tests] [--tests "PYTEST TARGETS"] [--no-bench]
+#                        [--sanitize] [--ncu] [-- bench args]
+# --tests runs those targets instead of the whole suite (a branch's own tests); --ncu times
+# the select-path kernels under Nsight Compute (bench/kernel_times.py) into ncu.txt;
+# --no-build reuses the install of an earlier call on the same (warm) machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # pytest-xdist workers share the GPU: without this each one takes 75% of its memory.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-tests=1 bench=1 sanitize=0
+build=1 tests=1 bench=1 sanitize=0 ncu=0 targets=tests
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-tests) tests=0 ;; --no-bench) bench=0 ;; --sanitize) sanitize=1 ;;
+    --no-build) build=0 ;; --no-tests) tests=0 ;; --no-bench) bench=0 ;;
+    --sanitize) sanitize=1 ;; --ncu) ncu=1 ;;
+    --tests) shift; targets="$1" ;;
     --) shift; break ;; *) echo "unknown option $1"; exit 2 ;;
   esac
   shift
 done
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
-  > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+if [ "$build" = 1 ]; then
+  GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
+    > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+fi
 python3 -m glm5_jax.info || exit 1
 if [ "$tests" = 1 ]; then
   # -v: a run stopped by a time limit still names the tests that failed before it
   # (-q prints their names only in the final summary); --timeout names a hung test.
   GLM5_JAX_REQUIRE_GPU=1 timeout "${GLM5_JAX_TEST_SECONDS:-560}" python3 -m pytest -v \
     -p no:cacheprovider -p no:benchmark --timeout 300 --durations 15 \
-    -n "${GLM5_JAX_TEST_WORKERS:-15}" tests > "$out/pytest.log" 2>&1
+    -n "${GLM5_JAX_TEST_WORKERS:-15}" $targets > "$out/pytest.log" 2>&1
   [ $? = 0 ] || status=1
   grep -E "^FAILED|^ERROR| passed| failed" "$out/pytest.log" | tail -25
 fi
@@ -39,6 +47,12 @@ if [ "$sanitize" = 1 ]; then
       > "$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log"))"
   done
+fi
+if [ "$ncu" = 1 ]; then
+  ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \
+    -k regex:'mqa_logits_kernel|pool_topk_kernel' python3 -m bench.kernel_times \
+    > "$out/ncu.csv" 2> "$out/ncu.err"
+  python3 -m bench.kernel_times --parse "$out/ncu.csv" | tee "$out/ncu.txt"
 fi
 if [ "$bench" = 1 ]; then
   python3 -m bench --out BENCHMARKS.json --md BENCHMARKS.md "$@" 2>&1 \

@@ -51,13 +51,20 @@ def mesh(axis_type):
                        devices=jax.devices()[:DEVICES])
 
 
-def assert_bits_equal(got, want, what):
+def differing_leaves(got, want, what):
+  """[(leaf index, what differs)] of the leaves whose bytes differ, in tree order."""
   leaves = jax.tree.leaves(want)
   got, want = tree_bytes(got), tree_bytes(want)
   assert len(got) == len(want), what
-  for i, (g, w) in enumerate(zip(got, want)):
-    assert g.shape == w.shape and np.array_equal(g, w), \
-        f"{what}: leaf {i} differs: {difference(g, w, leaves[i].dtype)}"
+  return [(i, difference(g, w, leaves[i].dtype) if g.shape == w.shape
+           else f"shape {g.shape} vs {w.shape}")
+          for i, (g, w) in enumerate(zip(got, want))
+          if g.shape != w.shape or not np.array_equal(g, w)]
+
+
+def assert_bits_equal(got, want, what):
+  bad = differing_leaves(got, want, what)
+  assert not bad, f"{what}: leaf {bad[0][0]} differs: {bad[0][1]}"
 
 
 def difference(g, w, dtype):
@@ -339,7 +346,10 @@ def check_jit_stage():
     assert args[1].kv_cache.is_deleted(), "the cache is donated"
     for leaf in jax.tree.leaves(got):
       assert leaf.sharding.spec[:1] == (AXIS,), leaf.sharding
-    assert_step_equal(got, want, f"jit stage {axis_type}")
+    try:
+      assert_step_equal(got, want, f"jit stage {axis_type}")
+    except AssertionError as e:
+      raise AssertionError(f"{e}\n{explain_update(m, arg_specs, (w, *host))}") from None
     local = sharding.assemble(arg_specs, [(w, *p) for p in parts])
     shard_map = sharding.data_parallel_stage(m, AXIS)(*sharding.put(m, arg_specs, local),
                                                      config=CONFIG)
@@ -349,6 +359,38 @@ def check_jit_stage():
   control = STEP.lower(*sharding.put(m, arg_specs, (w, *host)), config=CONFIG,
                        use_reference=True).compile().as_text()
   assert COLLECTIVE.search(control), "the reference under plain jit was expected to gather"
+
+
+def explain_update(m, arg_specs, args):
+  """Which op of the update path (stage.update_path's own composition, each op call
+  recorded) first gives other bytes under plain jit on `m` than on one device: a
+  diagnosis for a failed jit_stage check."""
+  from glm5_jax import stage
+  names = []
+
+  def recorded(w, cache, x, qr, batch):
+    ops, seen = stage._ops(CONFIG, False), []
+    names.clear()
+
+    class Recorder:
+      def __getattr__(self, name):
+        def call(*a, **k):
+          out = getattr(ops, name)(*a, **k)
+          names.append(name)
+          seen.append((a, out))
+          return out
+        return call
+    b, n = batch.positions.shape
+    stage.update_path(Recorder(), CONFIG, w, cache, x, qr, batch, b * n)
+    return seen
+
+  got = jax.jit(recorded)(*sharding.put(m, arg_specs, args))
+  want = jax.jit(recorded)(*args)
+  lines = [f"  {name} {what}[{i}]: {text}"
+           for name, (g_in, g_out), (w_in, w_out) in zip(names, got, want)
+           for what, g, w in (("inputs", g_in, w_in), ("outputs", g_out, w_out))
+           for i, text in differing_leaves(g, w, name)]
+  return "update path under plain jit vs one device:\n" + ("\n".join(lines) or "  equal")
 
 
 def check_jit_step():
@@ -527,11 +569,10 @@ def check_context_stage():
     step = sharding.context_parallel_stage(m, CONTEXT_AXIS)
     specs = sharding.context_stage_specs(CONTEXT_AXIS)
     arg_specs = (specs.weights, specs.cache, specs.rows, specs.rows, specs.batch)
-    # A cache put from numpy may alias host memory on the CPU (jax 0.11: then it is not
+    # A cache made from numpy may alias host memory on the CPU (jax 0.11: then it is not
     # donated, silently): a copy of its own, as in check_stage.
     want_cache = cache
-    got_cache = jax.device_put(sharding.put(m, specs.cache, cache),
-                               sharding.shardings(m, specs.cache), may_alias=False)
+    got_cache = jax.device_put(cache, sharding.shardings(m, specs.cache), may_alias=False)
     for t in range(2):           # the second step reads the first one's pools
       pos = batch.positions + t * NEXT_N
       b = synthetic.decode_batch(np.asarray(pos), cache, batch.page_table, batch.block_table)
@@ -546,7 +587,11 @@ def check_context_stage():
         assert_gathers_only_candidates(compiled, x.shape[0],
                                        devices * (CONFIG.topk_tokens // 4), what)
       got, got_cache = step(*args, config=config)
-      assert_bits_equal((got, got_cache), (want, want_cache), f"{what}, step {t}")
+      # Compared through device copies: on the CPU, np.asarray of an Array can be a
+      # zero-copy view that the Array keeps cached, an outside reference to the buffer
+      # that makes the next step's donation fall back to a copy (jax 0.11.2).
+      assert_bits_equal(jax.tree.map(jnp.copy, (got, got_cache)), (want, want_cache),
+                        f"{what}, step {t}")
       if not args[1].kv_cache.is_deleted():
         aliased = "input_output_alias" in compiled.as_text()
         raise AssertionError(

@@ -87,3 +87,24 @@ def test_prefill_floor_bytes():
   weights = W_ROWS * HIDDEN * 2 + 2 * 128 * 4 + 4 * 128 * 4
   assert prefill_bytes((6,), 4) == weights + 6 * HIDDEN * 2 + 1 * 132 + 4 * 512
   assert prefill_bytes((2, 9), 4) == weights + 11 * HIDDEN * 2 + 2 * 132 + 6 * 512
+
+
+def test_kernel_times_parses_a_subset_of_the_ops():
+  """bench.kernel_times --parse reads ncu's CSV in launch order: with --ops pool_topk one
+  kernel per shape; select_pools' two kernels are listed as two entries; a CSV whose
+  kernel count does not match the ops run is refused."""
+  from bench import kernel_times
+  from bench.sizes import sizes_for
+  sizes = sizes_for(False, True)
+  labels = [label for _, label in kernel_times.calls(sizes, ("pool_topk",))]
+  def csv(values):
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    return "==PROF== noise\n" + head + "".join(
+        f'"{i}","k","gpu__time_duration.sum","nsecond","{v:,}"\n' for i, v in enumerate(values))
+  table = kernel_times.parse(csv([1000 * (i + 1) for i in range(len(labels))]), sizes,
+                             ("pool_topk",))
+  assert table == {"pool_topk": {label: [float(i + 1)] for i, label in enumerate(labels)}}
+  both = kernel_times.parse(csv([1500] * (3 * len(labels))), sizes, ("pool_topk", "select_pools"))
+  assert all(v == [1.5, 1.5] for v in both["select_pools"].values())
+  with pytest.raises(SystemExit, match="expected"):
+    kernel_times.parse(csv([1000]), sizes, ("pool_topk",))

@@ -44,12 +44,25 @@ def test_pack_unpack_round_trip():
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_decode_metadata_matches_synthetic_batch():
-  """The host builder gives the fields synthetic.decode_batch does (no pads)."""
+def test_decode_metadata_matches_spec_per_token():
+  """The host builder (serving.token_slots, which synthetic.decode_batch also uses)
+  against SPEC §0 token by token: loc = page_table[request, pool // PAGE] * PAGE +
+  pool % PAGE for a token completing its pool (position % 4 == 3), else -1; tslot =
+  tail block * RING + position % RING; -1 for pads. Requests and tail blocks permuted."""
   _, cache, _, _, batch = state([10, 1499, 3003, 77], next_n=3)
-  packed = serving.decode_metadata(np.asarray(batch.positions), np.asarray(batch.page_table),
-                                   page=cache.kv_cache.shape[1], ring=cache.tail.shape[2])
-  np.testing.assert_array_equal(packed, batch.packed())
+  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
+  table = np.asarray(batch.page_table)
+  pos = np.asarray(batch.positions).copy()
+  pos[1, 2] = -1                                              # a pad
+  requests, tails = np.array([2, 0, 3, 1]), np.array([1, 3, 0, 2])
+  packed = serving.decode_metadata(pos, table, page=page, ring=ring, requests=requests,
+                                   tail_blocks=tails)
+  for b in range(pos.shape[0]):
+    for n in range(pos.shape[1]):
+      p, r = int(pos[b, n]), int(requests[b])
+      loc = table[r, p // 4 // page] * page + p // 4 % page if p >= 0 and p % 4 == 3 else -1
+      tslot = int(tails[b]) * ring + p % ring if p >= 0 else -1
+      assert packed[:, b, n].tolist() == [p, loc, tslot, r], (b, n)
 
 
 def test_decode_metadata_pads():
