@@ -51,8 +51,16 @@ PARAMS = dict(heads=HEADS, scale=0.01, eps=1e-6, padded=64, w_out_dtype=jnp.floa
     ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16), ("fp32", False, jnp.float32)])
 def test_reference_is_the_three_references_composed(b, n, scale_format, round_scale,
                                                     w_out_dtype):
-  """Every result byte of reference.indexer_update (and of the op, on the CPU its
-  reference) equals the three references run one after the other."""
+  """Every result byte of reference.indexer_update (and of the op, its reference there)
+  equals the three references run one after the other. On the CPU backend: on the H200
+  (jax 0.11.2) the one program and the three differed at M = 1 and 4, where XLA compiles
+  the GEMMs of a fused program in other ways (other rounding, within SPEC D2); the GPU's
+  kernel against the reference: tests/test_primitives.py."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    _composed_on_this_device(b, n, scale_format, round_scale, w_out_dtype)
+
+
+def _composed_on_this_device(b, n, scale_format, round_scale, w_out_dtype):
   args = update_args(b, n, seed=b * 10 + n)
   params = dict(PARAMS, w_out_dtype=w_out_dtype, scale_format=scale_format,
                 round_scale=round_scale)
