@@ -40,7 +40,8 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(session, config, items):
   """Tests marked `long` first (stable otherwise): pytest-xdist hands tests out in
   collection order, and long ones collected last ran one after another on one worker,
-  the suite's tail."""
+  the suite's tail. Under `--dist loadgroup` (scripts/gpu_check.sh), one test at a time,
+  so each long one starts on its own worker."""
   items.sort(key=lambda item: "long" not in item.keywords)
 
 
