@@ -4,11 +4,12 @@ in place, threaded from step to step), batch metadata already on the device; ste
 dispatched back to back (harness.time_step: STEPS decode steps per executable, so the
 host's dispatch of each run is amortised). Rows "M=<m>,ctx=<tokens>": µs per layer
 (step time / layers) in device_us, M requests of one decode token each, every request
-at the same context; variant "kernel" = the default routing, "reference" = every op on
-its pure-JAX reference (Routing(kernels=False)), in the same run; with
---stage-update-fused also "kernel, update fused" = the default routing with the update part
-as indexer_update's one FFI call (IndexerConfig(update="fused"), its kernel named in the
-routing: it is off by default until measured)."""
+at the same context; variant "kernel" = the default config and routing (the update part
+as IndexerConfig(update="auto") chooses), "reference" = every op on its pure-JAX
+reference (Routing(kernels=False)), in the same run; with --stage-update-fused also
+"kernel, update fused" = the update part as indexer_update's one FFI call at every M
+(update="fused", its kernel named in the routing), with --stage-update-ops also "kernel,
+update as three ops" (update="ops"): the two sides of "auto"'s choice."""
 import gc
 
 import numpy as np
@@ -20,7 +21,7 @@ from glm5_jax import synthetic
 
 from .harness import time_step
 from .sizes import CONFIG, POOL, Sizes
-from .variants import KERNEL, NO_PDL, REFERENCE, UPDATE_FUSED
+from .variants import KERNEL, NO_PDL, REFERENCE, UPDATE_FUSED, UPDATE_OPS
 
 NAME = "stage"
 
@@ -54,23 +55,28 @@ def add_arguments(parser):
   parser.add_argument("--stage-update-fused", action="store_true",
                       help="also time the stage with IndexerConfig(update='fused'): "
                            "indexer_update's kernel (projection, query epilogue and "
-                           "kpool_update in one FFI call) in place of the three ops")
+                           "kpool_update in one FFI call) at every M")
+  parser.add_argument("--stage-update-ops", action="store_true",
+                      help="also time the stage with IndexerConfig(update='ops'): the "
+                           "update part as the three ops at every M")
 
 
 ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=False),
             NO_PDL: glm5_jax.Routing(pdl=False),
-            UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True})}
-# The variants whose stage runs IndexerConfig.update other than "ops".
-UPDATES = {UPDATE_FUSED: "fused"}
+            UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
+            UPDATE_OPS: glm5_jax.Routing()}
+# The variants whose stage runs IndexerConfig.update other than its default.
+UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops"}
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
 
 
-def _config(ctx, routing, update="ops"):
+def _config(ctx, routing, update=None):
   # The logits width of a deployment serving contexts up to ctx tokens (page-padded).
   max_pools = max(-(-(ctx // POOL) // 64) * 64, CONFIG.topk_tokens // POOL)
-  return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing, update=update)
+  update = {} if update is None else dict(update=update)
+  return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing, **update)
 
 
 def layers_state(rng, m, max_context, layers):
@@ -110,6 +116,7 @@ def run(bench):
   s = bench.s
   variants = ([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
               + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
+              + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
               if bench.module else [REFERENCE])
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)  # noqa: E731
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
@@ -118,7 +125,7 @@ def run(bench):
     for variant in variants:
       routing = ROUTINGS[variant]
       try:
-        config = _config(ctx, routing, UPDATES.get(variant, "ops"))
+        config = _config(ctx, routing, UPDATES.get(variant))
         sec, caches, info = time_step(_step(config), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,
                                       steps=STEPS)

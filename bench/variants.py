@@ -20,8 +20,9 @@ THREE_DOTS = "reference, three dots"
 TWO_KERNELS = "projection + query kernels"
 GEMM_QUERY = "XLA GEMM + query kernel"
 UPDATE_FUSED = "kernel, update fused"    # the stage with IndexerConfig(update="fused")
+UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(update="ops")
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            UPDATE_FUSED)
+            UPDATE_FUSED, UPDATE_OPS)
 
 
 def three_dots(x, w_cat):

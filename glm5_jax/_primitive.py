@@ -187,11 +187,17 @@ class Op:
     word = routing.word(self.name)
     return self.kernel_off is None if word is None else word
 
-  def runs_kernel(self, routing: "Routing", avals, params) -> bool:
-    """Whether the CUDA lowering at these avals and static params calls the kernel."""
+  def kernel_chosen(self, routing: "Routing", avals, params) -> bool:
+    """Whether `routing` chooses the kernel at these avals and static params, whatever
+    the platform: the routing's word on the op (else kernel_off), the kernel's support of
+    the shapes, and where the routing names nothing, kernel_default."""
     if not (self.kernel_on(routing) and self.kernel_supports(*avals, **params)):
       return False
-    if routing.word(self.name) is None and not self.kernel_default(*avals, **params):
+    return routing.word(self.name) is not None or bool(self.kernel_default(*avals, **params))
+
+  def runs_kernel(self, routing: "Routing", avals, params) -> bool:
+    """Whether the CUDA lowering at these avals and static params calls the kernel."""
+    if not self.kernel_chosen(routing, avals, params):
       return False
     # Without the built module the target is still used when lowering for a GPU this
     # process does not have (jax.export); on a real GPU the op falls back to the reference.
@@ -296,8 +302,7 @@ class Op:
     if self.kernel is None:
       return params
     routing, p = params["routing"], {k: v for k, v in params.items() if k != "routing"}
-    on = (self.kernel_on(routing) and self.kernel_supports(*avals, **p)
-          and (routing.word(self.name) is not None or self.kernel_default(*avals, **p)))
+    on = self.kernel_chosen(routing, avals, p)
     if on:
       p.update(self.kernel_params(*avals, **p))
     return dict(p, routing=dataclasses.replace(routing, ops={**dict(routing.ops),

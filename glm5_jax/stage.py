@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import export, lax
 
 from . import reference
+from . import update as _update_op
 from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
 from .expand import expand_and_remap
@@ -21,8 +22,10 @@ from .reference.numerics import DIM, POOL
 from .update import indexer_update
 
 MQA_MIN_HEADS = 32
-# IndexerConfig.update: the stage's update part as the three ops, or as indexer_update.
-UPDATES = ("ops", "fused")
+# IndexerConfig.update: the stage's update part as indexer_update where its kernel is
+# chosen at the shapes and as the three ops elsewhere, always as the three ops, or
+# always as indexer_update.
+UPDATES = ("auto", "ops", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +42,11 @@ class IndexerConfig:
   config with another routing (or fused) compiles anew instead of reusing a stale
   executable. update: "ops" runs indexer_projection, indexer_query and kpool_update as
   three ops, "fused" as indexer_update, their kernels in one FFI call (bit-identical to
-  the three kernels; its kernel is off unless the routing names it until it is measured
-  on the H200: Op.kernel_off); not with fused=True. rope_dim: the indexer's RoPE head
-  dim, which must be 0 (a NoPE indexer, SPEC §9).
+  the three kernels at the same projection tactic), "auto" (the default) as
+  indexer_update where the routing chooses its kernel at the stage's shapes (by default
+  the rows of glm5_jax.update.UPDATE_KERNEL_ROWS, where the H200 measured it faster) and
+  as the three ops elsewhere; "fused" not with fused=True ("auto" then means "ops").
+  rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
   topk_tokens: int = 2048
@@ -52,7 +57,7 @@ class IndexerConfig:
   scale_format: str = "fp32"
   w_out_dtype: str = "float32"
   fused: bool = False
-  update: str = "ops"
+  update: str = "auto"
   routing: Routing = dataclasses.field(default_factory=Routing.from_env)
   rope_dim: int = 0
 
@@ -230,10 +235,13 @@ def _ops(config, use_reference):
   under config.routing."""
   fns = (indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
          indexer_update, select_pools, expand_and_remap)
+  # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
+  # routing; the reference composition runs the three ops).
   if use_reference:
-    return types.SimpleNamespace(**{f.__name__: getattr(reference, f.__name__) for f in fns})
-  return types.SimpleNamespace(**{f.__name__: functools.partial(f, routing=config.routing)
-                                  for f in fns})
+    return types.SimpleNamespace(kernels=False, **{f.__name__: getattr(reference, f.__name__)
+                                                   for f in fns})
+  return types.SimpleNamespace(kernels=True, **{
+      f.__name__: functools.partial(f, routing=config.routing) for f in fns})
 
 
 def _check_stage_inputs(weights, cache, x, qr, batch, config):
@@ -323,8 +331,8 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
 
 def update_path(ops, config, weights, cache, x, qr, batch, rows):
   """The stage up to the cache update (inputs already checked): q, the projection, the
-  query epilogue and kpool_update, as three ops or (config.update == "fused") as
-  indexer_update, so every composition of update_path honours the switch. Returns
+  query epilogue and kpool_update, as three ops or as indexer_update (config.update,
+  decided here so that every composition of update_path honours it). Returns
   (q_fp8, w_out, IndexerCache)."""
   b, n = batch.positions.shape
   # q = qr wq_b^T contracting wq_b's dim 1 where it lies (as the projection's reference
@@ -338,11 +346,15 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                w_out_dtype=np.dtype(config.w_out_dtype))
-  if config.update == "fused":
-    *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(
-        x, weights.w_cat, q, weights.norm_weight, weights.norm_bias, cache.kv_cache,
-        cache.tail, batch.tslot, weights.ape, batch.loc, batch.positions,
-        heads=config.heads, scale_format=config.scale_format, **query)
+  update_args = (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
+                 cache.kv_cache, cache.tail, batch.tslot, weights.ape, batch.loc,
+                 batch.positions)
+  update = dict(heads=config.heads, scale_format=config.scale_format, **query)
+  one_op = config.update == "fused" or (
+      config.update == "auto" and ops.kernels and not config.fused
+      and _update_op.kernel_chosen(*update_args, routing=config.routing, **update))
+  if one_op:
+    *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(*update_args, **update)
   elif config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
@@ -351,7 +363,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
-  if config.update == "ops":
+  if not one_op:
     kv_cache, tail = ops.kpool_update(
         cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
         gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,

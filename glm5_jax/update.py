@@ -15,6 +15,11 @@ I32, BF16 = indexer.I32, indexer.BF16
 OP = "indexer_update"
 # The ops whose kernels glm5_indexer_update launches, in launch order.
 PARTS = (indexer._projection, indexer._query, kpool._update)
+# M where the kernel runs by default: where indexer_stage measured it faster than the three
+# ops (H200, 11 layers, 1K context, µs per layer, one FFI call vs three: M=1 17.94 vs
+# 20.56, M=16 21.33 vs 23.69; slower at M=64, 25.40 vs 23.19, where the three ops run
+# XLA's GEMM for the projection; bench/NOTES.md).
+UPDATE_KERNEL_ROWS = (1, 16)
 
 
 def _parts(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
@@ -88,7 +93,10 @@ _update = Op(
     aliases={5: 6, 6: 7}, kernel="glm5_indexer_update", attributes=_ATTRIBUTES,
     attribute_values=_attribute_values, kernel_supports=_kernel_supports,
     kernel_limits="those of indexer_projection, indexer_query and kpool_update",
-    kernel_off="not yet measured on the H200",
+    kernel_default=lambda x, *avals, **params: (
+        UPDATE_KERNEL_ROWS[0] <= x.shape[0] <= UPDATE_KERNEL_ROWS[1]),
+    kernel_default_note=("M {} to {}, where the stage measured it faster than the three "
+                         "ops".format(*UPDATE_KERNEL_ROWS)),
     kernel_params=_kernel_params,
     split=Split(("rows", None, "rows", None, None, "pages", "blocks", "requests", None,
                  "requests", "requests"), ("rows",) * 6 + ("pages", "blocks"), _localize))
@@ -107,17 +115,38 @@ def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: ja
   M = B * N rows of tslot, loc, pos i32[B, N] (request-major). See
   glm5_jax.reference.indexer_update.
 
-  The CUDA kernel (glm5_indexer_update; off unless the routing names it: Op.kernel_off)
-  launches the three ops' kernels back to back in one FFI call with PDL between them, at
-  the shapes all three support (others run the reference). Its outputs are bit-identical
-  to indexer_projection(tactic=projection_tactic(M, K, tactic)), indexer_query and
-  kpool_update each run as its kernel: the same kernels with the same arguments. The
-  caches are updated in place (donate them), as by kpool_update; w_cat is read before the
-  preceding kernel has finished (PDL), as by indexer_projection. tactic: the projection's
+  The CUDA kernel (glm5_indexer_update; by default at M in UPDATE_KERNEL_ROWS) launches
+  the three ops' kernels back to back in one FFI call with PDL between them, at the
+  shapes all three support (others run the reference; kernel_chosen says which). Its
+  outputs are bit-identical to indexer_projection(tactic=projection_tactic(M, K,
+  tactic)), indexer_query and kpool_update each run as its kernel: the same kernels with
+  the same arguments. The caches are updated in place (donate them), as by kpool_update;
+  w_cat is read before the preceding kernel has finished (PDL), as by
+  indexer_projection. tactic: the projection's
   (None: the table by M). routing: None = Routing.from_env().
   """
-  params = indexer._query_params(OP, scale, eps, padded, heads, w_out_dtype)
-  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
   return tuple(_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                       pos, heads=int(heads), tactic=tactic, scale_format=scale_format,
-                       round_scale=bool(round_scale), routing=routing, **params))
+                       pos, routing=routing, **params))
+
+
+def _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic):
+  """indexer_update's keyword arguments as the primitive takes them."""
+  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  return dict(indexer._query_params(OP, scale, eps, padded, heads, w_out_dtype),
+              heads=int(heads), tactic=tactic, scale_format=scale_format,
+              round_scale=bool(round_scale))
+
+
+def kernel_chosen(*args: jax.Array, heads: int, scale: float, eps: float = 1e-6,
+                  padded: int | None = None, w_out_dtype: DTypeLike = jnp.float32,
+                  scale_format: str = "fp32", round_scale: bool = True,
+                  tactic: tuple[int, int] | None = None,
+                  routing: Routing | None = None) -> bool:
+  """Whether indexer_update(*args, ...) with these arguments would call its kernel on a
+  GPU (the routing, the kernel's limits, UPDATE_KERNEL_ROWS): indexer_stage's
+  IndexerConfig(update="auto") runs the update part as this op where it would, as the
+  three ops elsewhere. Decided from shapes at trace time, whatever the platform."""
+  params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
+  return _update.kernel_chosen(Routing.resolve(routing, OP), [jax.typeof(a) for a in args],
+                               params)

@@ -374,6 +374,9 @@ def explain_update(m, arg_specs, args):
 
     class Recorder:
       def __getattr__(self, name):
+        if not callable(getattr(ops, name)):    # (ops.kernels)
+          return getattr(ops, name)
+
         def call(*a, **k):
           out = getattr(ops, name)(*a, **k)
           names.append(name)
@@ -558,11 +561,11 @@ def check_context_stage():
   """context_parallel_stage on 2 and DEVICES devices equals indexer_stage on one device
   bit for bit (outputs and every byte of the cache, over two steps with the cache
   donated), with the candidates' all-gather its only collective; with the update part as
-  three ops and as indexer_update (IndexerConfig(update="fused"): its update_path runs
-  it), each against indexer_stage with the same config."""
+  three ops and as indexer_update (IndexerConfig(update="ops") and "fused": its
+  update_path runs either), each against indexer_stage with the same config."""
   w = weights()
-  fused = dataclasses.replace(CONFIG, update="fused")
-  for m, config in itertools.product(context_meshes(), (CONFIG, fused)):
+  modes = [dataclasses.replace(CONFIG, update=mode) for mode in ("ops", "fused")]
+  for m, config in itertools.product(context_meshes(), modes):
     devices = m.shape[CONTEXT_AXIS]
     what = f"context stage, {devices} devices, update {config.update!r}"
     cache, x, qr, batch = context_stage_inputs(devices)

@@ -55,7 +55,8 @@ def test_donated_cache_is_reused():
 @pytest.mark.slow
 @pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([3, 2046], 1),
                                              ([40, 2999, 514], 4)])
-@pytest.mark.parametrize("fused,update", [(True, "ops"), (False, "ops"), (False, "fused")])
+@pytest.mark.parametrize("fused,update", [(True, "auto"), (False, "auto"), (False, "ops"),
+                                          (False, "fused")])
 def test_stage_matches_reference_composition(contexts, next_n, fused, update):
   """Bit-equal, but for the K cache where a kpool_update kernel runs: its fp8
   bytes follow the stock GPU arithmetic, within SPEC D2 of the reference."""
@@ -86,11 +87,12 @@ def test_stage_matches_reference_composition(contexts, next_n, fused, update):
                                                           ([40, 2999, 514], 4, "ue8m0"),
                                                           ([6, 13], 2, "fp32")])
 def test_update_switch_is_bit_equal(contexts, next_n, scale_format):
-  """IndexerConfig(update="fused") (indexer_update) gives the stage's every output byte
-  and both caches as the three ops do (update="ops"), under the routing of each run: on
-  the CPU both are the reference; on a GPU with every kernel on, the same kernels with
-  the same arguments. On a GPU with the default routing the projection may run XLA's GEMM
-  in one and the kernel in the other: test_stage_matches_reference_composition."""
+  """IndexerConfig(update="fused") (indexer_update) and "auto" give the stage's every
+  output byte and both caches as the three ops do (update="ops"), under the routing of
+  each run: on the CPU all are the reference; on a GPU with every kernel on, the same
+  kernels with the same arguments. On a GPU with the default routing the projection may
+  run XLA's GEMM in one and the kernel in the other: see
+  test_stage_matches_reference_composition."""
   routing = glm5_jax.Routing(kernels=True) if jax.default_backend() == "gpu" else None
   base = dict(max_pools=1024, scale_format=scale_format)
   if routing is not None:
@@ -98,9 +100,10 @@ def test_update_switch_is_bit_equal(contexts, next_n, scale_format):
   args = state(contexts, next_n)
   outs = [STEP(*args[:1], jax.tree.map(jnp.copy, args[1]), *args[2:],
                config=glm5_jax.IndexerConfig(update=update, **base))
-          for update in ("ops", "fused")]
-  for g, w in zip(tree_bytes(outs[1]), tree_bytes(outs[0]), strict=True):
-    np.testing.assert_array_equal(g, w)
+          for update in ("ops", "fused", "auto")]
+  for other in outs[1:]:
+    for g, w in zip(tree_bytes(other), tree_bytes(outs[0]), strict=True):
+      np.testing.assert_array_equal(g, w)
 
 
 def test_causal_branch_selects_every_token():

@@ -183,8 +183,8 @@ BAD_CONFIGS = [
     (dict(w_out_dtype="float16"), TypeError, C + "w_out_dtype must be one of"),
     (dict(w_out_dtype="fp32"), TypeError, C + "w_out_dtype must be one of"),
     (dict(fused=1), TypeError, C + "fused must be a bool"),
-    (dict(update="kernel"), ValueError, C + r"update must be one of \('ops', 'fused'\), "
-     "got 'kernel'"),
+    (dict(update="kernel"), ValueError, C + r"update must be one of \('auto', 'ops', "
+     r"'fused'\), got 'kernel'"),
     (dict(update=True), ValueError, C + "update must be one of"),
     (dict(update="fused", fused=True), ValueError, C + "update must be 'ops' with fused=True: "
      r"'fused' \(indexer_update\) runs indexer_projection and indexer_query"),
@@ -202,7 +202,8 @@ def test_bad_config(fields, error, message):
                                     dict(block_size=4, eps=0.0, softmax_scale=1),
                                     dict(w_out_dtype="bfloat16", scale_format="ue8m0"),
                                     dict(w_out_dtype=jnp.bfloat16, heads=np.int64(64)),
-                                    dict(update="fused"), dict(update="ops", fused=True)])
+                                    dict(update="fused"), dict(update="ops", fused=True),
+                                    dict(update="auto", fused=True)])
 def test_good_config(fields):
   config = glm5_jax.IndexerConfig(**fields)
   assert hash(config) == hash(glm5_jax.IndexerConfig(**fields))

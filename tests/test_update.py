@@ -12,10 +12,9 @@ import pytest
 from jax import export
 
 import glm5_jax
-from glm5_jax import Routing
+from glm5_jax import Routing, update
 from glm5_jax import reference as ref
-from glm5_jax._primitive import Op
-from glm5_jax.testing.cases import CASES, stage_state, tree_bytes, update_state
+from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
 
 from graphs import copied_shapes
 
@@ -101,30 +100,38 @@ def cuda_calls(fn, args, donate=()):
           if c.startswith("glm5_")]
 
 
-def test_kernel_is_off_by_default_and_the_stage_switch_reaches_it(monkeypatch):
-  """Default routing: no glm5_indexer_update call (Op.kernel_off: not yet measured), the
-  stage with update="fused" then runs the three ops' reference (indexer_update's, not
-  their kernels); naming the op routes the stage's update part to the one FFI call, its
-  caches aliased to the donated stage caches."""
+def test_default_routing_and_the_stage_switch(monkeypatch):
+  """Default routing: the glm5_indexer_update kernel at M in UPDATE_KERNEL_ROWS only
+  (where the stage measured it faster than the three ops); the stage's update part
+  follows IndexerConfig.update: "auto" as indexer_update's one FFI call where the routing
+  chooses its kernel and as the three ops elsewhere (kpool_update's kernel: M past
+  UPDATE_KERNEL_ROWS, or the op off in the routing), "ops" and "fused" at every M; the
+  reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
-  assert Op.registry["indexer_update"].kernel_off == "not yet measured on the H200"
-  case = CASES["indexer_update"]
-  args = case.make(np.random.default_rng(0))
-  assert cuda_calls(case.fn, args) == []
-  on = functools.partial(case.fn, routing=Routing(ops={"indexer_update": True}))
-  assert cuda_calls(on, args, donate=(5, 6)) == ["glm5_indexer_update"]
+  lo, hi = update.UPDATE_KERNEL_ROWS
+  for rows, want in ((lo, ["glm5_indexer_update"]), (hi, ["glm5_indexer_update"]),
+                     (hi + 1, [])):
+    args = update_args(rows, 1)
+    fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
+    assert cuda_calls(fn, args) == want, rows
+    assert update.kernel_chosen(*args, **PARAMS) == bool(want), rows
+  off = Routing(ops={"indexer_update": False})
+  assert not update.kernel_chosen(*update_args(lo, 1), routing=off, **PARAMS)
   config = dict(heads=HEADS, max_pools=1024)
-  state = stage_state([10, 1500, 77], 1, 0, config=glm5_jax.IndexerConfig(**config),
-                      hidden=HIDDEN, q_lora=256)
-  on = Routing(ops={"indexer_update": True})
-  # (routing, update) -> the update kernels the stage calls. With update="fused" and the
-  # default routing the whole update part is indexer_update's reference (kpool_update's
-  # kernel too): name the op in the routing to measure the switch.
-  for routing, update, want in ((Routing(), "fused", []),
-                                (on, "fused", ["glm5_indexer_update"]),
-                                (on, "ops", ["glm5_kpool_update"])):
+  fused, ops = ["glm5_indexer_update"], ["glm5_kpool_update"]
+  # (requests, routing, update) -> the update kernels the stage calls; past
+  # UPDATE_KERNEL_ROWS "fused" runs indexer_update's reference (no kernel of the three).
+  for b, routing, mode, want in ((3, Routing(), "auto", fused), (3, off, "auto", ops),
+                                 (3, Routing(), "ops", ops), (hi + 1, Routing(), "auto", ops),
+                                 (hi + 1, Routing(), "fused", [])):
+    contexts = ([10, 1500, 77] * b)[:b]
+    state = stage_state(contexts, 1, 0, config=glm5_jax.IndexerConfig(**config),
+                        hidden=HIDDEN, q_lora=256)
     step = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
-        update=update, routing=routing, **config))
+        update=mode, routing=routing, **config))
     calls = cuda_calls(step, state, donate=(1,))
     assert [c for c in calls if c in ("glm5_indexer_update", "glm5_kpool_update")] == want, (
-        routing, update, calls)
+        b, routing, mode, calls)
+  reference = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
+      **config), use_reference=True)
+  assert cuda_calls(reference, state, donate=(1,)) == []
