@@ -62,7 +62,8 @@ class Sizes:
 def sizes_for(quick, cpu_smoke):
   s = Sizes()
   if quick:
-    s = dataclasses.replace(s, rows=(1, 64), next_ns=(1,), upcast_pools=(32768,))
+    s = dataclasses.replace(s, rows=(1, 64), next_ns=(1,), upcast_pools=(32768,),
+                            select_rows=(1, 64), select_pools=s.select_pools[:1])
   if cpu_smoke:
     s = dataclasses.replace(
         s, upcast_pools=tuple(p // 16 for p in s.upcast_pools),
