@@ -47,7 +47,8 @@ def parser():
                         "indexer_prefill of whole prompts)")
   p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA compiler option of every timed executable (repeatable), e.g. "
-                      "xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE; "
+                      "xla_gpu_command_buffer_update_mode=SKIP_TEMP (jaxlib 0.11.2 has no "
+                      "CAPTURE_CMD_NEVER_UPDATE); "
                       "recorded in every row")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
