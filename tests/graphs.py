@@ -1,10 +1,30 @@
-"""Checks on compiled programs: cache copies in optimized HLO, and whether FFI
-calls run inside an XLA command buffer (CUDA graph), read from the dumps of a
-fresh process with XLA's default flags."""
+"""Checks on compiled programs: the FFI calls of a CUDA lowering (jax.export, on any
+machine), cache copies in optimized HLO, and whether FFI calls run inside an XLA command
+buffer (CUDA graph), read from the dumps of a fresh process with XLA's default flags."""
 import os
 import re
 import subprocess
 import sys
+
+import jax
+from jax import export
+
+from glm5_jax.testing.cases import CASES
+
+
+def cuda_module(fn, args, donate=()):
+  """The StableHLO text of jit(fn)(*args) lowered for CUDA (any machine)."""
+  # Every op's target, also those the tests give a kernel (test_ffi_lowering_contract).
+  checks = [export.DisabledSafetyCheck.custom_call(f"glm5_{op}") for op in CASES]
+  fresh = lambda *a: fn(*a)            # a new function: jit caches lowerings per function
+  exported = export.export(jax.jit(fresh, donate_argnums=donate), platforms=["cuda"],
+                           disabled_checks=checks)(*args)
+  return exported.mlir_module()
+
+
+def glm5_calls(text):
+  """The glm5_ FFI targets a lowered module's text calls, in order."""
+  return re.findall(r"custom_call @(glm5_\w+)", text)
 
 
 def copied_shapes(hlo, shapes):

@@ -3,7 +3,6 @@ XLA default flags) against the jitted pure-JAX reference: exactly equal on every
 edge case and on >= 1e5 random GLM-shaped rows. Shapes the remap kernel does not
 support (G % 32 != 0, ...) must lower to the reference."""
 import functools
-import re
 
 import numpy as np
 import jax
@@ -13,7 +12,7 @@ import glm5_jax
 from glm5_jax import reference as ref
 from glm5_jax.testing import triton_oracle
 
-from graphs import run_and_check_graphed
+from graphs import glm5_calls, run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 I32_MAX, I32_MIN = 2**31 - 1, -2**31
@@ -54,10 +53,6 @@ def reference(call):
   return out if isinstance(out, tuple) else (out,)
 
 
-def custom_calls(text):
-  return re.findall(r"custom_call @(glm5_\w+)", text)
-
-
 def run_and_compare(calls):
   """All calls in one jit (so XLA can graph them); each exactly equal to its reference.
   The lowered module holds one FFI call per supported call and none for the rest."""
@@ -70,7 +65,7 @@ def run_and_compare(calls):
 
   args = [c.args for c in calls]
   fn = jax.jit(chain)
-  found = custom_calls(fn.lower(*args).as_text())
+  found = glm5_calls(fn.lower(*args).as_text())
   want = [f"glm5_{c.op}" for c in calls if c.supported]
   assert sorted(found) == sorted(want)
   got = fn(*args)

@@ -17,19 +17,12 @@ from glm5_jax._primitive import Op
 from glm5_jax.indexer import PROJECTION_KERNEL_ROWS, fused_warps, projection_tactic
 from glm5_jax.testing.cases import CASES
 
+from graphs import cuda_module, glm5_calls
+
 OPS = sorted(CASES)
 # In-place ops: operand -> result aliasing their FFI calls must declare.
 ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0},
            "indexer_update": {5: 6, 6: 7}}
-
-
-def cuda_module(fn, args, donate=()):
-  # Every op's target, also those the tests give a kernel (test_ffi_lowering_contract).
-  checks = [export.DisabledSafetyCheck.custom_call(f"glm5_{op}") for op in OPS]
-  fresh = lambda *a: fn(*a)            # a new function: jit caches lowerings per function
-  exported = export.export(jax.jit(fresh, donate_argnums=donate), platforms=["cuda"],
-                           disabled_checks=checks)(*args)
-  return exported.mlir_module()
 
 
 def custom_calls(text):
@@ -266,7 +259,7 @@ def test_ffi_lowering_contract(op, monkeypatch):
   case = CASES[op]
   aliases = ALIASES.get(op, {})
   text = cuda_module(case.fn, case.make(np.random.default_rng(0)), donate=tuple(aliases))
-  assert [c for c in custom_calls(text) if c.startswith("glm5_")] == [f"glm5_{op}"]
+  assert glm5_calls(text) == [f"glm5_{op}"]
   call = text[text.index(f"stablehlo.custom_call @glm5_{op}"):].split("\n")[0]
   found = {int(o): int(r or 0) for r, o in re.findall(     # [] = the only result
       r"output_tuple_indices = \[(\d*)\], operand_index = (\d+)", call)}

@@ -1,22 +1,21 @@
 """indexer_update on any machine: its reference is the three ops' references composed
 (as indexer_stage composed them before the op existed), its caches are updated in place
-under donation, and its kernel is off by default (not yet measured). The kernel against
-the three kernels: tests/test_update_gpu.py."""
+under donation, and its kernel runs by default at UPDATE_KERNEL_ROWS, where the stage
+switch IndexerConfig(update="auto") picks it. The kernel against the three kernels:
+tests/test_update_gpu.py."""
 import functools
-import re
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
 import glm5_jax
 from glm5_jax import Routing, update
 from glm5_jax import reference as ref
 from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
 
-from graphs import copied_shapes
+from graphs import copied_shapes, cuda_module, glm5_calls
 
 HEADS, HIDDEN = 32, 1024    # a hidden size the projection kernel tiles at every M
 
@@ -94,10 +93,7 @@ def test_donated_caches_are_updated_in_place():
 
 def cuda_calls(fn, args, donate=()):
   """The glm5_ FFI targets the CUDA lowering of fn calls, in order."""
-  exported = export.export(jax.jit(fn, donate_argnums=donate), platforms=["cuda"],
-                           disabled_checks=glm5_jax.export_checks())(*args)
-  return [c for c in re.findall(r"stablehlo.custom_call @(\w+)", exported.mlir_module())
-          if c.startswith("glm5_")]
+  return glm5_calls(cuda_module(fn, args, donate))
 
 
 def test_default_routing_and_the_stage_switch(monkeypatch):

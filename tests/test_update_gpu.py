@@ -12,7 +12,6 @@ Its kernels against the reference: tests/test_primitives.py (CASES["indexer_upda
 inputs whose GEMM is exact in any order) and tests/test_stage.py.
 """
 import functools
-import re
 
 import numpy as np
 import jax
@@ -23,7 +22,7 @@ import glm5_jax
 from glm5_jax import Routing, synthetic
 from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
 
-from graphs import copied_shapes, run_and_check_graphed
+from graphs import copied_shapes, glm5_calls, run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 
@@ -59,8 +58,7 @@ def three_ops(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, l
 
 
 def targets(fn, args):
-  text = jax.jit(fn).lower(*args).as_text()
-  return [t for t in re.findall(r"custom_call @(\w+)", text) if t.startswith("glm5_")]
+  return glm5_calls(jax.jit(fn).lower(*args).as_text())
 
 
 def run_both(args, routing, **params):
