@@ -122,8 +122,8 @@ def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: ja
   tactic)), indexer_query and kpool_update each run as its kernel: the same kernels with
   the same arguments. The caches are updated in place (donate them), as by kpool_update;
   w_cat is read before the preceding kernel has finished (PDL), as by
-  indexer_projection. tactic: the projection's
-  (None: the table by M). routing: None = Routing.from_env().
+  indexer_projection. tactic: the projection's (None: the table by M). routing: None =
+  Routing.from_env().
   """
   params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
   return tuple(_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
