@@ -9,7 +9,7 @@ that fusion and the launch gaps of a command buffer; this gives what the kernels
 themselves take, next to it. The two together bound the cost of one call.
 
   ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \\
-      -k regex:'mqa_logits_kernel|pool_topk_kernel' python -m bench.kernel_times > ncu.csv
+      -k regex:'mqa_logits_kernel|pool_topk.*kernel' python -m bench.kernel_times > ncu.csv
   python -m bench.kernel_times --parse ncu.csv [--json out.json]
 """
 import argparse
@@ -68,7 +68,7 @@ def main():
   p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes (the test)")
   p.add_argument("--ops", default=",".join(OPS),
                  help="comma-separated subset of the ops, the same when running and parsing "
-                      "(e.g. --ops pool_topk with ncu -k regex:pool_topk_kernel)")
+                      "(e.g. --ops pool_topk with ncu -k regex:pool_topk.*kernel)")
   args = p.parse_args()
   ops = tuple(o for o in args.ops.split(",") if o)
   if not set(ops) <= set(OPS):
