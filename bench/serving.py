@@ -17,6 +17,9 @@ where each step's metadata (positions, loc, tslot, req_ids) comes from:
   transfer the dispatch waits for (on the H200 the packed variant's dispatch took as
   long as the device's step: host and device time added up). An experiment: kept if
   it measures best.
+- "arguments only": a jitted function of the same arguments (caches donated) that runs
+  no layer and returns the caches and the flag: what jax and the runtime take per
+  dispatch of this many arguments, the floor under every variant's host time.
 
 Runs are timed by harness.time_runs: dispatched back to back with one queued, so
 the host's work for step k+1 (building metadata, dispatch, transfer) overlaps the
@@ -41,7 +44,8 @@ from .stage import _config, layers_state, shape_arguments, shapes
 NAME = "serving"
 DEVICE, PACKED, FIELDS = "device metadata", "host metadata, packed", "host metadata, fields"
 PINNED = "host metadata, pinned"
-VARIANTS = (DEVICE, PACKED, FIELDS, PINNED)
+ARGUMENTS = "arguments only"
+VARIANTS = (DEVICE, PACKED, FIELDS, PINNED, ARGUMENTS)
 MARGIN = 64   # decode positions the caches have room for past the context (they cycle)
 
 
@@ -67,6 +71,11 @@ def _step(config, packed, to_device=None):
       counts.append(out.counts)
     return new, (~flag, counts)
   return fn
+
+
+def _arguments_only(caches, flag, weights, x, qr, meta, page_table, block_table):
+  """The step's signature and donation without its layers (variant ARGUMENTS)."""
+  return caches, (~flag, [])
 
 
 class _Metadata:
@@ -96,7 +105,8 @@ def _variants(config, host):
   return ((DEVICE, _step(config, True), lambda: on_device),
           (PACKED, _step(config, True), host),
           (FIELDS, _step(config, False), unpacked),
-          (PINNED, _step(config, True, resident), lambda: jax.device_put(host(), pinned)))
+          (PINNED, _step(config, True, resident), lambda: jax.device_put(host(), pinned)),
+          (ARGUMENTS, _arguments_only, lambda: on_device))
 
 
 def _state(m, ctx, layers, seed):

@@ -136,7 +136,7 @@ def test_bench_serving_group_cpu_smoke(tmp_path):
   rows = json.loads(out.read_text())
   assert {r["variant"] for r in rows if r["op"] == "serving"} == {
       "device metadata", "host metadata, packed", "host metadata, fields",
-      "host metadata, pinned"}
+      "host metadata, pinned", "arguments only"}
   assert all(r["device_us"] > 0 for r in rows if r["op"] == "serving"), rows
   assert any("the device-metadata step" in r["notes"] for r in rows if r["op"] == "serving")
 
