@@ -14,6 +14,8 @@ import functools
 import itertools
 import os
 import re
+import sys
+import traceback
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--devices", type=int, default=4)
@@ -387,13 +389,21 @@ def explain_update(m, arg_specs, args):
     stage.update_path(Recorder(), CONFIG, w, cache, x, qr, batch, b * n)
     return seen
 
-  got = jax.jit(recorded)(*sharding.put(m, arg_specs, args))
+  sharded = sharding.put(m, arg_specs, args)
+  got = jax.jit(recorded)(*sharded)
   want = jax.jit(recorded)(*args)
   lines = [f"  {name} {what}[{i}]: {text}"
            for name, (g_in, g_out), (w_in, w_out) in zip(names, got, want)
            for what, g, w in (("inputs", g_in, w_in), ("outputs", g_out, w_out))
-           for i, text in differing_leaves(g, w, name)]
-  return "update path under plain jit vs one device:\n" + ("\n".join(lines) or "  equal")
+           for i, text in differing_leaves(g, w, name)] or ["  equal"]
+  # What each program runs: its FFI calls with their attributes, and its other GEMMs.
+  for what, a in (("plain jit", sharded), ("one device", args)):
+    text = jax.jit(recorded).lower(*a).compile().as_text()
+    calls = [f"{t} {c}" for t, c in re.findall(
+        r'custom_call_target="(glm5_\w+)".*?backend_config=(\{[^}]*\})', text)]
+    gemms = len(re.findall(r'custom_call_target="__cublas', text))
+    lines.append(f"  {what} runs: {'; '.join(calls) or 'no FFI call'}; {gemms} cuBLAS calls")
+  return "update path under plain jit vs one device:\n" + "\n".join(lines)
 
 
 def check_jit_step():
@@ -671,6 +681,16 @@ if __name__ == "__main__":
   checks = ARGS.checks or [n[len("check_"):] for n in list(globals())
                            if n.startswith("check_") and n != "check_collectives"]
   print(f"{DEVICES} {jax.devices()[0].platform} devices: {', '.join(checks)}", flush=True)
+  # Every check runs (a failure is printed and does not hide the later ones); the exit
+  # status says whether all passed.
+  failed = []
   for name in checks:
-    globals()[f"check_{name}"]()
-    print(f"ok {name}", flush=True)
+    try:
+      globals()[f"check_{name}"]()
+    except Exception:                                    # noqa: BLE001
+      traceback.print_exc()
+      failed.append(name)
+      print(f"FAILED {name}", flush=True)
+    else:
+      print(f"ok {name}", flush=True)
+  sys.exit(f"failed: {', '.join(failed)}" if failed else 0)

@@ -11,6 +11,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
+from glm5_jax import update
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -232,7 +233,11 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
       " donate_argnames='cache')\n"
       "out, cache = step(w, cache, x, qr, batch, config=cfg)\n"
       "print(int(out.counts[0]), int(out.counts[1]))\n")
-  out = run_and_check_graphed(script, ["glm5_select_pools", "glm5_kpool_update"], tmp_path)
+  # M = 2 rows: the update part is indexer_update's one call (UPDATE_KERNEL_ROWS)
+  lo, hi = update.UPDATE_KERNEL_ROWS
+  assert lo <= 2 <= hi
+  out = run_and_check_graphed(script, ["glm5_select_pools",
+                                       glm5_jax.KERNEL_TARGETS["indexer_update"]], tmp_path)
   assert out.split() == ["2049", "301"]   # 512 pools + the 1-token tail; causal
   hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
   assert " conditional(" not in hlo and " while(" not in hlo
