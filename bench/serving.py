@@ -17,6 +17,10 @@ where each step's metadata (positions, loc, tslot, req_ids) comes from:
   transfer the dispatch waits for (on the H200 the packed variant's dispatch took as
   long as the device's step: host and device time added up). An experiment: kept if
   it measures best.
+- "device metadata, advanced": the packed array lives on the device, and each step
+  computes the next one from it (glm5_jax.serving.advance: positions + 1, loc and tslot
+  from the device page table) and returns it donated with the caches: fresh metadata
+  every step with no transfer, the way issue 11 asks a loop to meet 1.15x.
 - "arguments only": a jitted function of the same arguments (caches donated) that runs
   no layer and returns the caches and the flag: what jax and the runtime take per
   dispatch of this many arguments, the floor under every variant's host time.
@@ -44,9 +48,11 @@ from .stage import _config, layers_state, shape_arguments, shapes
 NAME = "serving"
 DEVICE, PACKED, FIELDS = "device metadata", "host metadata, packed", "host metadata, fields"
 PINNED = "host metadata, pinned"
-ARGUMENTS = "arguments only"
-VARIANTS = (DEVICE, PACKED, FIELDS, PINNED, ARGUMENTS)
-MARGIN = 64   # decode positions the caches have room for past the context (they cycle)
+ADVANCED, ARGUMENTS = "device metadata, advanced", "arguments only"
+VARIANTS = (DEVICE, ADVANCED, PACKED, FIELDS, PINNED, ARGUMENTS)
+# Decode positions the caches have room for past the context: the host variants cycle
+# over them; ADVANCED's positions only grow, one per step (warmup + serving_steps < 512).
+MARGIN = 512
 
 
 def add_arguments(parser):
@@ -70,6 +76,18 @@ def _step(config, packed, to_device=None):
       new.append(c)
       counts.append(out.counts)
     return new, (~flag, counts)
+  return fn
+
+
+def _advancing(config, page, ring):
+  """The packed step whose metadata is state: (caches, packed) -> (caches, the next
+  step's packed computed on the device) (variant ADVANCED)."""
+  inner = _step(config, True)
+
+  def fn(state, flag, weights, x, qr, _, page_table, block_table):
+    caches, packed = state
+    caches, outs = inner(caches, flag, weights, x, qr, packed, page_table, block_table)
+    return (caches, serving.advance(packed, page_table, page=page, ring=ring)), outs
   return fn
 
 
@@ -102,7 +120,9 @@ def _variants(config, host):
   device = jax.devices()[0]
   pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
   resident = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+  page, ring = host.page, host.ring
   return ((DEVICE, _step(config, True), lambda: on_device),
+          (ADVANCED, _advancing(config, page, ring), lambda: on_device),
           (PACKED, _step(config, True), host),
           (FIELDS, _step(config, False), unpacked),
           (PINNED, _step(config, True, resident), lambda: jax.device_put(host(), pinned)),
@@ -118,7 +138,8 @@ def _state(m, ctx, layers, seed):
 
 def _measure(bench, shape, variant, fn, caches, fixed, meta_of, sizes, layers):
   """Compiles fn, times runs whose metadata comes from meta_of() (called on the host
-  before every dispatch), adds the row; returns (caches, row)."""
+  before every dispatch), adds the row; returns (caches, row). caches: the donated
+  state fn threads (the caches, or (caches, packed) for ADVANCED)."""
   flag = jnp.zeros((), jnp.bool_)
   weights, x, qr, pt, bt = fixed
   compiled, _, compile_s = compile_fn(fn, caches, flag, weights, x, qr, meta_of(), pt, bt,
@@ -148,15 +169,18 @@ def run(bench):
     page, ring = caches[0].kv_cache.shape[1], caches[0].tail.shape[2]
     measured = {}
     for variant, fn, meta_of in _variants(config, _Metadata(m, ctx, pt, page, ring)):
+      # ADVANCED threads its packed metadata (from the first step's) with the caches.
+      state = (caches, jnp.array(meta_of())) if variant == ADVANCED else caches
       try:
-        caches, measured[variant] = _measure(bench, shape, variant, fn, caches, fixed,
-                                             meta_of, sizes, layers)
+        state, measured[variant] = _measure(bench, shape, variant, fn, state, fixed,
+                                            meta_of, sizes, layers)
       except Exception as e:                             # noqa: BLE001
         bench.error_row(NAME, shape, variant, e)
-        if any(a.is_deleted() for a in jax.tree.leaves(caches)):
-          break                                          # the caches were donated away
+      caches = state[0] if variant == ADVANCED else state
+      if any(a.is_deleted() for a in jax.tree.leaves(caches)):
+        break                                            # the caches were donated away
       bench.write_json()
-    for host_variant in (PACKED, PINNED):
+    for host_variant in (ADVANCED, PACKED, PINNED):
       if DEVICE in measured and host_variant in measured:
         ratio = measured[host_variant]["device_us"] / measured[DEVICE]["device_us"]
         measured[host_variant]["notes"] += (f"; {ratio:.2f}x the device-metadata step "

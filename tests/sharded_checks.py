@@ -38,6 +38,12 @@ from glm5_jax.testing.cases import CASES, tree_bytes  # noqa: E402
 
 AXIS = "data"
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
+# GLM-5.3-Flash's hidden and q_lora sizes: the default routing then runs the projection
+# kernel, whose sums per row do not depend on the rows beside it. At hidden 512 no tactic
+# tiles K, both programs ran XLA's GEMM, and on the H200 XLA's GEMM of a device's 4 rows
+# rounded 1 of 1024 keys differently from its GEMM of all 8 (2026-11-30): XLA's GEMMs are
+# not batch-invariant on a GPU (sharding.py).
+DIMS = dict(hidden=synthetic.HIDDEN, q_lora=synthetic.Q_LORA)
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))
 # Each device's requests (device d: CONTEXTS[d % 4]): causal-fill rows (<= 512 pools)
 # and top-k rows side by side; device 2 has only causal-fill rows (the reference's branch
@@ -114,12 +120,12 @@ def device_state(d):
   pos = np.asarray(contexts)[:, None] + np.arange(NEXT_N)
   pos[0, 1] = -1 if d == 1 else pos[0, 1]                    # a padding row
   batch = synthetic.decode_batch(pos, cache, pt, bt)
-  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
+  x, qr = synthetic.inputs(rng, pos.size, **DIMS)
   return cache, x, qr, batch
 
 
 def weights():
-  return synthetic.layer(np.random.default_rng(7), CONFIG, hidden=512, q_lora=256)
+  return synthetic.layer(np.random.default_rng(7), CONFIG, **DIMS)
 
 
 def check_primitives():
@@ -563,7 +569,7 @@ def context_stage_inputs(devices, seed=0):
   table = jnp.asarray(placed, jnp.int32)
   pos = np.asarray(contexts)[:, None] + np.arange(NEXT_N)
   batch = synthetic.decode_batch(pos, cache, table, blocks)
-  x, qr = synthetic.inputs(rng, pos.size, hidden=512, q_lora=256)
+  x, qr = synthetic.inputs(rng, pos.size, **DIMS)
   return cache, x, qr, batch
 
 

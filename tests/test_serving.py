@@ -1,5 +1,6 @@
 """Per-step metadata of a serving loop: DecodeBatch.pack / unpack, the packed step
 (glm5_jax.serving.indexer_step) against the DecodeBatch step, donation kept."""
+import functools
 import json
 import os
 import subprocess
@@ -63,6 +64,33 @@ def test_decode_metadata_matches_spec_per_token():
       loc = table[r, p // 4 // page] * page + p // 4 % page if p >= 0 and p % 4 == 3 else -1
       tslot = int(tails[b]) * ring + p % ring if p >= 0 else -1
       assert packed[:, b, n].tolist() == [p, loc, tslot, r], (b, n)
+
+
+@pytest.mark.parametrize("accepted", [1, [3, 1, 0, 2]])
+def test_advance_equals_host_metadata_of_the_next_positions(accepted):
+  """serving.advance on the device == decode_metadata (the host rule) of the positions
+  each request reaches: requests and tail blocks permuted, a pad that stays a pad, MTP
+  rows (next_n 3), pools completed across the step, per-request accepted counts."""
+  _, cache, _, _, batch = state([10, 1499, 3003, 77], next_n=3)
+  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
+  table = np.asarray(batch.page_table)
+  pos = np.asarray(batch.positions).copy()
+  pos[1, 2] = -1                                              # a pad
+  requests, tails = np.array([2, 0, 3, 1]), np.array([1, 3, 0, 2])
+  meta = lambda p: serving.decode_metadata(p, table, page=page, ring=ring,  # noqa: E731
+                                           requests=requests, tail_blocks=tails)
+  got = jax.jit(functools.partial(serving.advance, page=page, ring=ring))(
+      jnp.asarray(meta(pos)), batch.page_table, accepted=jnp.asarray(accepted, jnp.int32))
+  step = np.broadcast_to(np.asarray(accepted).reshape(-1, 1), (4, 1))
+  want = meta(np.where(pos >= 0, pos + step, -1))
+  assert want[1].max() >= 0 and (want[1] != meta(pos)[1]).any()   # pools completed
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_advance_rejects_a_batch_that_is_not_packed():
+  with pytest.raises(ValueError, match="glm5_jax.serving.advance: packed"):
+    serving.advance(jnp.zeros((3, 2, 1), jnp.int32), jnp.zeros((2, 4), jnp.int32),
+                    page=16, ring=8)
 
 
 def test_decode_metadata_pads():
@@ -136,7 +164,7 @@ def test_bench_serving_group_cpu_smoke(tmp_path):
   rows = json.loads(out.read_text())
   assert {r["variant"] for r in rows if r["op"] == "serving"} == {
       "device metadata", "host metadata, packed", "host metadata, fields",
-      "host metadata, pinned", "arguments only"}
+      "host metadata, pinned", "arguments only", "device metadata, advanced"}
   assert all(r["device_us"] > 0 for r in rows if r["op"] == "serving"), rows
   assert any("the device-metadata step" in r["notes"] for r in rows if r["op"] == "serving")
 

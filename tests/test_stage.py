@@ -22,6 +22,20 @@ def state(contexts, next_n=1, seed=0):
   return stage_state(contexts, next_n, seed, config=CONFIG, hidden=512, q_lora=256)
 
 
+def gemm_pinned(step, weights, cache, *args, **static):
+  """step(weights, copy of cache, *args, **static), compiled on a GPU with XLA's GEMM
+  autotuning off. XLA's q GEMM (and, at this hidden size, the projection GEMM) is the
+  same dot in the kernel and the reference programs, but the autotuner times candidate
+  algorithms per program and can pick another summation order in each (the H200,
+  2026-11-30: q_fp8 one fp8 code off in 14% of a row's values); SPEC D2 leaves GEMM order
+  outside the contract. At level 0 both programs take XLA's heuristic choice for the
+  shape: one order, so the rest of the stage is compared bit for bit."""
+  cache = jax.tree.map(jnp.copy, cache)
+  options = {} if jax.default_backend() == "cpu" else {"xla_gpu_autotune_level": 0}
+  return step.lower(weights, cache, *args, **static).compile(
+      compiler_options=options)(weights, cache, *args)
+
+
 def cache_copies(step, args, config):
   weights, cache, x, qr, batch = args
   text = step.lower(weights, cache, x, qr, batch, config=config).compile().as_text()
@@ -63,9 +77,9 @@ def test_stage_matches_reference_composition(contexts, next_n, fused, update):
   config = glm5_jax.IndexerConfig(max_pools=1024, fused=fused, update=update)
   weights, cache, x, qr, batch = state(contexts, next_n)
   kv_before = np.asarray(cache.kv_cache)
-  want = STEP(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=config,
-              use_reference=True)
-  got = STEP(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=config)
+  want, got = (gemm_pinned(STEP, weights, cache, x, qr, batch, config=config,
+                           use_reference=use_reference)
+               for use_reference in (True, False))
   (out, new), (want_out, want_new) = got, want
   loc = np.asarray(batch.loc)
   oracle.compare_cache(new.kv_cache, want_new.kv_cache, kv_before, loc[loc >= 0])
