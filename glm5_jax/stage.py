@@ -343,7 +343,12 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   # the same HLO both ways (and what jit made of the .T on GPU anyway).
   q = lax.dot_general(qr, weights.wq_b, (((1,), (1,)), ((), ())),
                       preferred_element_type=jnp.float32)
-  q = q.astype(jnp.bfloat16).reshape(rows, config.heads, DIM)
+  # The bf16 q as a tensor of its own in every composition: without the barrier the
+  # reference program fused the convert into its consumers, XLA then picked another GEMM
+  # for the same dot than in the kernel program (where an FFI call reads q), and q_fp8
+  # differed in one fp8 code in 14% of a row's values on the H200 (2026-11-30). With it
+  # both programs run the same GEMM + convert; it costs nothing where a kernel reads q.
+  q = lax.optimization_barrier(q.astype(jnp.bfloat16)).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                w_out_dtype=np.dtype(config.w_out_dtype))
   update_args = (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
