@@ -26,3 +26,7 @@ def test_usage_snippet_runs():
   # request 0 (300 tokens) selects all of them; request 1 (2500) 2048 + its tail pool.
   assert steps == [("0", "301", "2049"), ("1", "302", "2050"), ("2", "303", "2051")], run.stdout
   assert re.search(r"^packed step: selected tokens \[\s*304\s+2048\]", run.stdout, re.M), run.stdout
+  advanced = re.findall(r"^advanced step: selected tokens \[\s*(\d+)\s+(\d+)\]", run.stdout,
+                        re.M)
+  # positions 304 and 2504, then 305 and 2505: 2503 completed a pool, the tail restarts
+  assert advanced == [("305", "2049"), ("306", "2050")], run.stdout
