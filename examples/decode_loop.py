@@ -4,16 +4,19 @@ Synthetic GLM-5.3-Flash-shaped indexer weights for --layers layers, requests who
 prompts have mixed lengths (--contexts) prefilled into every layer's caches
 (glm5_jax.indexer_prefill, --chunk rows per call; where this version has no prefill,
 synthetic caches stand in and the demo says so), then --steps decode steps of one
-jitted step (every layer's indexer_stage) with the caches donated (updated in place)
-and the step's metadata built with numpy on the host as one packed int32 array
-(glm5_jax.serving: one host->device transfer per step). Prints the compile time, the
-per-step latency (p50/p90, host metadata + dispatch + device, waited on) and steps/s;
+jitted step (every layer's indexer_stage) with the caches donated (updated in place).
+The step's metadata is one packed int32 array (glm5_jax.serving): with --metadata device
+(the default on one device) it is sent once and then stays on the device, each step
+computing the next one (serving.advance) and returning it donated with the caches; with
+--metadata host it is built with numpy on the host every step (one host->device transfer
+per step). Prints the compile time, the per-step latency (p50/p90, metadata + dispatch +
+device, waited on) and steps/s;
 then replays the same steps on the pure-JAX reference composition
 (use_reference=True), prefill included, from the same initial caches and checks every
 step's selected slots and the final caches against it.
 
   python examples/decode_loop.py [--layers N] [--contexts 300,1200,3000] [--steps 20]
-                                 [--devices N]
+                                 [--devices N] [--metadata device|host]
 
 Defaults: 2 layers, contexts 300,1200,3000 and 20 steps on the CPU (well under a
 minute on two cores); 11 layers, 300,5000,30000 and 200 steps on a GPU.
@@ -88,7 +91,18 @@ def parse():
                       f"{SAMPLES} (the others not waited on), no reference replay")
   p.add_argument("--digest", metavar="FILE",
                  help="write the digest and the memory in use as JSON to FILE")
-  return p.parse_args()
+  p.add_argument("--metadata", choices=("device", "host"),
+                 help="where each step's packed metadata comes from: advanced on the device "
+                      "by the step itself (serving.advance; the default on one device) or "
+                      "built on the host every step (the default, and the only choice, "
+                      "with --devices > 1)")
+  args = p.parse_args()
+  if args.metadata is None:
+    args.metadata = "device" if args.devices == 1 else "host"
+  if args.metadata == "device" and args.devices > 1:
+    p.error("--metadata device: on one device only (with --devices > 1 the packed "
+            "metadata is built on the host per device)")
+  return args
 
 
 def empty_caches(rng, layers, requests, longest):
@@ -129,12 +143,14 @@ def prefill(weights, caches, chunks, config, use_reference=False):
   return jax.block_until_ready(caches)
 
 
-def model_step(config, use_reference=False, mesh=None):
+def model_step(config, use_reference=False, mesh=None, ring=None):
   """One decode step of every layer: each layer's indexer on its own weights and
   cache, the same packed metadata and tables (the indexer's x and qr would be each
   layer's hidden state; the demo feeds every layer the same ones). With a mesh, each
   layer's step is data-parallel over its axis AXIS (arguments laid out as
-  sharding.request_specs)."""
+  sharding.request_specs). With `ring` (the tail ring's rows) the step also returns the
+  next step's packed metadata, computed on the device (serving.advance: every request
+  one token further), donated with the caches."""
   layer_step = serving.indexer_step if mesh is None else sharding.data_parallel_step(mesh,
                                                                                      AXIS)
 
@@ -145,8 +161,10 @@ def model_step(config, use_reference=False, mesh=None):
                           config=config, use_reference=use_reference)
       outs.append((out.slots, out.counts))
       new.append(c)
-    return outs, new
-  return jax.jit(step, donate_argnums=1)
+    if ring is None:
+      return outs, new
+    return outs, new, serving.advance(packed, page_table, page=PAGE, ring=ring)
+  return jax.jit(step, donate_argnums=1 if ring is None else (1, 4))
 
 
 def bar(done, total, width=30):
@@ -164,13 +182,14 @@ def memory_in_use(devices):
 
 
 def run(step, weights, caches, inputs, metadata, page_table, block_table, progress,
-        keep=True, sample=1, devices=()):
+        keep=True, sample=1, devices=(), advance=False):
   """The decode loop: (per-step outputs (only the last one's unless keep), final caches,
   seconds of the timed steps, wall seconds of the loop, bytes in use on `devices` after
   the first and after the last step (None: not reported)). Step s is timed when
   s % sample == 0: the queue drained first, then metadata, dispatch and device, waited
   on (a server waits for the step's result); the other steps are dispatched without a
-  wait, so the host runs ahead of the device."""
+  wait, so the host runs ahead of the device. advance: `step` threads the packed
+  metadata (model_step's ring): only step 0's is built on the host and sent."""
   outs, seconds, out, first = [], [], None, None
   steps = len(metadata)
   tick = max(1, steps // 100)        # the bar redrawn 100 times at most: it costs no sync
@@ -180,9 +199,13 @@ def run(step, weights, caches, inputs, metadata, page_table, block_table, progre
     if timed and out is not None:
       jax.block_until_ready(out)      # the steps before it done: time this one alone
     t0 = time.perf_counter()
-    packed = metadata[s]()                      # numpy on the host, every step
     x, qr = inputs[s % len(inputs)]
-    out, caches = step(weights, caches, x, qr, packed, page_table, block_table)
+    if not advance:
+      packed = metadata[s]()                    # numpy on the host, every step
+      out, caches = step(weights, caches, x, qr, packed, page_table, block_table)
+    else:                                       # the device computes the next one
+      packed = jnp.asarray(metadata[0]()) if s == 0 else packed
+      out, caches, packed = step(weights, caches, x, qr, packed, page_table, block_table)
     if timed:
       jax.block_until_ready(out)
       seconds.append(time.perf_counter() - t0)
@@ -380,7 +403,8 @@ def main():
     page_table, block_table = page_tables[0], block_tables[0]
     metadata = device_metadata[0]
 
-  step = model_step(config, mesh=mesh)
+  advance = args.metadata == "device"
+  step = model_step(config, mesh=mesh, ring=ring if advance else None)
   t0 = time.perf_counter()
   step = step.lower(step_weights, step_caches, *step_inputs[0], metadata[0](), page_table,
                     block_table).compile()
@@ -388,11 +412,14 @@ def main():
   sample = max(1, args.steps // SAMPLES) if args.endurance else 1
   outs, step_caches, sec, wall, memory = run(
       step, step_weights, step_caches, step_inputs, metadata, page_table, block_table,
-      progress=True, keep=not args.endurance, sample=sample, devices=devices)
+      progress=True, keep=not args.endurance, sample=sample, devices=devices,
+      advance=advance)
   ms = sec * 1e3
   p50, p90 = np.percentile(ms, 50), np.percentile(ms, 90)
   on = f" on {n} devices" if mesh else ""
-  timed = (f"per step (host metadata + transfer + {args.layers} layers{on}, waited on"
+  meta = ("metadata advanced on the device" if advance
+          else "host metadata + transfer")
+  timed = (f"per step ({meta} + {args.layers} layers{on}, waited on"
            + (f", 1 step in {sample} timed alone, the first included" if sample > 1 else "")
            + f"): p50 {p50:.2f} ms, p90 {p90:.2f} ms, min {ms.min():.2f} ms")
   print(f"compile {compile_s:.1f} s; {timed}; " + (
@@ -422,7 +449,8 @@ def main():
       json.dump(dict(sha256=sha, backend=jax.default_backend(),
                      device=jax.devices()[0].device_kind, steps=args.steps,
                      layers=args.layers, contexts=contexts.tolist(), devices=n,
-                     endurance=args.endurance, memory_first=first, memory_last=last,
+                     endurance=args.endurance, metadata=args.metadata,
+                     memory_first=first, memory_last=last,
                      p50_ms=p50, steps_per_s=args.steps / wall), f, indent=1)
   if args.endurance:
     print("check: none against the reference (--endurance: run without it for that); "
