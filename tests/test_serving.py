@@ -45,17 +45,23 @@ def test_pack_unpack_round_trip():
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _permuted_batch():
+  """(batch, page, ring, positions with a pad, requests, tail blocks): 4 requests of
+  next_n 3, their page-table rows and tail blocks permuted."""
+  _, cache, _, _, batch = state([10, 1499, 3003, 77], next_n=3)
+  pos = np.asarray(batch.positions).copy()
+  pos[1, 2] = -1                                              # a pad
+  return (batch, cache.kv_cache.shape[1], cache.tail.shape[2], pos, np.array([2, 0, 3, 1]),
+          np.array([1, 3, 0, 2]))
+
+
 def test_decode_metadata_matches_spec_per_token():
   """The host builder (serving.token_slots, which synthetic.decode_batch also uses)
   against SPEC §0 token by token: loc = page_table[request, pool // PAGE] * PAGE +
   pool % PAGE for a token completing its pool (position % 4 == 3), else -1; tslot =
   tail block * RING + position % RING; -1 for pads. Requests and tail blocks permuted."""
-  _, cache, _, _, batch = state([10, 1499, 3003, 77], next_n=3)
-  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
+  batch, page, ring, pos, requests, tails = _permuted_batch()
   table = np.asarray(batch.page_table)
-  pos = np.asarray(batch.positions).copy()
-  pos[1, 2] = -1                                              # a pad
-  requests, tails = np.array([2, 0, 3, 1]), np.array([1, 3, 0, 2])
   packed = serving.decode_metadata(pos, table, page=page, ring=ring, requests=requests,
                                    tail_blocks=tails)
   for b in range(pos.shape[0]):
@@ -71,12 +77,8 @@ def test_advance_equals_host_metadata_of_the_next_positions(accepted):
   """serving.advance on the device == decode_metadata (the host rule) of the positions
   each request reaches: requests and tail blocks permuted, a pad that stays a pad, MTP
   rows (next_n 3), pools completed across the step, per-request accepted counts."""
-  _, cache, _, _, batch = state([10, 1499, 3003, 77], next_n=3)
-  page, ring = cache.kv_cache.shape[1], cache.tail.shape[2]
+  batch, page, ring, pos, requests, tails = _permuted_batch()
   table = np.asarray(batch.page_table)
-  pos = np.asarray(batch.positions).copy()
-  pos[1, 2] = -1                                              # a pad
-  requests, tails = np.array([2, 0, 3, 1]), np.array([1, 3, 0, 2])
   meta = lambda p: serving.decode_metadata(p, table, page=page, ring=ring,  # noqa: E731
                                            requests=requests, tail_blocks=tails)
   got = jax.jit(functools.partial(serving.advance, page=page, ring=ring))(
