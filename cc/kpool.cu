@@ -60,25 +60,27 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
-// start+2 of the tail block at `block` with the current token (kw, gw), write entry `loc`.
-template <ScaleMode kMode>
-__device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
-                                                   int32_t start, uint2 kw, uint2 gw,
-                                                   const float (&bias)[kPool][kPerLane],
-                                                   int32_t loc, int lane) {
-  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> gate rows
-  float k[kPool][kPerLane], z[kPool][kPerLane];
-  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
-    const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
-    const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
-    const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
-    widen4(kr, k[p]);
-    widen4(sr, z[p]);
+// The four APE rows of the lane's dims (one 16-byte load per pool slot).
+__device__ __forceinline__ void load_bias(const float* ape, int dim,
+                                          float (&bias)[kPool][kPerLane]) {
+#pragma unroll
+  for (int p = 0; p < kPool; ++p) {
+    const float4 b = __ldg(reinterpret_cast<const float4*>(ape + p * kDim + dim));
+    bias[p][0] = b.x, bias[p][1] = b.y, bias[p][2] = b.z, bias[p][3] = b.w;
   }
-  widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
-  widen4(gw, z[kPool - 1]);
+}
 
+// The pooling, Hadamard, quantisation and store of one K-cache entry (SPEC §3's completion
+// branch, §4a), shared by kpool_update and kpool_compress so that both write the same bytes
+// for the same four tokens: the warp's keys k and gates z (pool order, the lane's dims; z is
+// overwritten) with the APE `bias`, written at flat slot `loc` of a cache of `page_entries`
+// entries per page.
+template <ScaleMode kMode>
+__device__ __forceinline__ void pool_and_write(uint8_t* cache, int32_t page_entries,
+                                               const float (&k)[kPool][kPerLane],
+                                               float (&z)[kPool][kPerLane],
+                                               const float (&bias)[kPool][kPerLane],
+                                               int32_t loc, int lane) {
   float x[kPerLane];
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
@@ -105,9 +107,10 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
   const uint32_t packed = quantise4(x, scale);
 
   // Flat slot -> (page, entry) (0 <= loc < capacity); byte offsets in 64 bits.
-  const int64_t page = a.page;
-  uint8_t* const page_base = a.cache + static_cast<int64_t>(loc / a.page) * (page * kEntryBytes);
-  const int64_t entry = loc % a.page;
+  const int64_t page = page_entries;
+  uint8_t* const page_base =
+      cache + static_cast<int64_t>(loc / page_entries) * (page * kEntryBytes);
+  const int64_t entry = loc % page_entries;
   *reinterpret_cast<uint32_t*>(page_base + entry * kDim + kPerLane * lane) = packed;
   if (lane == 0) {
     const uint32_t bits = kMode == ScaleMode::kPow2Ue8m0
@@ -115,6 +118,27 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
                               : __float_as_uint(scale);
     *reinterpret_cast<uint32_t*>(page_base + page * kDim + entry * 4) = bits;
   }
+}
+
+// The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
+// start+2 of the tail block at `block` with the current token (kw, gw), write entry `loc`.
+template <ScaleMode kMode>
+__device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
+                                                   int32_t start, uint2 kw, uint2 gw,
+                                                   const float (&bias)[kPool][kPerLane],
+                                                   int32_t loc, int lane) {
+  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> gate rows
+  float k[kPool][kPerLane], z[kPool][kPerLane];
+  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
+    const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
+    const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
+    const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
+    widen4(kr, k[p]);
+    widen4(sr, z[p]);
+  }
+  widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
+  widen4(gw, z[kPool - 1]);
+  pool_and_write<kMode>(a.cache, a.page, k, z, bias, loc, lane);
 }
 
 // Block `req` = request req; tokens in t order.
@@ -129,11 +153,7 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
   pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
 
   float bias[kPool][kPerLane];
-#pragma unroll
-  for (int p = 0; p < kPool; ++p) {
-    const float4 b = __ldg(reinterpret_cast<const float4*>(a.ape + p * kDim + dim));
-    bias[p][0] = b.x, bias[p][1] = b.y, bias[p][2] = b.z, bias[p][3] = b.w;
-  }
+  load_bias(a.ape, dim, bias);
   const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
   const int64_t half = static_cast<int64_t>(a.ring) * kDim;
   // [key | gate][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
