@@ -309,14 +309,15 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   if (requests > kI32Max || next_n > kI32Max)
     return fail("too many requests or next_n for one grid");
   UpdateLaunch plan;
-  if (requests == 0 || next_n == 0) return plan;
   // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
   // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
   // call on jax 0.11.2): then the result starts as a copy of the operand (stream-ordered,
   // graph-capturable; launch_kpool_update) and the kernel, which only touches the results,
-  // runs without PDL.
+  // runs without PDL. The copies are planned before the empty-batch return: with no row to
+  // write, an unaliased result must still equal its operand.
   plan.copies[0] = {kv_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes()};
   plan.copies[1] = {tail_out->untyped_data(), tail.untyped_data(), tail.size_bytes()};
+  if (requests == 0 || next_n == 0) return plan;
 
   UpdateArgs& args = plan.args;
   args.cache = kv_out->typed_data();
@@ -341,7 +342,6 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
 }
 
 cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan) {
-  if (plan.kernel == nullptr) return cudaSuccess;
   bool copied = false;
   for (const UpdateLaunch::Copy& copy : plan.copies) {
     if (copy.dst == copy.src || copy.bytes == 0) continue;
@@ -350,6 +350,7 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
     if (err != cudaSuccess) return err;
     copied = true;
   }
+  if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
   return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
                 plan.args);
 }
