@@ -9,7 +9,10 @@ as IndexerConfig(update="auto") chooses), "reference" = every op on its pure-JAX
 reference (Routing(kernels=False)), in the same run; with --stage-update-fused also
 "kernel, update fused" = the update part as indexer_update's one FFI call at every M
 (update="fused", its kernel named in the routing), with --stage-update-ops also "kernel,
-update as three ops" (update="ops"): the two sides of "auto"'s choice."""
+update as three ops" (update="ops"): the two sides of "auto"'s choice; with
+--stage-update-only also "kernel, update part only" = the stage's update part alone
+(stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
+selection), what issue 12's targets are about."""
 import gc
 
 import numpy as np
@@ -17,11 +20,12 @@ import jax
 import jax.numpy as jnp
 
 import glm5_jax
+from glm5_jax import stage as glm5_stage
 from glm5_jax import synthetic
 
 from .harness import time_step
 from .sizes import CONFIG, POOL, Sizes
-from .variants import KERNEL, NO_PDL, REFERENCE, UPDATE_FUSED, UPDATE_OPS
+from .variants import KERNEL, NO_PDL, REFERENCE, UPDATE_FUSED, UPDATE_ONLY, UPDATE_OPS
 
 NAME = "stage"
 
@@ -59,12 +63,15 @@ def add_arguments(parser):
   parser.add_argument("--stage-update-ops", action="store_true",
                       help="also time the stage with IndexerConfig(update='ops'): the "
                            "update part as the three ops at every M")
+  parser.add_argument("--stage-update-only", action="store_true",
+                      help="also time the stage's update part alone (q, projection, "
+                           "query epilogue, kpool_update; no selection)")
 
 
 ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=False),
             NO_PDL: glm5_jax.Routing(pdl=False),
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
-            UPDATE_OPS: glm5_jax.Routing()}
+            UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing()}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops"}
 
@@ -101,12 +108,21 @@ def _state(m, ctx, layers, seed):
   return weights, caches, list(xs), list(qrs), batch
 
 
-def _step(config):
+def _step(config, update_only=False):
+  """step(caches, k, weights, xs, qrs, batch) -> (caches, outs): decode step k of every
+  layer: indexer_stage, or with update_only its update part alone (outs: w_out)."""
+  ops = glm5_stage._ops(config, use_reference=False)
+
   def step(caches, k, weights, xs, qrs, batch):
     outs, new = [], []
     for w, c in zip(weights, caches):
-      out, c = glm5_jax.indexer_stage(w, c, xs[k], qrs[k], batch, config=config)
-      outs.append(out.counts)
+      if update_only:
+        rows = batch.positions.size
+        _, out, c = glm5_stage.update_path(ops, config, w, c, xs[k], qrs[k], batch, rows)
+      else:
+        out, c = glm5_jax.indexer_stage(w, c, xs[k], qrs[k], batch, config=config)
+        out = out.counts
+      outs.append(out)
       new.append(c)
     return new, outs
   return step
@@ -117,6 +133,7 @@ def run(bench):
   variants = ([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
               + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
               + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
+              + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
               if bench.module else [REFERENCE])
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)  # noqa: E731
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
@@ -126,7 +143,7 @@ def run(bench):
       routing = ROUTINGS[variant]
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
-        sec, caches, info = time_step(_step(config), caches,
+        sec, caches, info = time_step(_step(config, variant == UPDATE_ONLY), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,
                                       steps=STEPS)
         bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,

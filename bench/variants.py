@@ -21,8 +21,9 @@ TWO_KERNELS = "projection + query kernels"
 GEMM_QUERY = "XLA GEMM + query kernel"
 UPDATE_FUSED = "kernel, update fused"    # the stage with IndexerConfig(update="fused")
 UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(update="ops")
+UPDATE_ONLY = "kernel, update part only"      # the stage's update part alone (issue 12)
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            UPDATE_FUSED, UPDATE_OPS)
+            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY)
 
 
 def three_dots(x, w_cat):

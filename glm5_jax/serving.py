@@ -116,14 +116,21 @@ def advance(packed: jax.Array, page_table: jax.Array, *, page: int, ring: int,
   tail blocks stay; loc and tslot follow from token_slots. Call it inside the jitted step
   and keep the result on the device (donated, as the caches): a decode loop then moves
   no metadata at all between steps, and sends a new packed array (decode_metadata) only
-  when its batch changes (a request admitted or finished).
+  when its batch changes (a request admitted or finished). Each row needs only its own
+  request's page-table row: with requests split over devices, call it where each device
+  holds its requests' rows with device-local ids (inside the shard_map of
+  glm5_jax.sharding.data_parallel_step's form), not on global ids under plain jit.
   """
   if packed.ndim != 3 or packed.shape[0] != len(DecodeBatch.PACKED_FIELDS):
     raise ValueError(f"glm5_jax.serving.advance: packed must have shape (4, B, N) "
                      f"(DecodeBatch.pack), got {tuple(packed.shape)}")
   positions, _, tslot, req_ids = (packed[i] for i in range(len(DecodeBatch.PACKED_FIELDS)))
   b = positions.shape[0]
-  step = jnp.broadcast_to(jnp.asarray(accepted, jnp.int32).reshape(-1, 1), (b, 1))
+  accepted = jnp.asarray(accepted)
+  if accepted.shape not in ((), (b,)) or not jnp.issubdtype(accepted.dtype, jnp.integer):
+    raise ValueError(f"glm5_jax.serving.advance: accepted must be an int or an integer "
+                     f"array of shape ({b},), got {accepted.dtype}{list(accepted.shape)}")
+  step = jnp.broadcast_to(accepted.astype(jnp.int32).reshape(-1, 1), (b, 1))
   live = positions >= 0
   tail_blocks = (tslot - positions % ring) // ring      # tslot = block * ring + pos % ring
   positions = jnp.where(live, positions + step, -1)

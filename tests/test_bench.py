@@ -62,6 +62,28 @@ def test_time_step_threads_state():
   assert 0 < sec * 22 <= info["run_us"] * 1e-6 * 1.0001 and info["dispatch_us"] > 0
 
 
+def test_stage_update_only_step_is_the_stages_update_part():
+  """bench.stage's "update part only" step: every layer's caches and w_out exactly as
+  the whole stage leaves and returns them (the selection left out), on two layers."""
+  import numpy as np
+  import jax
+  import jax.numpy as jnp
+
+  import glm5_jax
+  from bench import stage
+
+  config = stage._config(1024, glm5_jax.Routing())
+  weights, caches, xs, qrs, batch = stage._state(2, 1024, 2, seed=3)
+  copy = lambda: [jax.tree.map(jnp.copy, c) for c in caches]  # noqa: E731
+  got_caches, got = jax.jit(stage._step(config, update_only=True), static_argnums=1)(
+      copy(), 1, weights, xs, qrs, batch)
+  for layer, (w, c) in enumerate(zip(weights, copy())):
+    out, c = glm5_jax.indexer_stage(w, c, xs[1], qrs[1], batch, config=config)
+    np.testing.assert_array_equal(np.asarray(got[layer]), np.asarray(out.w_out))
+    for g, want in zip(jax.tree.leaves(got_caches[layer]), jax.tree.leaves(c)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+
+
 @pytest.mark.slow
 def test_bench_prefill_group_cpu_smoke(tmp_path):
   """`python -m bench --groups prefill --cpu-smoke`: a row per prompt and one for the

@@ -93,6 +93,10 @@ def test_advance_rejects_a_batch_that_is_not_packed():
   with pytest.raises(ValueError, match="glm5_jax.serving.advance: packed"):
     serving.advance(jnp.zeros((3, 2, 1), jnp.int32), jnp.zeros((2, 4), jnp.int32),
                     page=16, ring=8)
+  for accepted in (jnp.ones(3, jnp.int32), jnp.ones(2, jnp.float32)):
+    with pytest.raises(ValueError, match="glm5_jax.serving.advance: accepted"):
+      serving.advance(jnp.zeros((4, 2, 1), jnp.int32), jnp.zeros((2, 4), jnp.int32),
+                      page=16, ring=8, accepted=accepted)
 
 
 def test_decode_metadata_pads():
