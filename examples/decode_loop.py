@@ -191,6 +191,7 @@ def run(step, weights, caches, inputs, metadata, page_table, block_table, progre
   wait, so the host runs ahead of the device. advance: `step` threads the packed
   metadata (model_step's ring): only step 0's is built on the host and sent."""
   outs, seconds, out, first = [], [], None, None
+  packed = jnp.asarray(metadata[0]()) if advance else None   # sent once, then advanced
   steps = len(metadata)
   tick = max(1, steps // 100)        # the bar redrawn 100 times at most: it costs no sync
   t_loop = time.perf_counter()
@@ -200,12 +201,10 @@ def run(step, weights, caches, inputs, metadata, page_table, block_table, progre
       jax.block_until_ready(out)      # the steps before it done: time this one alone
     t0 = time.perf_counter()
     x, qr = inputs[s % len(inputs)]
-    if not advance:
-      packed = metadata[s]()                    # numpy on the host, every step
-      out, caches = step(weights, caches, x, qr, packed, page_table, block_table)
-    else:                                       # the device computes the next one
-      packed = jnp.asarray(metadata[0]()) if s == 0 else packed
+    if advance:                                 # the device computes the next one
       out, caches, packed = step(weights, caches, x, qr, packed, page_table, block_table)
+    else:                                       # numpy on the host, every step
+      out, caches = step(weights, caches, x, qr, metadata[s](), page_table, block_table)
     if timed:
       jax.block_until_ready(out)
       seconds.append(time.perf_counter() - t0)
