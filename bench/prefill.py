@@ -4,8 +4,8 @@ of that many tokens from position 0 (Sizes.prefill_prompts, --prefill-prompts), 
 "prompt=<a>+<b>+..": all of them as one mixed batch (request-major, each request its
 own pages and tail block). device_us is µs per call. Variant "kernel" = the default
 routing, "reference" = every op on its pure-JAX reference (Routing(kernels=False)); in
-this version prefill has kernels for none of its ops but the projection, so the rows
-are what kernels for kpool_compress and kpool_seed_tail must beat.
+this version the projection and kpool_compress have kernels; kpool_seed_tail and the
+windows' gathers run as XLA code in both variants.
 
 floor = max(bytes / copy bandwidth, FLOPs / bf16 peak) (workloads.floor_us) of one
 call: W_cat, the LayerNorm weight and bias and the APE read once, x read, each

@@ -30,6 +30,7 @@ W_CAT_COPIES = 56                              # >= 54 rotated W_cat (>= 128 MB,
 class Sizes:
   """What to run: shapes, buffer sizes and the timing method (bench/harness.py)."""
   rows: tuple = (1, 8, 16, 64)
+  compress_rows: tuple = (8192,)               # kpool_compress's n besides rows: a 32K prompt
   next_ns: tuple = (1, 4)
   upcast_pools: tuple = (8192, 32768, 262144)
   select_rows: tuple = (1, 16, 64)             # mqa_logits, pool_topk, select_pools
@@ -70,7 +71,7 @@ def sizes_for(quick, cpu_smoke):
         select_rows=(1, 4), select_pools=(512, 1024), stage_rows=(1, 2),
         stage_contexts=(1024, 4096), stage_layers=2,
         serving_rows=(1, 2), serving_contexts=(1024,), serving_steps=5,
-        prefill_prompts=(300, 1200),
+        prefill_prompts=(300, 1200), compress_rows=(256,),
         cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,
         warmup=1, empty_r=20, run_s=0.001, max_calls=8, max_passes=8)
   return s

@@ -361,7 +361,8 @@ WORKLOADS = {
     "indexer_projection_fused": (fused, _rows),
     "kpool_update": (update, _requests),
     "indexer_update": (indexer_update, _requests),
-    "kpool_compress": (compress, lambda s: _rows(s, "n", "n={}")),
+    "kpool_compress": (compress, lambda s: _rows(s, "n", "n={}") + [
+        (f"n={n}", {"n": n}) for n in s.compress_rows]),
     "kpool_seed_tail": (seed, lambda s: _rows(s, "n", "n={}")),
     "expand_pools": (expand, lambda s: _rows(s, fmt="rows={}")),
     "expand_and_remap": (remap, lambda s: _rows(s, fmt="rows={}")),

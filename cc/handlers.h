@@ -11,6 +11,7 @@
   X(glm5_expand_pools, Glm5ExpandPools)                                  \
   X(glm5_expand_and_remap, Glm5ExpandAndRemap)                           \
   X(glm5_kpool_update, Glm5KpoolUpdate)                                  \
+  X(glm5_kpool_compress, Glm5KpoolCompress)                              \
   X(glm5_indexer_update, Glm5IndexerUpdate)                              \
   X(glm5_indexer_projection, Glm5IndexerProjection)                      \
   X(glm5_indexer_projection_fused, Glm5IndexerProjectionFused)           \

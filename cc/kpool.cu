@@ -17,6 +17,13 @@
 // tail block >= the number of blocks makes the token a no-op; tslot < 0 pools block 0's rows
 // and stashes nothing; slots outside the cache are never written; the ring row comes from
 // pos % RING. Requests must own distinct tail blocks (warps run concurrently).
+//
+// kpool_compress (SPEC §4a, prefill): the same entry from four given tokens per candidate row,
+// written where write_mask and 0 <= loc < capacity (glm5_jax.reference.kpool.write_entries).
+// One warp per row (kCompressWarps rows per CTA), lane l again owns dims 4l .. 4l+3, and the
+// pooling and store are kpool_update's own code (pool_and_write), so both kernels write the
+// same bytes for the same tokens. Rows must target distinct slots (warps run concurrently; the
+// reference's scatter leaves duplicate slots unspecified too).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -60,25 +67,27 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
-// start+2 of the tail block at `block` with the current token (kw, gw), write entry `loc`.
-template <ScaleMode kMode>
-__device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
-                                                   int32_t start, uint2 kw, uint2 gw,
-                                                   const float (&bias)[kPool][kPerLane],
-                                                   int32_t loc, int lane) {
-  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> gate rows
-  float k[kPool][kPerLane], z[kPool][kPerLane];
-  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
-    const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
-    const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
-    const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
-    widen4(kr, k[p]);
-    widen4(sr, z[p]);
+// The four APE rows of the lane's dims (one 16-byte load per pool slot).
+__device__ __forceinline__ void load_bias(const float* ape, int dim,
+                                          float (&bias)[kPool][kPerLane]) {
+#pragma unroll
+  for (int p = 0; p < kPool; ++p) {
+    const float4 b = __ldg(reinterpret_cast<const float4*>(ape + p * kDim + dim));
+    bias[p][0] = b.x, bias[p][1] = b.y, bias[p][2] = b.z, bias[p][3] = b.w;
   }
-  widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
-  widen4(gw, z[kPool - 1]);
+}
 
+// The pooling, Hadamard, quantisation and store of one K-cache entry (SPEC §3's completion
+// branch, §4a), shared by kpool_update and kpool_compress so that both write the same bytes
+// for the same four tokens: the warp's keys k and gates z (pool order, the lane's dims; z is
+// overwritten) with the APE `bias`, written at flat slot `loc` of a cache of `page_entries`
+// entries per page.
+template <ScaleMode kMode>
+__device__ __forceinline__ void pool_and_write(uint8_t* cache, int32_t page_entries,
+                                               const float (&k)[kPool][kPerLane],
+                                               float (&z)[kPool][kPerLane],
+                                               const float (&bias)[kPool][kPerLane],
+                                               int32_t loc, int lane) {
   float x[kPerLane];
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
@@ -105,9 +114,10 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
   const uint32_t packed = quantise4(x, scale);
 
   // Flat slot -> (page, entry) (0 <= loc < capacity); byte offsets in 64 bits.
-  const int64_t page = a.page;
-  uint8_t* const page_base = a.cache + static_cast<int64_t>(loc / a.page) * (page * kEntryBytes);
-  const int64_t entry = loc % a.page;
+  const int64_t page = page_entries;
+  uint8_t* const page_base =
+      cache + static_cast<int64_t>(loc / page_entries) * (page * kEntryBytes);
+  const int64_t entry = loc % page_entries;
   *reinterpret_cast<uint32_t*>(page_base + entry * kDim + kPerLane * lane) = packed;
   if (lane == 0) {
     const uint32_t bits = kMode == ScaleMode::kPow2Ue8m0
@@ -115,6 +125,27 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
                               : __float_as_uint(scale);
     *reinterpret_cast<uint32_t*>(page_base + page * kDim + entry * 4) = bits;
   }
+}
+
+// The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
+// start+2 of the tail block at `block` with the current token (kw, gw), write entry `loc`.
+template <ScaleMode kMode>
+__device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
+                                                   int32_t start, uint2 kw, uint2 gw,
+                                                   const float (&bias)[kPool][kPerLane],
+                                                   int32_t loc, int lane) {
+  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> gate rows
+  float k[kPool][kPerLane], z[kPool][kPerLane];
+  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
+    const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
+    const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
+    const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
+    widen4(kr, k[p]);
+    widen4(sr, z[p]);
+  }
+  widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
+  widen4(gw, z[kPool - 1]);
+  pool_and_write<kMode>(a.cache, a.page, k, z, bias, loc, lane);
 }
 
 // Block `req` = request req; tokens in t order.
@@ -129,11 +160,7 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
   pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
 
   float bias[kPool][kPerLane];
-#pragma unroll
-  for (int p = 0; p < kPool; ++p) {
-    const float4 b = __ldg(reinterpret_cast<const float4*>(a.ape + p * kDim + dim));
-    bias[p][0] = b.x, bias[p][1] = b.y, bias[p][2] = b.z, bias[p][3] = b.w;
-  }
+  load_bias(a.ape, dim, bias);
   const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
   const int64_t half = static_cast<int64_t>(a.ring) * kDim;
   // [key | gate][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
@@ -188,6 +215,55 @@ size_t stage_bytes(int64_t next_n) {
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
 
+// ---------------------------------------------------------------------------------------------
+// kpool_compress.
+
+// Rows (warps) per CTA: a 32K-token prompt has 8192 pools, so large grids keep every SM busy
+// with several CTAs; at a few rows a CTA per 4 rows still spreads them over SMs.
+constexpr int kCompressWarps = 4;
+
+struct CompressArgs {
+  uint8_t* cache;              // u8[pages, page, 132], dense; written only
+  // Read-only for the kernel's lifetime (never aliased with cache): read via __ldg.
+  const uint16_t* slot_key;    // bf16[n, 4, 128]
+  const uint16_t* slot_gate;   // bf16[n, 4, 128]
+  const float* ape;            // f32[4, 128]
+  const int32_t* loc;          // [n]
+  const uint8_t* write_mask;   // PRED[n]: one byte per row (XLA stores 0 or 1)
+  int64_t capacity;            // pages * page: flat slots of the cache
+  int64_t rows;                // n
+  int32_t page;                // PAGE
+};
+
+// Warp threadIdx.y of CTA blockIdx.x = row blockIdx.x * kCompressWarps + threadIdx.y.
+template <ScaleMode kMode>
+__global__ void __launch_bounds__(kCompressWarps * kWarp)
+    kpool_compress_kernel(const CompressArgs a) {
+  const int lane = threadIdx.x;
+  const int dim = kPerLane * lane;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCompressWarps + threadIdx.y;
+  // Every input (and the cache) may belong to the previous kernel: nothing before the wait.
+  pdl_wait();
+  pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
+  if (row >= a.rows) return;
+  // Every lane reads the same row's mask and slot, so a row that writes nothing leaves as a
+  // whole warp (the Hadamard and amax shuffles below need all 32 lanes). Both loads are
+  // issued before either is tested.
+  const uint8_t write = __ldg(a.write_mask + row);
+  const int32_t loc = __ldg(a.loc + row);
+  if (write == 0 || loc < 0 || loc >= a.capacity) return;  // SPEC D4: never out of the cache
+
+  float bias[kPool][kPerLane], k[kPool][kPerLane], z[kPool][kPerLane];
+  load_bias(a.ape, dim, bias);
+  const int64_t first = row * (kPool * kDim) + dim;  // slot 0 of the row, the lane's quad
+#pragma unroll
+  for (int p = 0; p < kPool; ++p) {
+    widen4(__ldg(reinterpret_cast<const uint2*>(a.slot_key + first + p * kDim)), k[p]);
+    widen4(__ldg(reinterpret_cast<const uint2*>(a.slot_gate + first + p * kDim)), z[p]);
+  }
+  pool_and_write<kMode>(a.cache, a.page, k, z, bias, loc, lane);
+}
+
 }  // namespace
 
 ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
@@ -233,14 +309,15 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   if (requests > kI32Max || next_n > kI32Max)
     return fail("too many requests or next_n for one grid");
   UpdateLaunch plan;
-  if (requests == 0 || next_n == 0) return plan;
   // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
   // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
   // call on jax 0.11.2): then the result starts as a copy of the operand (stream-ordered,
   // graph-capturable; launch_kpool_update) and the kernel, which only touches the results,
-  // runs without PDL.
+  // runs without PDL. The copies are planned before the empty-batch return: with no row to
+  // write, an unaliased result must still equal its operand.
   plan.copies[0] = {kv_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes()};
   plan.copies[1] = {tail_out->untyped_data(), tail.untyped_data(), tail.size_bytes()};
+  if (requests == 0 || next_n == 0) return plan;
 
   UpdateArgs& args = plan.args;
   args.cache = kv_out->typed_data();
@@ -265,7 +342,6 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
 }
 
 cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan) {
-  if (plan.kernel == nullptr) return cudaSuccess;
   bool copied = false;
   for (const UpdateLaunch::Copy& copy : plan.copies) {
     if (copy.dst == copy.src || copy.bytes == 0) continue;
@@ -274,6 +350,7 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
     if (err != cudaSuccess) return err;
     copied = true;
   }
+  if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
   return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
                 plan.args);
 }
@@ -295,6 +372,68 @@ ffi::Error KpoolUpdateImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
   return check.cuda(launch_kpool_update(stream, pdl, *plan));
 }
 
+ffi::Error KpoolCompressImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cache,
+                             ffi::BufferR3<ffi::BF16> slot_key, ffi::BufferR3<ffi::BF16> slot_gate,
+                             ffi::BufferR2<ffi::F32> ape, ffi::BufferR1<ffi::S32> loc,
+                             ffi::BufferR1<ffi::PRED> write_mask,
+                             ffi::ResultBufferR3<ffi::U8> kv_out, bool ue8m0, bool round_scale,
+                             bool pdl) {
+  const Check check{targets::glm5_kpool_compress};
+  const auto cd = kv_cache.dimensions();
+  const auto kd = slot_key.dimensions();
+  const int64_t pages = cd[0], page = cd[1], rows = kd[0];
+  if (cd[2] != kEntryBytes) return check.fail("kv_cache must be u8[pages, PAGE, 132]");
+  if (page > kI32Max) return check.fail("PAGE too large");
+  if (kd[1] != kPool || kd[2] != kDim) return check.fail("slot_key must be bf16[n, 4, 128]");
+  const auto gd = slot_gate.dimensions();
+  if (gd[0] != rows || gd[1] != kPool || gd[2] != kDim)
+    return check.fail("slot_gate must have slot_key's shape [n, 4, 128]");
+  const auto ad = ape.dimensions();
+  if (ad[0] != kPool || ad[1] != kDim) return check.fail("ape must be f32[4, 128]");
+  if (loc.dimensions()[0] != rows) return check.fail("loc must be s32[n]");
+  if (write_mask.dimensions()[0] != rows) return check.fail("write_mask must be pred[n]");
+  const auto od = kv_out->dimensions();
+  for (int i = 0; i < 3; ++i)
+    if (od[i] != cd[i]) return check.fail("kv_cache result shape differs from the operand");
+  if (!round_scale && ue8m0) return check.fail("round_scale=false needs the fp32 scale format");
+  // Vector accesses: 16 B APE rows, 8 B bf16 quads, 4 B fp8/scale words (XLA buffers are
+  // at least 16 B aligned; checked so that a violation fails here, not as a device fault).
+  if (!aligned(ape.untyped_data(), 16) || !aligned(slot_key.untyped_data(), 8) ||
+      !aligned(slot_gate.untyped_data(), 8) || !aligned(kv_out->untyped_data(), 4))
+    return check.fail("operand buffers are not aligned (ape 16 B; slot_key, slot_gate 8 B; "
+                      "kv_cache 4 B)");
+  const int64_t blocks = (rows + kCompressWarps - 1) / kCompressWarps;
+  if (blocks > kI32Max) return check.fail("too many rows for one grid");
+  // In place: the lowering aliases result 0 with operand 0. Where XLA does not honour the
+  // alias (prepare_kpool_update), the result starts as a copy of the operand (stream-ordered,
+  // graph-capturable), also when there is no row to write, and the kernel, which only touches
+  // the result, runs without PDL.
+  const bool copied = kv_out->untyped_data() != kv_cache.untyped_data();
+  if (copied && kv_cache.size_bytes() > 0) {
+    const cudaError_t err =
+        cudaMemcpyAsync(kv_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes(),
+                        cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return check.cuda(err);
+  }
+  if (rows == 0) return check.cuda();
+
+  CompressArgs args;
+  args.cache = kv_out->typed_data();
+  args.slot_key = reinterpret_cast<const uint16_t*>(slot_key.typed_data());
+  args.slot_gate = reinterpret_cast<const uint16_t*>(slot_gate.typed_data());
+  args.ape = ape.typed_data();
+  args.loc = loc.typed_data();
+  args.write_mask = static_cast<const uint8_t*>(write_mask.untyped_data());
+  args.capacity = pages * page;
+  args.rows = rows;
+  args.page = static_cast<int32_t>(page);
+  void (*const kernel)(CompressArgs) = !round_scale ? kpool_compress_kernel<ScaleMode::kPlainFp32>
+                                       : ue8m0 ? kpool_compress_kernel<ScaleMode::kPow2Ue8m0>
+                                               : kpool_compress_kernel<ScaleMode::kPow2Fp32>;
+  return check.cuda(launch(kernel, dim3(static_cast<unsigned>(blocks)),
+                           dim3(kWarp, kCompressWarps), 0, stream, pdl && !copied, args));
+}
+
 }  // namespace
 }  // namespace glm5
 
@@ -312,6 +451,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5KpoolUpdate, glm5::KpoolUpdateImpl,
                                   .Arg<ffi::BufferR2<ffi::S32>>()   // pos
                                   .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
                                   .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
+                                  .Attr<bool>("ue8m0")              // ue8m0
+                                  .Attr<bool>("round_scale")        // round_scale
+                                  .Attr<bool>("pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5KpoolCompress, glm5::KpoolCompressImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // slot_key
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // slot_gate
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // ape
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // loc
+                                  .Arg<ffi::BufferR1<ffi::PRED>>()  // write_mask
+                                  .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
                                   .Attr<bool>("ue8m0")              // ue8m0
                                   .Attr<bool>("round_scale")        // round_scale
                                   .Attr<bool>("pdl"),

@@ -34,7 +34,7 @@ struct UpdateLaunch {
     size_t bytes = 0;
   };
   UpdateArgs args;
-  void (*kernel)(UpdateArgs) = nullptr;  // null: no rows, nothing to launch
+  void (*kernel)(UpdateArgs) = nullptr;  // null: no rows, only the copies (if any) to do
   unsigned requests = 0;
   size_t smem = 0;
   Copy copies[2];

@@ -43,11 +43,18 @@ def _update_localize(index, kv_cache, tail, tslot, key, gate, ape, loc, pos):
           local_ids(loc, index, _slots(kv_cache)), pos)
 
 
+# The scale options of both kernels' handlers (cc/kpool.cu): round_scale is the static
+# param of that name, ue8m0 the UE8M0 scale format.
+_SCALE_ATTRIBUTES = dict(ue8m0=np.bool_, round_scale=np.bool_)
+
+
+def _scale_attribute_values(*avals, scale_format, **params):
+  return dict(ue8m0=scale_format == "ue8m0")
+
+
 _update = Op("kpool_update", ref.kpool_update, _update_shapes, aliases={0: 0, 1: 1},
              kernel="glm5_kpool_update",
-             attributes=dict(ue8m0=np.bool_, round_scale=np.bool_),
-             attribute_values=lambda *avals, scale_format, **params: dict(
-                 ue8m0=scale_format == "ue8m0"),
+             attributes=_SCALE_ATTRIBUTES, attribute_values=_scale_attribute_values,
              split=Split(("pages", "blocks", "rows", "rows", "rows", None, "rows", "rows"),
                          ("pages", "blocks"), _update_localize))
 
@@ -82,6 +89,8 @@ def _compress_shapes(kv_cache, slot_key, slot_gate, ape, loc, write_mask, *,
 
 _compress = Op(
     "kpool_compress", ref.kpool_compress, _compress_shapes, aliases={0: 0},
+    kernel="glm5_kpool_compress",
+    attributes=_SCALE_ATTRIBUTES, attribute_values=_scale_attribute_values,
     split=Split(("pages", "rows", "rows", None, "rows", "rows"), ("pages",),
                 lambda index, kv_cache, slot_key, slot_gate, ape, loc, write_mask: (
                     kv_cache, slot_key, slot_gate, ape,
@@ -92,7 +101,12 @@ def kpool_compress(kv_cache: jax.Array, slot_key: jax.Array, slot_gate: jax.Arra
                    ape: jax.Array, loc: jax.Array, write_mask: jax.Array, *,
                    scale_format: str = "fp32", round_scale: bool = True,
                    routing: Routing | None = None) -> jax.Array:
-  """Prefill pool compression into the K cache (SPEC §4a); returns kv_cache."""
+  """Prefill pool compression into the K cache (SPEC §4a); returns kv_cache.
+
+  Row i's pool is written at loc[i] where write_mask[i] and 0 <= loc[i] < pages * PAGE
+  (others never write); rows must target distinct slots. See
+  glm5_jax.reference.kpool_compress. routing: None = Routing.from_env().
+  """
   return _compress(kv_cache, slot_key, slot_gate, ape, loc, write_mask,
                    scale_format=scale_format, round_scale=bool(round_scale),
                    routing=routing)[0]

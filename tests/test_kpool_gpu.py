@@ -211,7 +211,7 @@ def test_next_n_past_32():
           kv0, tail0, b["tslot"], b["key"], b["gate"], ape, b["loc"], b["pos"])),
           scale_format=mode[0], round_scale=mode[1])
       np.testing.assert_array_equal(O.bits(gtail), O.bits(triton_oracle.to_numpy(tail)))
-      assert _entry_diff(gkv, triton_oracle.to_numpy(kv), PAGE).size == 0
+      assert O.differing_entries(gkv, triton_oracle.to_numpy(kv)).size == 0
 
 
 @pytest.mark.parametrize("B,N", [(0, 4), (3, 0), (0, 0)])
@@ -294,16 +294,6 @@ def test_donated_step_updates_in_place_and_continues(mode):
 
 # --------------------------------------------------------------------------- (b)
 
-def _entry_diff(got, want, page):
-  """Flat slots whose 132 bytes differ, with a sample of the differences."""
-  pages = got.shape[0]
-  g = got.reshape(pages, -1)
-  w = want.reshape(pages, -1)
-  data = np.any((g[:, :page * 128] != w[:, :page * 128]).reshape(pages, page, 128), axis=2)
-  scales = np.any((g[:, page * 128:] != w[:, page * 128:]).reshape(pages, page, 4), axis=2)
-  return np.nonzero((data | scales).reshape(-1))[0]
-
-
 @pytest.mark.parametrize("ring", [4, 8, 16])
 def test_edge_chains_bit_identical_to_triton(ring):
   """The chains of (a), every scale mode: kernel == Triton oracle, bit for bit."""
@@ -323,7 +313,7 @@ def test_edge_chains_bit_identical_to_triton(ring):
                                  ("decode_update", (fkv, ftail))):
         np.testing.assert_array_equal(O.bits(gtail), O.bits(triton_oracle.to_numpy(wtail)),
                                       err_msg=f"ring {ring} {mode} call {i}: {name} tail")
-        diff = _entry_diff(gkv, triton_oracle.to_numpy(wkv), PAGE)
+        diff = O.differing_entries(gkv, triton_oracle.to_numpy(wkv))
         assert diff.size == 0, f"ring {ring} {mode} call {i}: {name} entries differ: {diff[:20]}"
 
 
@@ -382,7 +372,7 @@ def test_million_pools_bit_identical_to_triton(i):
   label = f"batch {i} (ring {ring}, next_n {N}, {fmt}, round_scale {rs}, wide {wide})"
   np.testing.assert_array_equal(O.bits(got_tail), O.bits(triton_oracle.to_numpy(want_tail)),
                                 err_msg=f"{label}: tail")
-  diff = _entry_diff(got_kv, triton_oracle.to_numpy(want_kv), page)
+  diff = O.differing_entries(got_kv, triton_oracle.to_numpy(want_kv))
   assert diff.size == 0, f"{label}: {diff.size} of {n} entries differ, e.g. slots {diff[:20]}"
   # D2: against the reference only the exp/div allowance (report the rate).
   rkv, rtail = jax.jit(functools.partial(ref.kpool_update, scale_format=fmt,

@@ -138,10 +138,11 @@ def test_projection_kernel_by_default_where_it_is_faster(m, monkeypatch):
   assert custom_calls(cuda_module(fn, (x, w_cat))) == kernel
 
 
-@pytest.mark.parametrize("switch", ["0", "kpool_update=0", "1,kpool_update=0"])
-def test_kill_switch_routes_to_reference(switch, monkeypatch):
-  monkeypatch.setenv("GLM5_JAX_KERNELS", switch)
-  case = CASES["kpool_update"]
+@pytest.mark.parametrize("op", ["kpool_update", "kpool_compress"])
+@pytest.mark.parametrize("switch", ["0", "{op}=0", "1,{op}=0"])
+def test_kill_switch_routes_to_reference(op, switch, monkeypatch):
+  monkeypatch.setenv("GLM5_JAX_KERNELS", switch.format(op=op))
+  case = CASES[op]
   calls = custom_calls(cuda_module(case.fn, case.make(np.random.default_rng(0))))
   assert not [c for c in calls if c.startswith("glm5_")]
 
@@ -304,15 +305,17 @@ def test_attribute_schema(op, pdl):
     assert got == want, (name, value, params[name])
 
 
+@pytest.mark.parametrize("op", ["kpool_update", "kpool_compress"])
 @pytest.mark.parametrize("scale_format,round_scale,ue8m0", [
     ("fp32", True, "false"), ("ue8m0", True, "true"), ("fp32", False, "false")])
-def test_kpool_update_scale_attributes(scale_format, round_scale, ue8m0, monkeypatch):
-  """The scale options reach glm5_kpool_update as the bool attributes its handler binds."""
+def test_kpool_scale_attributes(op, scale_format, round_scale, ue8m0, monkeypatch):
+  """The scale options reach glm5_kpool_update and glm5_kpool_compress (both on by
+  default) as the bool attributes their handlers bind."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
-  case = CASES["kpool_update"]
-  fn = lambda *a: glm5_jax.kpool_update(*a, scale_format=scale_format, round_scale=round_scale)
-  text = cuda_module(fn, case.make(np.random.default_rng(0)), donate=(0, 1))
-  assert call_attributes(text, "glm5_kpool_update") == {
+  case = CASES[op]
+  fn = lambda *a: getattr(glm5_jax, op)(*a, scale_format=scale_format, round_scale=round_scale)
+  text = cuda_module(fn, case.make(np.random.default_rng(0)), donate=tuple(ALIASES[op]))
+  assert call_attributes(text, f"glm5_{op}") == {
       "round_scale": (str(round_scale).lower(), None), "ue8m0": (ue8m0, None),
       "pdl": ("true", None)}
 

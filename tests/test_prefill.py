@@ -1,6 +1,7 @@
 """Prefill into the caches: prefill then decode == one longer prefill (bit-exact on
 CPU), chunked prefill == one prefill, the stock pool-aligned formulation (SPEC §4a),
-in-place caches under donation, trace-time errors."""
+the ops (kpool_compress's kernel on a GPU) against the reference composition, in-place
+caches under donation, trace-time errors."""
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -9,9 +10,10 @@ import pytest
 import glm5_jax
 from glm5_jax import synthetic
 from glm5_jax.reference.numerics import POOL
+from glm5_jax.testing import oracle
 from glm5_jax.testing.cases import tree_bytes
 
-from graphs import copied_shapes
+from graphs import copied_shapes, gemm_pinned
 
 PREFILL = jax.jit(glm5_jax.indexer_prefill, static_argnames=("config", "use_reference"),
                   donate_argnames="cache")
@@ -39,10 +41,14 @@ class Requests:
   def fresh(self):
     return jax.tree.map(jnp.copy, self.cache)
 
-  def prefill(self, cache, starts, lengths, rows=None, **kw):
+  def inputs(self, cache, starts, lengths, rows=None):
+    """(x, batch) of a prefill of request r's positions starts[r] .. + lengths[r] - 1."""
     batch, req = synthetic.prefill_batch(starts, lengths, cache, self.pt, rows=rows)
     pos = np.asarray(batch.positions)
-    x = self.x[np.maximum(np.asarray(req), 0), np.maximum(pos, 0)]
+    return self.x[np.maximum(np.asarray(req), 0), np.maximum(pos, 0)], batch
+
+  def prefill(self, cache, starts, lengths, rows=None, **kw):
+    x, batch = self.inputs(cache, starts, lengths, rows)
     return PREFILL(self.weights, cache, x, batch, config=CONFIG, **kw)
 
   def decode(self, cache, positions, next_n=1):
@@ -160,11 +166,36 @@ def test_prefill_writes_the_stock_pool_aligned_form():
   assert_same(got, glm5_jax.IndexerCache(kv, tail))
 
 
-def test_prefill_matches_reference_composition():
-  reqs = Requests(3, 20, seed=3)
-  got = reqs.prefill(reqs.fresh(), [0, 0, 0], [19, 6, 11])
-  want = reqs.prefill(reqs.fresh(), [0, 0, 0], [19, 6, 11], use_reference=True)
-  assert_same(got, want)
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_prefill_matches_reference_composition(scale_format):
+  """The ops' composition with kpool_compress's kernel named by the routing against
+  use_reference=True, from the same caches: a first chunk, then an unaligned second one
+  with pad rows. Every tail byte equal; the K cache bit-equal on the CPU (both run the
+  reference) and, on a GPU, within SPEC D2 (the kernel follows the stock exp and
+  division; oracle.compare_cache), every entry no row completes unchanged. XLA's GEMM is
+  pinned (gemm_pinned), so that both programs get the same keys."""
+  reqs = Requests(3, 48, seed=3)
+  config = glm5_jax.IndexerConfig(max_pools=256, scale_format=scale_format,
+                                  routing=glm5_jax.Routing(ops={"kpool_compress": True}))
+  cache = reqs.fresh()
+  for starts, lengths, rows in (([0, 0, 0], [19, 6, 11], None),
+                                ([19, 6, 11], [22, 13, 30], 70)):
+    x, batch = reqs.inputs(cache, starts, lengths, rows)
+    if jax.default_backend() == "gpu":
+      text = PREFILL.lower(reqs.weights, cache, x, batch, config=config).as_text()
+      assert "glm5_kpool_compress" in text
+    got, want = (gemm_pinned(PREFILL, reqs.weights, cache, x, batch, config=config,
+                             use_reference=use_reference) for use_reference in (False, True))
+    np.testing.assert_array_equal(*tree_bytes((got.tail, want.tail)), err_msg="tail")
+    pos, loc = np.asarray(batch.positions), np.asarray(batch.loc)
+    written = loc[(loc >= 0) & (pos >= 0) & (pos % POOL == POOL - 1)]
+    bad, total = oracle.compare_cache(got.kv_cache, want.kv_cache, cache.kv_cache, written,
+                                      f"prefill {starts} {scale_format}")
+    assert total == len(written) >= 7
+    if jax.default_backend() == "cpu":
+      assert_same(got, want)
+    assert bad <= 1, (bad, total)
+    cache = want
 
 
 def test_donated_prefill_is_in_place():

@@ -4,14 +4,13 @@ import re
 
 import numpy as np
 import jax
-import jax.numpy as jnp
 import pytest
 
 import glm5_jax
 from glm5_jax.testing import oracle
 from glm5_jax.testing.cases import stage_state, tree_bytes
 
-from graphs import copied_shapes
+from graphs import copied_shapes, gemm_pinned
 
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
                donate_argnames="cache")
@@ -20,21 +19,6 @@ CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 
 def state(contexts, next_n=1, seed=0):
   return stage_state(contexts, next_n, seed, config=CONFIG, hidden=512, q_lora=256)
-
-
-def gemm_pinned(step, weights, cache, *args, **static):
-  """step(weights, copy of cache, *args, **static), compiled on a GPU with XLA's GEMM
-  autotuning off. XLA's q GEMM (and, at this hidden size, the projection GEMM) is the
-  same dot in every composition of the stage, but the autotuner times candidate
-  algorithms per program and can pick another summation order in each (the H200,
-  2026-11-30: q_fp8 one fp8 code off in 14% of a row's values, in one run of the suite
-  and not the next); SPEC D2 leaves GEMM order outside the contract. At level 0 every
-  program takes XLA's heuristic choice for the shape (with the stage's barrier on q, the
-  same GEMM + convert): one order, so the rest of the stage is compared bit for bit."""
-  cache = jax.tree.map(jnp.copy, cache)
-  options = {} if jax.default_backend() == "cpu" else {"xla_gpu_autotune_level": 0}
-  return step.lower(weights, cache, *args, **static).compile(
-      compiler_options=options)(weights, cache, *args)
 
 
 def cache_copies(step, args, config):

@@ -111,7 +111,7 @@ def kpool_compress(kv_cache, slot_key, slot_gate, ape, loc, write_mask, *,
 
   kv_cache u8[pages, PAGE, 132]; slot_key, slot_gate bf16[n, 4, 128]; ape f32[4, 128];
   loc i32[n]; write_mask bool[n]. Returns kv_cache with entry loc[i] written
-  where write_mask[i] and loc[i] >= 0.
+  where write_mask[i] and 0 <= loc[i] < pages * PAGE (write_entries).
   """
   data, scales = compress_pools(slot_key.astype(jnp.float32),
                                 slot_gate.astype(jnp.float32),

@@ -82,10 +82,16 @@ def _update_args(rng):
           ape(rng), i32(loc), i32(pos))
 
 
-def _compress_args(rng):
-  n = 4
+def compress_args(rng, n=6, out_of_range=(-1, 10 ** 6)):
+  """kpool_compress's operands: n rows, the first at distinct slots of the cache (every
+  third of them masked off), the last ones with their mask set but their slot
+  `out_of_range` (SPEC D4: never written; far past the cache, so that the ids made global
+  for a split stay out of every device's block)."""
+  inside = n - len(out_of_range)
+  loc = np.concatenate([rng.permutation(PAGES * PAGE)[:inside], out_of_range])
+  mask = (np.arange(n) % 3 != 1) | (np.arange(n) >= inside)
   return (cache(rng), bf16(rng, n, 4, 128), bf16(rng, n, 4, 128), ape(rng),
-          i32(rng.permutation(PAGES * PAGE)[:n]), jnp.asarray([1, 0, 1, 1], bool))
+          i32(loc.astype(np.int64)), jnp.asarray(mask))
 
 
 def _seed_args(rng):
@@ -215,7 +221,7 @@ _query = dict(scale=2.0 ** -6, padded=8)
 P = functools.partial
 CASES = {
     "kpool_update": Case(glm5_jax.kpool_update, _update_args),
-    "kpool_compress": Case(glm5_jax.kpool_compress, _compress_args),
+    "kpool_compress": Case(glm5_jax.kpool_compress, compress_args),
     "kpool_seed_tail": Case(glm5_jax.kpool_seed_tail, _seed_args),
     "expand_pools": Case(P(glm5_jax.expand_pools, seq_offset=1, width=40), _expand_args),
     "expand_and_remap": Case(P(glm5_jax.expand_and_remap, block_size=16, width=132),

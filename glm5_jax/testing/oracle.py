@@ -680,6 +680,19 @@ def compare_cache(ref_kv, orc_kv, orig_kv, written, label="", stats=None,
   return bad, len(wl)
 
 
+def differing_entries(got, want):
+  """Flat slots whose 132 bytes (128 fp8 bytes and the 4 scale bytes) differ between
+  two K caches u8[pages, PAGE, 132]."""
+  got, want = np.asarray(got, np.uint8), np.asarray(want, np.uint8)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  pages, page, _ = got.shape
+  g = got.reshape(pages, -1)
+  w = want.reshape(pages, -1)
+  data = np.any((g[:, :page * D] != w[:, :page * D]).reshape(pages, page, D), axis=2)
+  scales = np.any((g[:, page * D:] != w[:, page * D:]).reshape(pages, page, 4), axis=2)
+  return np.nonzero((data | scales).reshape(-1))[0]
+
+
 def random_bf16(rng, shape, scale=1.0):
   return (rng.standard_normal(shape) * scale).astype(F32).astype(BF16)
 
