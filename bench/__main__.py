@@ -10,6 +10,7 @@ import glm5_jax
 from . import __doc__ as DOC
 from .driver import Bench
 from .groups import GROUPS
+from .harness import CACHE_DIR, use_cache
 from .report import markdown, plot_or_none, render
 from .sizes import sizes_for
 from .variants import VARIANTS
@@ -33,7 +34,7 @@ def parser():
                  help="tiny caches, contexts, R and N (default: on for the CPU backend)")
   p.add_argument("--budget-s", type=float, default=230,
                  help="skip the remaining shapes after this many seconds")
-  p.add_argument("--cache-dir", default=os.path.join(HERE, ".jax_cache"),
+  p.add_argument("--cache-dir", default=CACHE_DIR,
                  help="persistent XLA compilation cache ('' = off); reruns skip "
                       "the unchanged compiles")
   p.add_argument("--data-dep", action=argparse.BooleanOptionalAction, default=True,
@@ -67,9 +68,7 @@ def main():
     return
   if args.cpu_smoke is None:
     args.cpu_smoke = jax.default_backend() == "cpu"
-  if args.cache_dir:
-    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  use_cache(args.cache_dir)
   ops = [o for o in args.ops.replace(" ", "").split(",") if o] or list(glm5_jax.OPS)
   unknown = set(ops) - set(glm5_jax.OPS)
   if unknown:

@@ -7,6 +7,7 @@ A chain here is N calls written out one after the other in one jitted function (
 executable, one command buffer), and runs of it are dispatched back to back.
 """
 import functools
+import os
 import statistics
 import time
 
@@ -69,6 +70,17 @@ def chain(call, dep, data_dep, calls):
     done = ~flag if state is not None else _token(prev)
     return state, (done, prev)
   return fn
+
+
+CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax_cache")
+
+
+def use_cache(path, min_compile_s=0.5):
+  """jax's persistent compilation cache in `path` ('' = off): a rerun loads the compiled
+  executables, skipping the compile and XLA's autotuning (its kernel launches too)."""
+  if path:
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
 
 
 def compile_fn(fn, *args, options=()):

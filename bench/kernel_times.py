@@ -42,13 +42,22 @@ def run(sizes, ops=OPS):
       jax.block_until_ready(fn(w.fixed, w.rotated[0]))
 
 
-def parse(text, sizes, ops=OPS):
-  """ncu's CSV -> {op: {label: µs of the call's kernels}} (kernels in launch order)."""
+def durations(text, tool="bench.kernel_times"):
+  """ncu's CSV (--csv --metrics gpu__time_duration.sum, anything printed before its
+  table ignored) -> [(kernel name, µs)] in launch order."""
   start = text.find('"ID"')
+  if start < 0:
+    raise SystemExit(f"{tool}: no ncu CSV table in the input")
   rows = [r for r in csv.DictReader(io.StringIO(text[start:]))
           if r["Metric Name"] == "gpu__time_duration.sum"]
   scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-  us = [float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]] for r in rows]
+  return [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]])
+          for r in rows]
+
+
+def parse(text, sizes, ops=OPS):
+  """ncu's CSV -> {op: {label: µs of the call's kernels}} (kernels in launch order)."""
+  us = [v for _, v in durations(text)]
   order = calls(sizes, ops)
   want = sum(KERNELS[op] for op, _ in order)
   if len(us) != want:

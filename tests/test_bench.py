@@ -130,3 +130,38 @@ def test_kernel_times_parses_a_subset_of_the_ops():
   assert all(v == [1.5, 1.5] for v in both["select_pools"].values())
   with pytest.raises(SystemExit, match="expected"):
     kernel_times.parse(csv([1000]), sizes, ("pool_topk",))
+
+
+def test_step_times_splits_sections_at_the_markers():
+  """bench.step_times --parse: each section's launches lie between two marker kernels;
+  per section the median of its runs' summed µs, per layer, and each kernel name's µs
+  per step; what lies outside the sections (autotuning, warm-up) is dropped; a CSV
+  whose marker count or launch count does not fit is refused."""
+  from bench import step_times
+  order = step_times.sections((1024,), (1, 16), ("kernel",))
+  assert order == [("M=1,ctx=1024", "kernel"), ("M=16,ctx=1024", "kernel")]
+  def csv(names_us):
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    return "==PROF== noise\n" + head + "".join(
+        f'"{i}","{n}","gpu__time_duration.sum","nsecond","{v:,}"\n'
+        for i, (n, v) in enumerate(names_us))
+  mark = ("wrapped_cosine", 900)
+  body = [("autotune", 5), mark, ("gemm", 2000), ("topk", 1000), ("gemm", 4000),
+          ("topk", 1000), ("gemm", 3000), ("topk", 1000), mark, ("warmup", 7), mark,
+          ("graph", 10000), ("graph", 12000), ("graph", 11000), mark]
+  table = step_times.parse(csv(body), order, runs=3, layers=2)
+  assert [(r["shape"], r["step_us"], r["layer_us"], r["launches"]) for r in table] == [
+      ("M=1,ctx=1024", 4.0, 2.0, 2), ("M=16,ctx=1024", 11.0, 5.5, 1)]
+  assert table[0]["kernels"] == {"gemm": 3.0, "topk": 1.0}
+  with pytest.raises(SystemExit, match="markers"):
+    step_times.parse(csv(body[:-1]), order, runs=3, layers=2)
+  with pytest.raises(SystemExit, match="launches"):
+    step_times.parse(csv(body), order, runs=2, layers=2)
+
+
+def test_step_times_runs_the_stage_steps():
+  """bench.step_times runs every section (CPU smoke shapes) without error."""
+  from bench import step_times
+  from bench.sizes import sizes_for
+  step_times.run(sizes_for(False, True), (1024,), (1,), step_times.VARIANTS, runs=1,
+                 layers=2)

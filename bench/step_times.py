@@ -1,0 +1,148 @@
+"""Device time of whole jitted decode steps (the stage group's steps) under Nsight
+Compute, where the stage group's wall-clock runs are host-bound.
+
+Why: at a 1K context a step of 11 layers takes about as long on the device as its
+dispatch takes on the host, so the stage group's interval between runs measures the
+host (H200, 2026-11-30: dispatch 440-1020 µs of runs of 590-1330 µs, 4 steps a run).
+Nsight Compute times the GPU alone:
+
+- `--graph-profiling graph` times each command buffer (a CUDA graph) as one workload:
+  the step as the device runs it, launch gaps and PDL overlap included;
+- `--graph-profiling node` (ncu's default) times each kernel alone (serialised, no
+  overlap): where a step's time goes, kernel by kernel.
+
+Each timed section (a stage-group variant at one shape) lies between two marker
+launches, a one-kernel jitted cosine, by which the parser splits the CSV; what runs
+outside the sections (XLA's compile-time autotuning, the warm-up runs) is dropped.
+
+  python -m bench.step_times       # fills the compilation cache (no autotuning under ncu)
+  ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \\
+      --graph-profiling graph python -m bench.step_times > steps.csv
+  python -m bench.step_times --parse steps.csv
+"""
+import argparse
+import json
+import re
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+from . import stage
+from .harness import CACHE_DIR, compile_fn, use_cache
+from .kernel_times import durations
+from .sizes import sizes_for
+from .variants import KERNEL, UPDATE_FUSED, UPDATE_ONLY, UPDATE_OPS
+
+VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY)
+MARKER = re.compile(r"cosine")   # the marker kernel: XLA names a lone op's fusion after it
+
+
+def sections(contexts, rows, variants):
+  """[(shape, variant)] in the order run() times them."""
+  return [(f"M={m},ctx={ctx}", v) for ctx in contexts for m in rows for v in variants]
+
+
+def _marker():
+  """A call that launches one kernel named after its op (compiled here, not run)."""
+  x = jnp.ones((7,), jnp.float32)
+  fn = jax.jit(jnp.cos).lower(x).compile()
+  return lambda: jax.block_until_ready(fn(x))
+
+
+def run(sizes, contexts, rows, variants, runs, layers):
+  marker = _marker()
+  for ctx in contexts:
+    for m in rows:
+      weights, caches, xs, qrs, batch = stage._state(m, ctx, layers, seed=m * 7 + ctx)
+      xs, qrs = xs[:1], qrs[:1]
+      steps = {}
+      for v in variants:   # every compile (and its autotuning) before the first marker
+        config = stage._config(ctx, stage.ROUTINGS[v], stage.UPDATES.get(v))
+        step = stage._step(config, v == UPDATE_ONLY)
+        fn = lambda c, *a, step=step: step(c, 0, *a)   # noqa: E731
+        steps[v], _, _ = compile_fn(fn, caches, weights, xs, qrs, batch,
+                                    options=sizes.compiler_options)
+        for _ in range(2):
+          caches, outs = steps[v](caches, weights, xs, qrs, batch)
+        jax.block_until_ready(outs)
+      for v in variants:   # each section between two markers
+        marker()
+        for _ in range(runs):
+          caches, outs = steps[v](caches, weights, xs, qrs, batch)
+          jax.block_until_ready(outs)
+        marker()
+      del weights, caches, xs, qrs, batch, steps
+
+
+def parse(text, order, runs, layers):
+  """ncu's CSV -> [{shape, variant, step_us, layer_us, launches, kernels}]: per section
+  the median over its runs of the summed durations of a run's launches (graphs or
+  kernels), and (node mode) each kernel name's total µs per step."""
+  rows = durations(text, "bench.step_times")
+  cuts = [i for i, (name, _) in enumerate(rows) if MARKER.search(name)]
+  if len(cuts) != 2 * len(order):
+    raise SystemExit(f"bench.step_times: {len(cuts)} markers in the CSV, expected "
+                     f"{2 * len(order)} (two a section)")
+  out = []
+  for k, (shape, variant) in enumerate(order):
+    body = rows[cuts[2 * k] + 1:cuts[2 * k + 1]]
+    if len(body) % runs:
+      raise SystemExit(f"bench.step_times: {shape} {variant}: {len(body)} launches for "
+                       f"{runs} runs")
+    per = len(body) // runs
+    totals = [sum(us for _, us in body[r * per:(r + 1) * per]) for r in range(runs)]
+    kernels = {}
+    for name, us in body:
+      kernels[name] = kernels.get(name, 0.0) + us / runs
+    step = statistics.median(totals)
+    out.append(dict(shape=shape, variant=variant, step_us=round(step, 2),
+                    layer_us=round(step / layers, 2), launches=per,
+                    kernels={n: round(v, 2) for n, v in
+                             sorted(kernels.items(), key=lambda kv: -kv[1])}))
+  return out
+
+
+def _ints(text):
+  return tuple(int(v) for v in text.split(",") if v)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--parse", help="ncu CSV to read instead of running the steps")
+  p.add_argument("--json", help="write the parsed rows here")
+  p.add_argument("--contexts", default="1024", help="comma-separated contexts (tokens)")
+  p.add_argument("--rows", default="1,16,64", help="comma-separated M")
+  p.add_argument("--variants", default=";".join(VARIANTS),
+                 help=f"';'-separated (the names hold commas), of: {'; '.join(VARIANTS)}")
+  p.add_argument("--runs", type=int, default=3, help="timed runs per section")
+  p.add_argument("--layers", type=int, default=0,
+                 help="layers per step (default: the stage group's, 11)")
+  p.add_argument("--top", type=int, default=8, help="kernels listed per section (node mode)")
+  p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes (the test)")
+  p.add_argument("--cache-dir", default=CACHE_DIR,
+                 help="persistent XLA compilation cache ('' = off): run once without ncu "
+                      "to fill it, so that under ncu no compile autotunes (launches)")
+  args = p.parse_args()
+  variants = tuple(v.strip() for v in args.variants.split(";") if v.strip())
+  if not set(variants) <= set(VARIANTS):
+    p.error(f"--variants: choose from {'; '.join(VARIANTS)}")
+  sizes = sizes_for(False, args.cpu_smoke)
+  layers = args.layers or sizes.stage_layers
+  contexts, rows = _ints(args.contexts), _ints(args.rows)
+  if not args.parse:
+    use_cache(args.cache_dir, min_compile_s=0)
+    return run(sizes, contexts, rows, variants, args.runs, layers)
+  table = parse(open(args.parse).read(), sections(contexts, rows, variants), args.runs, layers)
+  print(f"device µs per step of {layers} layers (ncu), and per layer")
+  for r in table:
+    print(f"{r['shape']:>16}  {r['variant']:<28} {r['step_us']:>9.2f} {r['layer_us']:>8.2f}"
+          f"  ({r['launches']} launches a step)")
+    for name, us in list(r["kernels"].items())[:args.top if r["launches"] > 1 else 0]:
+      print(f"{'':>18}{us:>9.2f}  {name[:110]}")
+  if args.json:
+    json.dump(table, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
