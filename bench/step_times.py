@@ -1,15 +1,15 @@
-"""Device time of whole jitted decode steps (the stage group's steps) under Nsight
-Compute, where the stage group's wall-clock runs are host-bound.
+"""Where a whole jitted decode step's device time goes, kernel by kernel, under Nsight
+Compute: the stage group's steps, each kernel timed alone (ncu's default graph mode,
+"node": serialised, no overlap between kernels, no PDL gain).
 
-Why: at a 1K context a step of 11 layers takes about as long on the device as its
-dispatch takes on the host, so the stage group's interval between runs measures the
-host (H200, 2026-11-30: dispatch 440-1020 µs of runs of 590-1330 µs, 4 steps a run).
-Nsight Compute times the GPU alone:
-
-- `--graph-profiling graph` times each command buffer (a CUDA graph) as one workload:
-  the step as the device runs it, launch gaps and PDL overlap included;
-- `--graph-profiling node` (ncu's default) times each kernel alone (serialised, no
-  overlap): where a step's time goes, kernel by kernel.
+Why: the stage group gives the step as a whole; this splits it into its kernels (the
+q GEMM, the projection, the query epilogue, kpool_update, the select path), which says
+where a per-layer target is lost. The sum of the kernels is not the step's time: on
+the H200 each kernel alone reads longer than inside the step (a 1K step of 11 layers
+summed 237 µs of kernels at M=1, against a step of at most 148 µs in the stage group).
+ncu's `--graph-profiling graph` (each command buffer timed as one workload) read 2-4x
+the stage group's step times on the H200 (the GPU idles between ncu's launches), so
+it is not used.
 
 Each timed section (a stage-group variant at one shape) lies between two marker
 launches, a one-kernel jitted cosine, by which the parser splits the CSV; what runs
@@ -17,8 +17,8 @@ outside the sections (XLA's compile-time autotuning, the warm-up runs) is droppe
 
   python -m bench.step_times       # fills the compilation cache (no autotuning under ncu)
   ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \\
-      --graph-profiling graph python -m bench.step_times > steps.csv
-  python -m bench.step_times --parse steps.csv
+      python -m bench.step_times --runs 1 > steps.csv
+  python -m bench.step_times --parse steps.csv --runs 1
 """
 import argparse
 import json
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from . import stage
-from .harness import CACHE_DIR, compile_fn, use_cache
+from .harness import CACHE_DIR, EAGER_RUNS, compile_fn, use_cache
 from .kernel_times import durations
 from .sizes import sizes_for
 from .variants import KERNEL, UPDATE_FUSED, UPDATE_ONLY, UPDATE_OPS
@@ -63,7 +63,7 @@ def run(sizes, contexts, rows, variants, runs, layers):
         fn = lambda c, *a, step=step: step(c, 0, *a)   # noqa: E731
         steps[v], _, _ = compile_fn(fn, caches, weights, xs, qrs, batch,
                                     options=sizes.compiler_options)
-        for _ in range(2):
+        for _ in range(EAGER_RUNS + 1):
           caches, outs = steps[v](caches, weights, xs, qrs, batch)
         jax.block_until_ready(outs)
       for v in variants:   # each section between two markers
