@@ -25,9 +25,7 @@ calibration rows give the copy bandwidth and the per-call cost of an empty XLA o
 Pallas kernel and FFI call). floor_us = max(minimum bytes / measured copy bandwidth,
 FLOPs / 790 TFLOP/s) (bench/workloads.py). Each variant is first checked bit for bit
 against the reference (`exact`). Whole jitted steps (e.g. 11 layers) are timed by
-harness.time_step: every output of a run written in place over the last run's
-(donated), so that XLA re-records no command for a moved output buffer, and runs
-dispatched without waiting. Compilations go to a persistent cache (--cache-dir).
+harness.time_step. Compilations go to a persistent cache (--cache-dir).
 
 Layout: sizes (constants, run sizes, inputs), workloads (per-op workloads and their
 floors), harness (timing), variants + stock + pallas_ops (ways to run an op), driver

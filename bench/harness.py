@@ -75,12 +75,6 @@ def chain(call, dep, data_dep, calls):
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".jax_cache")
 
 
-# XLA runs an executable's first runs thunk by thunk, then as its command buffer (under
-# Nsight Compute on the H200, 2026-11-30: runs 1-3 thunk by thunk); whole steps are
-# timed only after these.
-EAGER_RUNS = 3
-
-
 def use_cache(path, min_compile_s=0.5):
   """jax's persistent compilation cache in `path` ('' = off): a rerun loads the compiled
   executables, skipping the compile and XLA's autotuning (its kernel launches too)."""
@@ -89,12 +83,11 @@ def use_cache(path, min_compile_s=0.5):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
 
 
-def compile_fn(fn, *args, options=(), keep_unused=False):
+def compile_fn(fn, *args, options=()):
   """(compiled, lowered text, seconds): jit with argument 0 (the state) donated, compiled
-  with the XLA options ((name, value), ...: Sizes.compiler_options); keep_unused keeps
-  arguments the function does not read (jit drops them, and with them their donation)."""
+  with the XLA options ((name, value), ...: Sizes.compiler_options)."""
   t0 = time.perf_counter()
-  lowered = jax.jit(fn, donate_argnums=0, keep_unused=keep_unused).lower(*args)
+  lowered = jax.jit(fn, donate_argnums=0).lower(*args)
   compiled = lowered.compile(dict(options) or None)
   return compiled, lowered.as_text(), time.perf_counter() - t0
 
@@ -166,50 +159,26 @@ def time_step(step, state, args, sizes, units=1, steps=1):
   """Seconds per unit of a whole jitted step, e.g. a decode step of 11 layers with
   units=11 for µs per layer. step(state, k, *args) -> (state, outs) is step k of
   `steps` run back to back inside one executable (the state threaded, donated), so
-  the host's per-dispatch cost is paid once per `steps` steps. Step k must read inputs
-  of its own (e.g. args[0][k]): steps on the same inputs share their stateless work
-  (XLA's CSE; a first H200 run of 4 identical steps read 6.6 µs per layer).
+  the host's per-dispatch cost (as long as a 1K-context step of 11 layers on the
+  H200) is paid once per `steps` steps. Step k must read inputs of its own (e.g.
+  args[0][k]): steps on the same inputs share their stateless work (XLA's CSE; a
+  first H200 run of 4 identical steps read 6.6 µs per layer). Runs are timed by
+  time_runs (back to back, one queued; info's dispatch_us says how long a dispatch
+  took). Returns (s, state, info)."""
+  flag = jnp.zeros((), jnp.bool_)
 
-  Every output lands in a donated buffer: the previous run's outputs are donated with
-  the state and overwritten in place. So no run allocates a buffer the last one did
-  not, and XLA has no command to re-record for a moved output (on the H200 a 4-step
-  run whose outputs were fresh buffers took 440-1020 µs to dispatch, as long as the
-  device took to run it at a 1K context). Runs are dispatched back to back without
-  waiting, `reps` per timed batch, and waited on at the end; seconds per run = (the
-  batch's time - the first dispatch, before which the device cannot start) / reps,
-  the median of three batches; info's dispatch_us is the host's time per dispatch
-  (over half the run: host-bound, an upper bound). Returns (s, state, info)."""
-  def fn(carry, *args):
-    state, _ = carry      # the previous run's outputs: donated, written over
+  def fn(state, flag, *args):
     outs = []     # every step's outputs: an output nothing reads is dead code to XLA
     for k in range(steps):
       state, out = step(state, k, *args)
       outs.append(out)
-    return state, outs
+    return state, (~flag, outs)
 
-  shapes = jax.eval_shape(lambda st, *a: fn((st, None), *a)[1], state, *args)
-  carry = (state, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-  compiled, _, seconds = compile_fn(fn, carry, *args, options=sizes.compiler_options,
-                                    keep_unused=True)
-  for _ in range(EAGER_RUNS + sizes.warmup):
-    carry = compiled(carry, *args)
-  jax.block_until_ready(carry)
-  runs, dispatches = [], []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    carry = compiled(carry, *args)
-    first = time.perf_counter()
-    for _ in range(sizes.reps - 1):
-      carry = compiled(carry, *args)
-    t1 = time.perf_counter()
-    jax.block_until_ready(carry)
-    t2 = time.perf_counter()
-    runs.append((t2 - first) / sizes.reps)
-    dispatches.append((t1 - t0) / sizes.reps)
-  run, dispatch = statistics.median(runs), statistics.median(dispatches)
+  compiled, _, seconds = compile_fn(fn, state, flag, *args, options=sizes.compiler_options)
+  state, run, dispatch = time_runs(compiled, state, (flag, *args), sizes)
   info = dict(compile_s=seconds, temp=temp_bytes(compiled), dispatch_us=dispatch * 1e6,
               run_us=run * 1e6, steps=steps)
-  return run / (units * steps), carry[0], info
+  return run / (units * steps), state, info
 
 
 def grow_passes(probe, sizes):

@@ -74,8 +74,7 @@ def stage_table(rows):
          "kernels (default routing) / reference (every op on its pure-JAX reference), "
          "the speed-up in parentheses; every layer its own weights and caches (caches "
          "donated), metadata on the device, 4 decode steps per jitted run (each with its "
-         "own x and qr), each run's outputs written over the last run's (no buffer a run "
-         "allocates anew), runs dispatched without waiting (harness.time_step).", "",
+         "own x and qr), runs dispatched back to back (bench/stage.py).", "",
          "| context | " + " | ".join(ms) + " |", "|---" * (len(ms) + 1) + "|"]
   for ctx in ctxs:
     cells = []

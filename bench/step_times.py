@@ -2,14 +2,16 @@
 Compute: the stage group's steps, each kernel timed alone (ncu's default graph mode,
 "node": serialised, no overlap between kernels, no PDL gain).
 
-Why: the stage group gives the step as a whole; this splits it into its kernels (the
-q GEMM, the projection, the query epilogue, kpool_update, the select path), which says
-where a per-layer target is lost. The sum of the kernels is not the step's time: on
-the H200 each kernel alone reads longer than inside the step (a 1K step of 11 layers
-summed 237 µs of kernels at M=1, against a step of at most 148 µs in the stage group).
-ncu's `--graph-profiling graph` (each command buffer timed as one workload) read 2-4x
-the stage group's step times on the H200 (the GPU idles between ncu's launches), so
-it is not used.
+Why: at a 1K context the stage group's runs are host-bound on the H200 (dispatch
+440-1020 µs of runs of 590-1330 µs, 4 steps of 11 layers a run), so they bound a
+step's device time from above and do not split it. This splits it into its kernels
+(the q GEMM, the projection, the query epilogue, kpool_update, the select path), which
+says where a per-layer target is lost. The kernels' sum is not the step's time: each
+kernel alone reads longer than inside the step (a 1K step of 11 layers summed 237 µs
+of kernels at M=1, against at most 148 µs per step in the stage group). ncu's
+`--graph-profiling graph` (each command buffer timed as one workload) read 2-4x the
+stage group's step times on the H200 (the GPU idles between ncu's launches), so it is
+not used.
 
 Each timed section (a stage-group variant at one shape) lies between two marker
 launches, a one-kernel jitted cosine, by which the parser splits the CSV; what runs
@@ -29,12 +31,16 @@ import jax
 import jax.numpy as jnp
 
 from . import stage
-from .harness import CACHE_DIR, EAGER_RUNS, compile_fn, use_cache
+from .harness import CACHE_DIR, compile_fn, use_cache
 from .kernel_times import durations
 from .sizes import sizes_for
 from .variants import KERNEL, UPDATE_FUSED, UPDATE_ONLY, UPDATE_OPS
 
 VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY)
+# Runs before a section: XLA runs an executable's first runs thunk by thunk, then as its
+# command buffer (under ncu on the H200, after two warm-up runs the first timed run was
+# still thunk by thunk).
+WARMUP = 4
 MARKER = re.compile(r"cosine")   # the marker kernel: XLA names a lone op's fusion after it
 
 
@@ -63,7 +69,7 @@ def run(sizes, contexts, rows, variants, runs, layers):
         fn = lambda c, *a, step=step: step(c, 0, *a)   # noqa: E731
         steps[v], _, _ = compile_fn(fn, caches, weights, xs, qrs, batch,
                                     options=sizes.compiler_options)
-        for _ in range(EAGER_RUNS + 1):
+        for _ in range(WARMUP):
           caches, outs = steps[v](caches, weights, xs, qrs, batch)
         jax.block_until_ready(outs)
       for v in variants:   # each section between two markers
