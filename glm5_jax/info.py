@@ -11,7 +11,7 @@ from glm5_jax._primitive import KERNELS_ENV, Op, Routing
 def describe(op: Op, routing: Routing, built: bool) -> str:
   """Where `op` runs on CUDA under `routing`, in words."""
   if op.kernel is None:
-    return "reference (no kernel yet)"
+    return "reference (no kernel; the README's op table says why)"
   if not built:
     return "reference (CUDA module not built)"
   word = routing.word(op.name)
