@@ -103,24 +103,30 @@ def _state(m, ctx, layers, seed):
   cache = caches[0]
   # Every request at ctx tokens with this step's token (position ctx - 1): ctx / 4 pools.
   batch = synthetic.decode_batch(np.full((m, 1), ctx - 1), cache, pt, bt)
-  # Each of the STEPS steps of a run gets its own x and qr (no work shared between them).
-  xs, qrs = zip(*(synthetic.inputs(rng, m) for _ in range(STEPS)))
-  return weights, caches, list(xs), list(qrs), batch
+  # Every layer of each of the STEPS steps of a run gets its own x and qr, as in a model
+  # (each layer's hidden state): with one x and qr for all layers, XLA merged the layers'
+  # q GEMMs into one, which first concatenated their wq_b (12.6 MB each; H200, M=16:
+  # 47 + 39 µs a step of 11 layers) and shared stateless work between steps.
+  drawn = [[synthetic.inputs(rng, m) for _ in range(layers)] for _ in range(STEPS)]
+  xs = [[x for x, _ in step] for step in drawn]
+  qrs = [[qr for _, qr in step] for step in drawn]
+  return weights, caches, xs, qrs, batch
 
 
 def _step(config, update_only=False):
   """step(caches, k, weights, xs, qrs, batch) -> (caches, outs): decode step k of every
-  layer: indexer_stage, or with update_only its update part alone (outs: w_out)."""
+  layer (layer l on xs[k][l], qrs[k][l]): indexer_stage, or with update_only its update
+  part alone (outs: w_out)."""
   ops = glm5_stage._ops(config, use_reference=False)
 
   def step(caches, k, weights, xs, qrs, batch):
     outs, new = [], []
-    for w, c in zip(weights, caches):
+    for w, c, x, qr in zip(weights, caches, xs[k], qrs[k]):
       if update_only:
         rows = batch.positions.size
-        _, out, c = glm5_stage.update_path(ops, config, w, c, xs[k], qrs[k], batch, rows)
+        _, out, c = glm5_stage.update_path(ops, config, w, c, x, qr, batch, rows)
       else:
-        out, c = glm5_jax.indexer_stage(w, c, xs[k], qrs[k], batch, config=config)
+        out, c = glm5_jax.indexer_stage(w, c, x, qr, batch, config=config)
         out = out.counts
       outs.append(out)
       new.append(c)

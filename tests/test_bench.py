@@ -78,7 +78,7 @@ def test_stage_update_only_step_is_the_stages_update_part():
   got_caches, got = jax.jit(stage._step(config, update_only=True), static_argnums=1)(
       copy(), 1, weights, xs, qrs, batch)
   for layer, (w, c) in enumerate(zip(weights, copy())):
-    out, c = glm5_jax.indexer_stage(w, c, xs[1], qrs[1], batch, config=config)
+    out, c = glm5_jax.indexer_stage(w, c, xs[1][layer], qrs[1][layer], batch, config=config)
     np.testing.assert_array_equal(np.asarray(got[layer]), np.asarray(out.w_out))
     for g, want in zip(jax.tree.leaves(got_caches[layer]), jax.tree.leaves(c)):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
