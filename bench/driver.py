@@ -99,7 +99,11 @@ class Bench:
 
   # workloads -------------------------------------------------------------------
   def variants(self, op):
-    return [v for v in self.all_variants(op) if v not in self.args.skip_variants]
+    return self.kept(self.all_variants(op))
+
+  def kept(self, variants):
+    """`variants` less those named by --skip-variants (every group's variants)."""
+    return [v for v in variants if v not in self.args.skip_variants]
 
   def all_variants(self, op):
     return ([REFERENCE] + ([KERNEL, NO_PDL] if self.has_kernel(op) else [])

@@ -80,7 +80,7 @@ def _step(config):
 
 def run(bench):
   s = bench.s
-  variants = [KERNEL, REFERENCE] if bench.module else [REFERENCE]
+  variants = bench.kept([KERNEL, REFERENCE] if bench.module else [REFERENCE])
   labelled = [(shape, (lengths,)) for shape, lengths in shapes(bench)]
   build = lambda lengths: _state(lengths, seed=sum(lengths))  # noqa: E731
   for shape, (lengths,), state in bench.states(NAME, labelled, variants, build):

@@ -136,11 +136,11 @@ def _step(config, update_only=False):
 
 def run(bench):
   s = bench.s
-  variants = ([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
-              + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
-              + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
-              + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
-              if bench.module else [REFERENCE])
+  variants = bench.kept([KERNEL, REFERENCE] + ([NO_PDL] if bench.args.stage_pdl_off else [])
+                        + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
+                        + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
+                        + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
+                        if bench.module else [REFERENCE])
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)  # noqa: E731
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
     weights, caches, xs, qrs, batch = state
