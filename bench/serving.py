@@ -60,10 +60,12 @@ def add_arguments(parser):
 
 
 def _step(config, packed, to_device=None):
-  """fn(caches, flag, weights, x, qr, meta, page_table, block_table) -> (caches,
-  (done, counts)): one decode step of every layer; meta is the packed array or the
+  """fn(caches, flag, weights, xs, qrs, meta, page_table, block_table) -> (caches,
+  (done, counts)): one decode step of every layer (layer l on xs[l], qrs[l]: inputs of
+  its own, as in a model; shared ones let XLA merge the layers' q GEMMs, bench/stage.py);
+  meta is the packed array or the
   four fields; to_device: a sharding the (pinned host) packed array moves to first."""
-  def fn(caches, flag, weights, x, qr, meta, page_table, block_table):
+  def fn(caches, flag, weights, xs, qrs, meta, page_table, block_table):
     if to_device is not None:
       meta = jax.device_put(meta, to_device)
     if packed:
@@ -71,7 +73,7 @@ def _step(config, packed, to_device=None):
     else:
       batch = glm5_jax.DecodeBatch(*meta, page_table, block_table)
     new, counts = [], []
-    for w, c in zip(weights, caches):
+    for w, c, x, qr in zip(weights, caches, xs, qrs):
       out, c = glm5_jax.indexer_stage(w, c, x, qr, batch, config=config)
       new.append(c)
       counts.append(out.counts)
@@ -84,14 +86,14 @@ def _advancing(config, page, ring):
   step's packed computed on the device) (variant ADVANCED)."""
   inner = _step(config, True)
 
-  def fn(state, flag, weights, x, qr, _, page_table, block_table):
+  def fn(state, flag, weights, xs, qrs, _, page_table, block_table):
     caches, packed = state
-    caches, outs = inner(caches, flag, weights, x, qr, packed, page_table, block_table)
+    caches, outs = inner(caches, flag, weights, xs, qrs, packed, page_table, block_table)
     return (caches, serving.advance(packed, page_table, page=page, ring=ring)), outs
   return fn
 
 
-def _arguments_only(caches, flag, weights, x, qr, meta, page_table, block_table):
+def _arguments_only(caches, flag, weights, xs, qrs, meta, page_table, block_table):
   """The step's signature and donation without its layers (variant ARGUMENTS)."""
   return caches, (~flag, [])
 
@@ -132,8 +134,8 @@ def _variants(config, host):
 def _state(m, ctx, layers, seed):
   rng = np.random.default_rng(seed)
   weights, caches, pt, bt = layers_state(rng, m, ctx + MARGIN, layers)
-  x, qr = synthetic.inputs(rng, m)
-  return weights, caches, x, qr, pt, bt
+  drawn = [synthetic.inputs(rng, m) for _ in range(layers)]
+  return weights, caches, [x for x, _ in drawn], [qr for _, qr in drawn], pt, bt
 
 
 def _measure(bench, shape, variant, fn, caches, fixed, meta_of, sizes, layers):
@@ -141,10 +143,10 @@ def _measure(bench, shape, variant, fn, caches, fixed, meta_of, sizes, layers):
   before every dispatch), adds the row; returns (caches, row). caches: the donated
   state fn threads (the caches, or (caches, packed) for ADVANCED)."""
   flag = jnp.zeros((), jnp.bool_)
-  weights, x, qr, pt, bt = fixed
-  compiled, _, compile_s = compile_fn(fn, caches, flag, weights, x, qr, meta_of(), pt, bt,
+  weights, xs, qrs, pt, bt = fixed
+  compiled, _, compile_s = compile_fn(fn, caches, flag, weights, xs, qrs, meta_of(), pt, bt,
                                       options=sizes.compiler_options)
-  run = lambda state, flag: compiled(state, flag, weights, x, qr, meta_of(), pt, bt)
+  run = lambda state, flag: compiled(state, flag, weights, xs, qrs, meta_of(), pt, bt)
   caches, sec, dispatch = time_runs(run, caches, (flag,), sizes)
   us = sec * 1e6
   row = bench.row(NAME, shape, variant, us, None, None, layers=layers, reps=sizes.reps,
@@ -162,10 +164,10 @@ def run(bench):
   sizes = dataclasses.replace(s, reps=s.serving_steps)
   build = lambda ctx, m: _state(m, ctx, layers, seed=m * 11 + ctx)  # noqa: E731
   for shape, (ctx, m), state in bench.states(NAME, shapes(bench, NAME), VARIANTS, build):
-    weights, caches, x, qr, pt, bt = state
+    weights, caches, xs, qrs, pt, bt = state
     del state
     config = _config(ctx + MARGIN, glm5_jax.Routing())
-    fixed = (weights, x, qr, pt, bt)
+    fixed = (weights, xs, qrs, pt, bt)
     page, ring = caches[0].kv_cache.shape[1], caches[0].tail.shape[2]
     measured = {}
     for variant, fn, meta_of in _variants(config, _Metadata(m, ctx, pt, page, ring)):
@@ -186,5 +188,5 @@ def run(bench):
         measured[host_variant]["notes"] += (f"; {ratio:.2f}x the device-metadata step "
                                             "(target <= 1.15x)")
         bench.log(f"serving {shape}: {host_variant} {ratio:.2f}x the device step")
-    del weights, caches, x, qr, pt, bt
+    del weights, caches, xs, qrs, pt, bt
     gc.collect()
