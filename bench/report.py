@@ -74,7 +74,9 @@ def stage_table(rows):
          "kernels (default routing) / reference (every op on its pure-JAX reference), "
          "the speed-up in parentheses; every layer its own weights and caches (caches "
          "donated), metadata on the device, 4 decode steps per jitted run (each with its "
-         "own x and qr), runs dispatched back to back (bench/stage.py).", "",
+         "own x and qr; rows noted 'every layer its own x and qr' also per layer: before, "
+         "XLA merged the layers' q GEMMs behind a weight copy), runs dispatched back to "
+         "back (bench/stage.py).", "",
          "| context | " + " | ".join(ms) + " |", "|---" * (len(ms) + 1) + "|"]
   for ctx in ctxs:
     cells = []
