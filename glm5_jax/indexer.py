@@ -54,6 +54,11 @@ FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split i
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
 # its default; XLA's GEMM elsewhere.
 PROJECTION_KERNEL_ROWS = (2, 16)
+# indexer_q's tactics in order of preference, the first that tiles K runs: 4 warps in
+# clusters of 4 tile GLM-5.3-Flash's K = 1536 (3 blocks a warp; the projection's (8, 4)
+# does not: 1.5). Not yet measured on a GPU: the kernel is off by default until the
+# bench says where it beats XLA's GEMM (bench/NOTES.md).
+Q_TACTICS = ((4, 4), (8, 2), (4, 2), (8, 1), (4, 1), (2, 1), (1, 1))
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -78,6 +83,14 @@ def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
   if tactic is not None:
     return tuple(tactic)
   return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
+
+
+def q_tactic(k: int, tactic: tuple[int, int] | None = None) -> tuple[int, int] | None:
+  """The (warps, split) glm5_indexer_q runs for K: `tactic` where given, else the first of
+  Q_TACTICS that tiles K (None: none does, the op runs the reference)."""
+  if tactic is not None:
+    return tuple(tactic)
+  return next((t for t in Q_TACTICS if tile_k(k, *t)), None)
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
@@ -138,6 +151,45 @@ _projection = Op(
     kernel_params=lambda x, w_cat, *, heads, tactic: dict(
         tactic=projection_tactic(x.shape[0], x.shape[1], tactic)),
     split=Split(("rows", None), ("rows",) * 3))
+
+
+def _q_shapes(qr, wq_b, *, tactic):
+  op = "indexer_q"
+  expect(op, "qr", qr, BF16, (None, None))
+  m, k = qr.shape
+  expect(op, "wq_b", wq_b, BF16, (None, k))
+  if wq_b.shape[0] % DIM:
+    fail(op, "wq_b", f"must have heads * {DIM} rows, got {wq_b.shape[0]}")
+  _check_tactic(op, tactic, k)
+  return [((m, wq_b.shape[0]), BF16)]
+
+
+_q = Op(
+    "indexer_q", lambda qr, wq_b, *, tactic: ref.indexer_q(qr, wq_b), _q_shapes,
+    rows=((0, None), (0,)), kernel="glm5_indexer_q",
+    attributes=dict(warps=np.int32, split=np.int32),
+    attribute_values=lambda qr, wq_b, *, tactic: dict(
+        zip(("warps", "split"), q_tactic(qr.shape[1], tactic))),
+    kernel_supports=lambda qr, wq_b, *, tactic: q_tactic(qr.shape[1], tactic) is not None,
+    kernel_limits=f"N % {DIM} == 0, a K one of {Q_TACTICS} tiles ({_TILING})",
+    kernel_off="not yet measured on the H200 against XLA's GEMM",
+    # A device's block of rows runs the whole call's tactic: the same fp32 sums.
+    kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=q_tactic(qr.shape[1], tactic)),
+    split=Split(("rows", None), ("rows",)))
+
+
+def indexer_q(qr: jax.Array, wq_b: jax.Array, *, tactic: tuple[int, int] | None = None,
+              routing: Routing | None = None) -> jax.Array:
+  """q bf16[M, N] = qr bf16[M, K] @ wq_b bf16[N, K]^T (N = heads * 128): the query heads
+  before the epilogue (indexer_query takes them as q.reshape(M, heads, 128)).
+
+  The CUDA kernel (the projection's GEMM core) takes a K one of Q_TACTICS tiles and reads
+  wq_b before the preceding kernel has finished (PDL): pass it as a model parameter.
+  tactic: None (q_tactic) or (warps, split) for benchmark sweeps; it changes the fp32
+  summation order, not the tolerance. routing: where the op runs (None: from the env).
+  """
+  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  return _q(qr, wq_b, tactic=tactic, routing=routing)[0]
 
 
 def _query_op_shapes(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps,

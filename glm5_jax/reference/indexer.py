@@ -9,6 +9,18 @@ from .numerics import DIM, rotate_quant
 LN_GROUPS = 16      # the key LayerNorm's (mean, M2) groups of 8 dims (seed order)
 
 
+def indexer_q(qr, wq_b):
+  """q = qr wq_b^T (SPEC §1, step 1): the query heads before the epilogue.
+
+  qr bf16[M, K] (the q-lora latent); wq_b bf16[N = heads * 128, K]. Returns q bf16[M, N]:
+  fp32 sums of exact products, one RNE rounding to bf16. wq_b's dim 1 is contracted
+  where it lies (a dot_general, not `wq_b.T`: the same HLO eagerly and under jit).
+  """
+  acc = lax.dot_general(qr, wq_b, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+  return acc.astype(jnp.bfloat16)
+
+
 def indexer_projection(x, w_cat, *, heads):
   """One GEMM against [wk; weights_proj; gate] (SPEC §1).
 
