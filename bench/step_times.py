@@ -57,7 +57,9 @@ def _marker():
 
 
 def run(sizes, contexts, rows, variants, runs, layers):
-  marker = _marker()
+  """Runs the sections; returns [(shape, variant)] in the order it timed them (what
+  parse() reads the CSV by: sections())."""
+  marker, timed = _marker(), []
   for ctx in contexts:
     for m in rows:
       weights, caches, xs, qrs, batch = stage._state(m, ctx, layers, seed=m * 7 + ctx)
@@ -78,7 +80,9 @@ def run(sizes, contexts, rows, variants, runs, layers):
           caches, outs = steps[v](caches, weights, xs, qrs, batch)
           jax.block_until_ready(outs)
         marker()
+        timed.append((f"M={m},ctx={ctx}", v))
       del weights, caches, xs, qrs, batch, steps
+  return timed
 
 
 def parse(text, order, runs, layers):
@@ -138,7 +142,8 @@ def main():
   contexts, rows = _ints(args.contexts), _ints(args.rows)
   if not args.parse:
     use_cache(args.cache_dir, min_compile_s=0)
-    return run(sizes, contexts, rows, variants, args.runs, layers)
+    run(sizes, contexts, rows, variants, args.runs, layers)
+    return
   table = parse(open(args.parse).read(), sections(contexts, rows, variants), args.runs, layers)
   print(f"device µs per step of {layers} layers (ncu), and per layer")
   for r in table:

@@ -159,12 +159,15 @@ def test_step_times_splits_sections_at_the_markers():
     step_times.parse(csv(body), order, runs=2, layers=2)
 
 
-def test_step_times_runs_the_stage_steps():
-  """bench.step_times runs every section (CPU smoke shapes) without error."""
+def test_step_times_runs_the_sections_in_the_parsers_order():
+  """bench.step_times runs every section (CPU smoke shapes) in the order its parser
+  splits the CSV by (sections()): the sections' names come from that order alone."""
   from bench import step_times
   from bench.sizes import sizes_for
-  step_times.run(sizes_for(False, True), (1024,), (1,), step_times.VARIANTS, runs=1,
-                 layers=2)
+  timed = step_times.run(sizes_for(False, True), (1024,), (1, 2), step_times.VARIANTS,
+                         runs=1, layers=2)
+  assert timed == step_times.sections((1024,), (1, 2), step_times.VARIANTS)
+  assert len(timed) == 2 * len(step_times.VARIANTS)
 
 
 def test_skip_variants_apply_to_the_whole_step_groups(tmp_path):
