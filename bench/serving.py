@@ -62,9 +62,8 @@ def add_arguments(parser):
 def _step(config, packed, to_device=None):
   """fn(caches, flag, weights, xs, qrs, meta, page_table, block_table) -> (caches,
   (done, counts)): one decode step of every layer (layer l on xs[l], qrs[l]: inputs of
-  its own, as in a model; shared ones let XLA merge the layers' q GEMMs, bench/stage.py);
-  meta is the packed array or the
-  four fields; to_device: a sharding the (pinned host) packed array moves to first."""
+  its own, synthetic.layer_inputs); meta is the packed array or the four fields;
+  to_device: a sharding the (pinned host) packed array moves to first."""
   def fn(caches, flag, weights, xs, qrs, meta, page_table, block_table):
     if to_device is not None:
       meta = jax.device_put(meta, to_device)
@@ -134,8 +133,7 @@ def _variants(config, host):
 def _state(m, ctx, layers, seed):
   rng = np.random.default_rng(seed)
   weights, caches, pt, bt = layers_state(rng, m, ctx + MARGIN, layers)
-  drawn = [synthetic.inputs(rng, m) for _ in range(layers)]
-  return weights, caches, [x for x, _ in drawn], [qr for _, qr in drawn], pt, bt
+  return (weights, caches, *synthetic.layer_inputs(rng, m, layers), pt, bt)
 
 
 def _measure(bench, shape, variant, fn, caches, fixed, meta_of, sizes, layers):

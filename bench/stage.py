@@ -108,13 +108,9 @@ def _state(m, ctx, layers, seed):
   cache = caches[0]
   # Every request at ctx tokens with this step's token (position ctx - 1): ctx / 4 pools.
   batch = synthetic.decode_batch(np.full((m, 1), ctx - 1), cache, pt, bt)
-  # Every layer of each of the STEPS steps of a run gets its own x and qr, as in a model
-  # (each layer's hidden state): with one x and qr for all layers, XLA merged the layers'
-  # q GEMMs into one, which first concatenated their wq_b (12.6 MB each; H200, M=16:
-  # 47 + 39 µs a step of 11 layers) and shared stateless work between steps.
-  drawn = [[synthetic.inputs(rng, m) for _ in range(layers)] for _ in range(STEPS)]
-  xs = [[x for x, _ in step] for step in drawn]
-  qrs = [[qr for _, qr in step] for step in drawn]
+  # Every layer of each of the STEPS steps of a run gets its own x and qr (no work shared
+  # between layers or steps; synthetic.layer_inputs says why).
+  xs, qrs = map(list, zip(*(synthetic.layer_inputs(rng, m, layers) for _ in range(STEPS))))
   return weights, caches, xs, qrs, batch
 
 

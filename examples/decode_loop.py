@@ -145,10 +145,9 @@ def prefill(weights, caches, chunks, config, use_reference=False):
 
 def model_step(config, use_reference=False, mesh=None, ring=None):
   """One decode step of every layer: each layer's indexer on its own weights, cache,
-  x and qr (in a model, each layer's hidden state; random here), the same packed
-  metadata and tables. Each layer needs inputs of its own: with one x and qr for all
-  of them, XLA merged the layers' q GEMMs into one that first copied their wq_b
-  together (H200: 86 µs a step of 11 layers at M=16). With a mesh, each
+  x and qr (in a model, each layer's hidden state; random here, and never shared
+  between layers: synthetic.layer_inputs says why), the same packed metadata and
+  tables. With a mesh, each
   layer's step is data-parallel over its axis AXIS (arguments laid out as
   sharding.request_specs). With `ring` (the tail ring's rows) the step also returns the
   next step's packed metadata, computed on the device (serving.advance: every request
@@ -348,8 +347,7 @@ def main():
   # The reference replay starts from a copy (none in --endurance: no replay).
   start = None if args.endurance else jax.tree.map(jnp.copy, caches)
   # Each set: every layer's x and qr, ([x of layer l], [qr of layer l]).
-  inputs = [tuple(map(list, zip(*(synthetic.inputs(rng, b * n) for _ in range(args.layers)))))
-            for _ in range(INPUT_SETS)]
+  inputs = [synthetic.layer_inputs(rng, b * n, args.layers) for _ in range(INPUT_SETS)]
   jax.block_until_ready((weights, caches, start, inputs))
   per_device = (f", data-parallel over {n} devices ({b} requests each, "
                 f"{b * n - len(contexts)} pad request(s))" if mesh else "")
