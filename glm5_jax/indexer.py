@@ -54,11 +54,10 @@ FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split i
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
 # its default; XLA's GEMM elsewhere.
 PROJECTION_KERNEL_ROWS = (2, 16)
-# indexer_q's tactics in order of preference, the first that tiles K runs: 4 warps in
-# clusters of 4 tile GLM-5.3-Flash's K = 1536 (3 blocks a warp; the projection's (8, 4)
-# does not: 1.5). Not yet measured on a GPU: the kernel is off by default until the
-# bench says where it beats XLA's GEMM (bench/NOTES.md).
-Q_TACTICS = ((4, 4), (8, 2), (4, 2), (8, 1), (4, 1), (2, 1), (1, 1))
+# glm5_indexer_q's tiling (cc/q_gemm.cu holds the matching compile-time sizes and checks
+# them): 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS blocks
+# of BLOCK_K.
+Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -85,12 +84,11 @@ def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
   return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
 
 
-def q_tactic(k: int, tactic: tuple[int, int] | None = None) -> tuple[int, int] | None:
-  """The (warps, split) glm5_indexer_q runs for K: `tactic` where given, else the first of
-  Q_TACTICS that tiles K (None: none does, the op runs the reference)."""
-  if tactic is not None:
-    return tuple(tactic)
-  return next((t for t in Q_TACTICS if tile_k(k, *t)), None)
+def q_kernel_tiles(n: int, k: int) -> bool:
+  """Whether glm5_indexer_q tiles wq_b bf16[N, K]: N a multiple of Q_TILE_ROWS, K = BLOCK_K *
+  Q_WARPS * blocks with blocks in 1..Q_MAX_BLOCKS."""
+  blocks, rest = divmod(k, BLOCK_K * Q_WARPS)
+  return n % Q_TILE_ROWS == 0 and not rest and 1 <= blocks <= Q_MAX_BLOCKS
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
@@ -153,43 +151,36 @@ _projection = Op(
     split=Split(("rows", None), ("rows",) * 3))
 
 
-def _q_shapes(qr, wq_b, *, tactic):
+def _q_shapes(qr, wq_b):
   op = "indexer_q"
   expect(op, "qr", qr, BF16, (None, None))
   m, k = qr.shape
   expect(op, "wq_b", wq_b, BF16, (None, k))
   if wq_b.shape[0] % DIM:
     fail(op, "wq_b", f"must have heads * {DIM} rows, got {wq_b.shape[0]}")
-  _check_tactic(op, tactic, k)
   return [((m, wq_b.shape[0]), BF16)]
 
 
 _q = Op(
-    "indexer_q", lambda qr, wq_b, *, tactic: ref.indexer_q(qr, wq_b), _q_shapes,
+    "indexer_q", lambda qr, wq_b: ref.indexer_q(qr, wq_b), _q_shapes,
     rows=((0, None), (0,)), kernel="glm5_indexer_q",
-    attributes=dict(warps=np.int32, split=np.int32),
-    attribute_values=lambda qr, wq_b, *, tactic: dict(
-        zip(("warps", "split"), q_tactic(qr.shape[1], tactic))),
-    kernel_supports=lambda qr, wq_b, *, tactic: q_tactic(qr.shape[1], tactic) is not None,
-    kernel_limits=f"N % {DIM} == 0, a K one of {Q_TACTICS} tiles ({_TILING})",
+    kernel_supports=lambda qr, wq_b: q_kernel_tiles(*wq_b.shape),
+    kernel_limits=(f"N % {Q_TILE_ROWS} == 0, K = {BLOCK_K * Q_WARPS} * blocks with blocks in "
+                   f"1..{Q_MAX_BLOCKS}"),
     kernel_off="not yet measured on the H200 against XLA's GEMM",
-    # A device's block of rows runs the whole call's tactic: the same fp32 sums.
-    kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=q_tactic(qr.shape[1], tactic)),
     split=Split(("rows", None), ("rows",)))
 
 
-def indexer_q(qr: jax.Array, wq_b: jax.Array, *, tactic: tuple[int, int] | None = None,
-              routing: Routing | None = None) -> jax.Array:
+def indexer_q(qr: jax.Array, wq_b: jax.Array, *, routing: Routing | None = None) -> jax.Array:
   """q bf16[M, N] = qr bf16[M, K] @ wq_b bf16[N, K]^T (N = heads * 128): the query heads
   before the epilogue (indexer_query takes them as q.reshape(M, heads, 128)).
 
-  The CUDA kernel (the projection's GEMM core) takes a K one of Q_TACTICS tiles and reads
-  wq_b before the preceding kernel has finished (PDL): pass it as a model parameter.
-  tactic: None (q_tactic) or (warps, split) for benchmark sweeps; it changes the fp32
-  summation order, not the tolerance. routing: where the op runs (None: from the env).
+  The CUDA kernel streams wq_b through the TMA (cc/q_gemm.cu; limits: the README's op
+  table) and reads it before the preceding kernel has finished (PDL): pass it as a model
+  parameter. Its fp32 sums run in another order than XLA's GEMM: within SPEC D2, not
+  bit-equal. routing: where the op runs (None: from the env).
   """
-  tactic = None if tactic is None else tuple(int(v) for v in tactic)
-  return _q(qr, wq_b, tactic=tactic, routing=routing)[0]
+  return _q(qr, wq_b, routing=routing)[0]
 
 
 def _query_op_shapes(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps,

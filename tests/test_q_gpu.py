@@ -2,14 +2,12 @@
 
 (a) q within SPEC D2's GEMM bound of a float64 GEMM (oracle.check_q: |err| <= (K - 1) u
     sum|qr w| + half a bf16 ulp), as is the jitted reference; rerun bit-identical.
-(b) Every tactic (warps, split) that tiles K is within the bound and deterministic; the
-    default (q_tactic) is Q_TACTICS' first that tiles K.
-(c) M = 0, rows independent of the batch, vmap folded into rows, a K no tactic tiles
-    (lowered to the reference), wq_b produced in the same jit (PDL), and the FFI call
-    inside a command buffer.
+(b) Every K the kernel tiles (256 * blocks, blocks 1..8) is within the bound and
+    deterministic.
+(c) M = 0, rows independent of the batch (64-row CTA chunks), vmap folded into rows, a K the
+    kernel does not tile (lowered to the reference), wq_b produced in the same jit
+    (PDL), and the FFI call inside a command buffer.
 """
-import functools
-
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.indexer import Q_TACTICS, projection_tactics, q_tactic
+from glm5_jax.indexer import Q_MAX_BLOCKS, q_kernel_tiles
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -37,9 +35,7 @@ def _inputs(rng, m, n, k=K):
           jnp.asarray(O.random_bf16(rng, (n, k), 0.02)))
 
 
-@functools.cache
-def _kernel_fn(tactic=None):
-  return jax.jit(functools.partial(glm5_jax.indexer_q, tactic=tactic))
+_kernel_fn = jax.jit(glm5_jax.indexer_q)
 
 
 def _check(qr, wq_b, got, label):
@@ -54,7 +50,7 @@ def _same(got, want, label):
 
 def test_lowers_to_the_kernel():
   qr, wq_b = _inputs(np.random.default_rng(0), 3, 4096)
-  assert f'custom_call_target="{TARGET}"' in _kernel_fn().lower(qr, wq_b).compile().as_text()
+  assert f'custom_call_target="{TARGET}"' in _kernel_fn.lower(qr, wq_b).compile().as_text()
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -63,50 +59,46 @@ def test_kernel_within_the_gemm_bound(n, m):
   for seed in (0, 1):
     qr, wq_b = _inputs(np.random.default_rng([n, m, seed]), m, n)
     label = f"N {n} M {m} seed {seed}"
-    got = _kernel_fn()(qr, wq_b)
+    got = _kernel_fn(qr, wq_b)
     kernel = _check(qr, wq_b, got, f"kernel {label}")
     want = jax.jit(ref.indexer_q)(qr, wq_b)
     reference = _check(qr, wq_b, want, f"reference {label}")
     same = float(np.mean(O.bits(got) == O.bits(want))) if m else 1.0
     print(f"\n[{label}] max err/bound: kernel {kernel:.3f}, reference {reference:.3f}; "
           f"{same:.2%} of q bit-equal to the reference")
-    _same(got, _kernel_fn()(qr, wq_b), f"{label} rerun")
+    _same(got, _kernel_fn(qr, wq_b), f"{label} rerun")
 
 
 # --------------------------------------------------------------------------- (b)
 
-@pytest.mark.parametrize("m", [1, 16, 128])
-def test_every_tactic_within_the_bound_and_deterministic(m):
-  qr, wq_b = _inputs(np.random.default_rng([7, m]), m, 4096)
-  tactics = projection_tactics(K)
-  assert (4, 4) in tactics
-  for tactic in tactics:
-    label = f"M {m} tactic {tactic}"
-    got = _kernel_fn(tactic)(qr, wq_b)
+@pytest.mark.parametrize("m", [1, 16, 65])
+def test_every_k_within_the_bound_and_deterministic(m):
+  """K = 256 * blocks for every blocks the kernel instantiates (one kernel each)."""
+  for blocks in range(1, Q_MAX_BLOCKS + 1):
+    k = 256 * blocks
+    assert q_kernel_tiles(256, k)
+    qr, wq_b = _inputs(np.random.default_rng([7, m, k]), m, 256, k=k)
+    label = f"M {m} K {k}"
+    assert f'custom_call_target="{TARGET}"' in _kernel_fn.lower(qr, wq_b).compile().as_text()
+    got = _kernel_fn(qr, wq_b)
     print(f"\n[{label}] max err/bound {_check(qr, wq_b, got, label):.3f}")
-    _same(got, _kernel_fn(tactic)(qr, wq_b), f"{label} rerun")
-
-
-def test_default_tactic():
-  assert q_tactic(K) == Q_TACTICS[0]
-  qr, wq_b = _inputs(np.random.default_rng(1), 5, 4096)
-  _same(_kernel_fn()(qr, wq_b), _kernel_fn(Q_TACTICS[0])(qr, wq_b), "default tactic")
+    _same(got, _kernel_fn(qr, wq_b), f"{label} rerun")
 
 
 # --------------------------------------------------------------------------- (c)
 
 def test_empty_batch():
   qr, wq_b = _inputs(np.random.default_rng(0), 0, 4096)
-  assert _kernel_fn()(qr, wq_b).shape == (0, 4096)
+  assert _kernel_fn(qr, wq_b).shape == (0, 4096)
 
 
 def test_rows_do_not_depend_on_the_batch():
-  """A row's sums depend on the tactic only: rows of a 300-row call (three 128-row chunks)
-  equal the same rows computed alone, bit for bit."""
+  """A row's sums do not depend on the batch: rows of a 300-row call (five 64-row CTA
+  chunks, the last partial) equal the same rows computed alone, bit for bit."""
   qr, wq_b = _inputs(np.random.default_rng(3), 300, 4096)
-  full = _kernel_fn()(qr, wq_b)
-  for rows in (slice(0, 1), slice(127, 130), slice(299, 300)):
-    _same(full[rows], _kernel_fn()(qr[rows], wq_b), f"rows {rows}")
+  full = _kernel_fn(qr, wq_b)
+  for rows in (slice(0, 1), slice(63, 66), slice(127, 130), slice(299, 300)):
+    _same(full[rows], _kernel_fn(qr[rows], wq_b), f"rows {rows}")
 
 
 def test_vmap_folds_into_rows():
@@ -118,15 +110,17 @@ def test_vmap_folds_into_rows():
   assert text.count(f'custom_call_target="{TARGET}"') == 1, "vmap should fold, not loop"
   got = fn(qrs)
   for i in range(3):
-    _same(got[i], _kernel_fn()(qrs[i], wq_b), f"vmap {i}")
+    _same(got[i], _kernel_fn(qrs[i], wq_b), f"vmap {i}")
 
 
-def test_unsupported_k_uses_the_reference():
-  """K = 1000 is not 32 * warps * split * blocks for any tactic: no FFI call."""
-  qr, wq_b = _inputs(np.random.default_rng(7), 5, 256, k=1000)
-  assert q_tactic(1000) is None
-  assert TARGET not in _kernel_fn().lower(qr, wq_b).compile().as_text()
-  _check(qr, wq_b, _kernel_fn()(qr, wq_b), "unsupported K 1000")
+@pytest.mark.parametrize("k", [1000, 2304])
+def test_untiled_k_uses_the_reference(k):
+  """K = 1000 is not 256 * blocks; K = 2304 needs 9 blocks (the kernel holds 8): no FFI
+  call, the reference's result. (N = heads * 128 always makes whole 32-row tiles.)"""
+  qr, wq_b = _inputs(np.random.default_rng([7, k]), 5, 256, k=k)
+  assert not q_kernel_tiles(256, k)
+  assert TARGET not in _kernel_fn.lower(qr, wq_b).compile().as_text()
+  _check(qr, wq_b, _kernel_fn(qr, wq_b), f"untiled K {k}")
 
 
 def test_weights_computed_just_before():
