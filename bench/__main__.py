@@ -13,7 +13,7 @@ from .groups import GROUPS
 from .harness import CACHE_DIR, use_cache
 from .report import markdown, plot_or_none, render
 from .sizes import sizes_for
-from .variants import VARIANTS
+from .variants import REFERENCE, VARIANTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,7 +29,8 @@ def parser():
   p.add_argument("--rows", default="",
                  help="comma-separated M (B, n, rows) instead of 1,8,16,64")
   p.add_argument("--skip-variants", nargs="+", default=[], metavar="VARIANT",
-                 help=f"variants not to run, each one argument (of: {'; '.join(VARIANTS[1:])})")
+                 help=f"variants not to run, each one argument (of: {'; '.join(VARIANTS[1:])}; "
+                      f"and {REFERENCE} in the stage and prefill groups)")
   p.add_argument("--cpu-smoke", action=argparse.BooleanOptionalAction, default=None,
                  help="tiny caches, contexts, R and N (default: on for the CPU backend)")
   p.add_argument("--budget-s", type=float, default=230,

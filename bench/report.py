@@ -36,7 +36,7 @@ def tables(rows):
     variants = [v for v in VARIANTS if v in present] + [
         v for v in present if v not in VARIANTS]
     cols = [f"{v} µs" for v in variants] + ["floor µs"] + (
-        ["reference / kernel"] if KERNEL in variants else []) + (
+        ["reference / kernel"] if {KERNEL, REFERENCE} <= set(variants) else []) + (
         [f"{TRITON} / kernel"] if {KERNEL, TRITON} <= set(variants) else []) + ["exact"]
     out += [f"### {op}", "", "| shape | " + " | ".join(cols) + " |",
             "|---" * (len(cols) + 1) + "|"]
@@ -46,12 +46,12 @@ def tables(rows):
       us = {v: got[v] and got[v]["device_us"] for v in variants}
       floor = next((x["floor_us"] for x in got.values() if x and x["floor_us"]), None)
       cells = [_fmt(us[v]) for v in variants] + [_fmt(floor)]
-      if KERNEL in variants:
+      if {KERNEL, REFERENCE} <= set(variants):
         cells.append(_ratio(us[REFERENCE], us[KERNEL]))
       if {KERNEL, TRITON} <= set(variants):
         cells.append(_ratio(us[TRITON], us[KERNEL]))
       cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else 'no'}"
-                             for v in variants[1:] if us[v] and got[v]["exact"] is not None)
+                             for v in variants if v != REFERENCE and us[v] and got[v]["exact"] is not None)
                    or "—")
       out.append(f"| {shape} | " + " | ".join(cells) + " |")
       notes += [f"- {shape} {x['variant']}: {x['notes']}" for x in got.values()

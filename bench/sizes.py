@@ -24,6 +24,8 @@ CONTEXT = 128 * 1024                           # tokens, expand/remap/kpool_upda
 PEAK_BF16 = 790e12                             # dense bf16 FLOP/s (H200)
 BW_FALLBACK = 4.3e12                           # B/s when the copy calibration fails
 W_CAT_COPIES = 56                              # >= 54 rotated W_cat (>= 128 MB, past L2)
+Q_LORA = synthetic.Q_LORA                      # 1536: qr's width, wq_b's K
+WQ_B_COPIES = 11                               # rotated wq_b (12.6 MB each: 138 MB, past L2)
 
 
 @dataclasses.dataclass

@@ -22,8 +22,9 @@ GEMM_QUERY = "XLA GEMM + query kernel"
 UPDATE_FUSED = "kernel, update fused"    # the stage with IndexerConfig(update="fused")
 UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(update="ops")
 UPDATE_ONLY = "kernel, update part only"      # the stage's update part alone (issue 12)
+Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY)
+            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, Q_KERNEL)
 
 
 def three_dots(x, w_cat):

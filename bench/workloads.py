@@ -26,9 +26,11 @@ from .sizes import (
   PADDED,
   PAGE,
   PEAK_BF16,
+  Q_LORA,
   W_CAT_COPIES,
   W_ROWS,
   WIDTH,
+  WQ_B_COPIES,
   i32,
 )
 
@@ -42,6 +44,11 @@ def floor_us(nbytes, flops, bw):
 def bytes_projection(m):
   """W_cat once + per row x (2K) in; key bf16, weights f32, gate bf16 out."""
   return W_ROWS * HIDDEN * 2 + m * (2 * HIDDEN + 2 * DIM + 4 * HEADS + 2 * DIM)
+
+
+def bytes_q(m):
+  """wq_b once + per row qr in; q bf16[heads * 128] out."""
+  return HEADS * DIM * Q_LORA * 2 + m * (2 * Q_LORA + 2 * HEADS * DIM)
 
 
 def bytes_query(m):
@@ -144,6 +151,14 @@ def projection(r, s, m, tactic=None):
   call = lambda st, f, a: (st, glm5_jax.indexer_projection(*a, heads=HEADS, tactic=tactic))
   return Workload("indexer_projection", "", call, None, (), rot, 0,
                   bytes_projection(m), 2 * m * W_ROWS * HIDDEN, r_min=W_CAT_COPIES)
+
+
+def q(r, s, m):
+  rot = [(r.normal((m, Q_LORA)), r.normal((HEADS * DIM, Q_LORA), scale=Q_LORA ** -0.5))
+         for _ in range(s.r_max)]
+  call = lambda st, f, a: (st, (glm5_jax.indexer_q(*a),))
+  return Workload("indexer_q", "", call, None, (), rot, 0, bytes_q(m),
+                  2 * m * HEADS * DIM * Q_LORA, r_min=WQ_B_COPIES)
 
 
 def _norm(r):
@@ -357,6 +372,7 @@ def _requests(s):
 # op -> (builder(rand, sizes, **kwargs) -> Workload, shapes(sizes) -> [(label, kwargs)])
 WORKLOADS = {
     "indexer_projection": (projection, _rows),
+    "indexer_q": (q, _rows),
     "indexer_query": (query, _rows),
     "indexer_projection_fused": (fused, _rows),
     "kpool_update": (update, _requests),

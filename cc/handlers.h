@@ -15,6 +15,7 @@
   X(glm5_indexer_update, Glm5IndexerUpdate)                              \
   X(glm5_indexer_projection, Glm5IndexerProjection)                      \
   X(glm5_indexer_projection_fused, Glm5IndexerProjectionFused)           \
+  X(glm5_indexer_q, Glm5IndexerQ)                                        \
   X(glm5_indexer_query, Glm5IndexerQuery)                                \
   X(glm5_upcast_logits, Glm5UpcastLogits)                                \
   X(glm5_mqa_logits, Glm5MqaLogits)                                      \

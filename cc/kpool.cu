@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "common.h"
 #include "constants.h"
@@ -41,6 +42,28 @@ namespace {
 
 // Scale slot format (SPEC §0.1, D3).
 enum class ScaleMode { kPow2Fp32, kPow2Ue8m0, kPlainFp32 };
+
+// pick(std::integral_constant<ScaleMode, mode>{}) for the mode of the ops' attributes
+// round_scale and ue8m0 (SPEC §0.1): how kpool_update and kpool_compress choose their
+// kernel instantiation.
+template <typename Pick>
+auto by_scale_mode(bool round_scale, bool ue8m0, Pick pick) {
+  using Plain = std::integral_constant<ScaleMode, ScaleMode::kPlainFp32>;
+  using Ue8m0 = std::integral_constant<ScaleMode, ScaleMode::kPow2Ue8m0>;
+  using Pow2 = std::integral_constant<ScaleMode, ScaleMode::kPow2Fp32>;
+  return !round_scale ? pick(Plain{}) : ue8m0 ? pick(Ue8m0{}) : pick(Pow2{});
+}
+
+// In place: the lowerings alias each cache result with its operand. Where XLA does not
+// honour the alias, the result starts as a copy of the operand (stream-ordered,
+// graph-capturable), also when there is no row to write; `copied` is set when it does, and
+// the kernel, which only touches the result, then runs without PDL.
+cudaError_t copy_unaliased(void* dst, const void* src, size_t bytes, cudaStream_t stream,
+                           bool& copied) {
+  if (dst == src || bytes == 0) return cudaSuccess;
+  copied = true;
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Arithmetic with pinned PTX.
@@ -309,12 +332,11 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   if (requests > kI32Max || next_n > kI32Max)
     return fail("too many requests or next_n for one grid");
   UpdateLaunch plan;
-  // In place: the lowering aliases result 0/1 with operand 0/1, and a donated step gets the
-  // same buffers. XLA does not always honour the alias (seen inside the loop of a vmapped
-  // call on jax 0.11.2): then the result starts as a copy of the operand (stream-ordered,
-  // graph-capturable; launch_kpool_update) and the kernel, which only touches the results,
-  // runs without PDL. The copies are planned before the empty-batch return: with no row to
-  // write, an unaliased result must still equal its operand.
+  // Results 0/1 alias operands 0/1, and a donated step gets the same buffers; XLA does not
+  // always honour the alias (seen inside the loop of a vmapped call on jax 0.11.2), so
+  // launch_kpool_update copies where it did not (copy_unaliased). The copies are planned
+  // before the empty-batch return: with no row to write, an unaliased result must still
+  // equal its operand.
   plan.copies[0] = {kv_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes()};
   plan.copies[1] = {tail_out->untyped_data(), tail.untyped_data(), tail.size_bytes()};
   if (requests == 0 || next_n == 0) return plan;
@@ -333,9 +355,9 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   args.next_n = static_cast<int32_t>(next_n);
   args.ring = static_cast<int32_t>(ring);
   args.page = static_cast<int32_t>(page);
-  plan.kernel = !round_scale ? kpool_update_kernel<ScaleMode::kPlainFp32>
-                : ue8m0      ? kpool_update_kernel<ScaleMode::kPow2Ue8m0>
-                             : kpool_update_kernel<ScaleMode::kPow2Fp32>;
+  plan.kernel = by_scale_mode(round_scale, ue8m0, [](auto mode) {
+    return kpool_update_kernel<decltype(mode)::value>;
+  });
   plan.requests = static_cast<unsigned>(requests);
   plan.smem = stage_bytes(next_n);
   return plan;
@@ -344,11 +366,8 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
 cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan) {
   bool copied = false;
   for (const UpdateLaunch::Copy& copy : plan.copies) {
-    if (copy.dst == copy.src || copy.bytes == 0) continue;
-    const cudaError_t err =
-        cudaMemcpyAsync(copy.dst, copy.src, copy.bytes, cudaMemcpyDeviceToDevice, stream);
+    const cudaError_t err = copy_unaliased(copy.dst, copy.src, copy.bytes, stream, copied);
     if (err != cudaSuccess) return err;
-    copied = true;
   }
   if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
   return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
@@ -404,17 +423,11 @@ ffi::Error KpoolCompressImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cach
                       "kv_cache 4 B)");
   const int64_t blocks = (rows + kCompressWarps - 1) / kCompressWarps;
   if (blocks > kI32Max) return check.fail("too many rows for one grid");
-  // In place: the lowering aliases result 0 with operand 0. Where XLA does not honour the
-  // alias (prepare_kpool_update), the result starts as a copy of the operand (stream-ordered,
-  // graph-capturable), also when there is no row to write, and the kernel, which only touches
-  // the result, runs without PDL.
-  const bool copied = kv_out->untyped_data() != kv_cache.untyped_data();
-  if (copied && kv_cache.size_bytes() > 0) {
-    const cudaError_t err =
-        cudaMemcpyAsync(kv_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes(),
-                        cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return check.cuda(err);
-  }
+  bool copied = false;
+  if (cudaError_t err = copy_unaliased(kv_out->untyped_data(), kv_cache.untyped_data(),
+                                       kv_cache.size_bytes(), stream, copied);
+      err != cudaSuccess)
+    return check.cuda(err);
   if (rows == 0) return check.cuda();
 
   CompressArgs args;
@@ -427,9 +440,9 @@ ffi::Error KpoolCompressImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cach
   args.capacity = pages * page;
   args.rows = rows;
   args.page = static_cast<int32_t>(page);
-  void (*const kernel)(CompressArgs) = !round_scale ? kpool_compress_kernel<ScaleMode::kPlainFp32>
-                                       : ue8m0 ? kpool_compress_kernel<ScaleMode::kPow2Ue8m0>
-                                               : kpool_compress_kernel<ScaleMode::kPow2Fp32>;
+  void (*const kernel)(CompressArgs) = by_scale_mode(round_scale, ue8m0, [](auto mode) {
+    return kpool_compress_kernel<decltype(mode)::value>;
+  });
   return check.cuda(launch(kernel, dim3(static_cast<unsigned>(blocks)),
                            dim3(kWarp, kCompressWarps), 0, stream, pdl && !copied, args));
 }

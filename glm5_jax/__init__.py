@@ -12,7 +12,8 @@ from ._primitive import Routing
 # isort: off
 # Import order = declaration order = OPS order (the data flow of a decode step); the ops
 # are re-exported through __all__, which derives from OPS.
-from .indexer import indexer_projection, indexer_query, indexer_projection_fused  # noqa: F401
+from .indexer import (indexer_projection, indexer_q, indexer_query,  # noqa: F401
+                      indexer_projection_fused)
 from .kpool import kpool_update, kpool_compress, kpool_seed_tail  # noqa: F401
 from .update import indexer_update  # noqa: F401
 from .expand import expand_pools, expand_and_remap  # noqa: F401

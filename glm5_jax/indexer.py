@@ -54,6 +54,10 @@ FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split i
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
 # its default; XLA's GEMM elsewhere.
 PROJECTION_KERNEL_ROWS = (2, 16)
+# glm5_indexer_q's tiling (cc/q_gemm.cu holds the matching compile-time sizes and checks
+# them): 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS blocks
+# of BLOCK_K.
+Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -78,6 +82,13 @@ def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
   if tactic is not None:
     return tuple(tactic)
   return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
+
+
+def q_kernel_tiles(n: int, k: int) -> bool:
+  """Whether glm5_indexer_q tiles wq_b bf16[N, K]: N a multiple of Q_TILE_ROWS, K = BLOCK_K *
+  Q_WARPS * blocks with blocks in 1..Q_MAX_BLOCKS."""
+  blocks, rest = divmod(k, BLOCK_K * Q_WARPS)
+  return n % Q_TILE_ROWS == 0 and not rest and 1 <= blocks <= Q_MAX_BLOCKS
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
@@ -138,6 +149,39 @@ _projection = Op(
     kernel_params=lambda x, w_cat, *, heads, tactic: dict(
         tactic=projection_tactic(x.shape[0], x.shape[1], tactic)),
     split=Split(("rows", None), ("rows",) * 3))
+
+
+def _q_shapes(qr, wq_b):
+  op = "indexer_q"
+  expect(op, "qr", qr, BF16, (None, None))
+  m, k = qr.shape
+  expect(op, "wq_b", wq_b, BF16, (None, k))
+  if wq_b.shape[0] % DIM:
+    fail(op, "wq_b", f"must have heads * {DIM} rows, got {wq_b.shape[0]}")
+  return [((m, wq_b.shape[0]), BF16)]
+
+
+_q = Op(
+    "indexer_q", lambda qr, wq_b: ref.indexer_q(qr, wq_b), _q_shapes,
+    rows=((0, None), (0,)), kernel="glm5_indexer_q",
+    kernel_supports=lambda qr, wq_b: q_kernel_tiles(*wq_b.shape),
+    kernel_limits=(f"N % {Q_TILE_ROWS} == 0, K = {BLOCK_K * Q_WARPS} * blocks with blocks in "
+                   f"1..{Q_MAX_BLOCKS}"),
+    kernel_off=("slower than XLA's GEMM on the H200: 1.4-9.4 µs per layer inside the "
+                "stage (M 1-64), at parity alone at M 1-16 and 13.7 vs 9.0 µs at M=64"),
+    split=Split(("rows", None), ("rows",)))
+
+
+def indexer_q(qr: jax.Array, wq_b: jax.Array, *, routing: Routing | None = None) -> jax.Array:
+  """q bf16[M, N] = qr bf16[M, K] @ wq_b bf16[N, K]^T (N = heads * 128): the query heads
+  before the epilogue (indexer_query takes them as q.reshape(M, heads, 128)).
+
+  The CUDA kernel streams wq_b through the TMA (cc/q_gemm.cu; limits: the README's op
+  table) and reads it before the preceding kernel has finished (PDL): pass it as a model
+  parameter. Its fp32 sums run in another order than XLA's GEMM: within SPEC D2, not
+  bit-equal. routing: where the op runs (None: from the env).
+  """
+  return _q(qr, wq_b, routing=routing)[0]
 
 
 def _query_op_shapes(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps,

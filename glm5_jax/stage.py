@@ -15,7 +15,13 @@ from . import update as _update_op
 from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
 from .expand import expand_and_remap
-from .indexer import W_OUT_DTYPES, indexer_projection, indexer_projection_fused, indexer_query
+from .indexer import (
+  W_OUT_DTYPES,
+  indexer_projection,
+  indexer_projection_fused,
+  indexer_q,
+  indexer_query,
+)
 from .kpool import kpool_update
 from .logits import select_pools
 from .reference.numerics import DIM, POOL
@@ -233,7 +239,7 @@ for _cls in (IndexerWeights, IndexerCache, DecodeBatch, IndexerOutput):
 def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
-  fns = (indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
+  fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
          indexer_update, select_pools, expand_and_remap)
   # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
   # routing; the reference composition runs the three ops).
@@ -335,20 +341,15 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   decided here so that every composition of update_path honours it). Returns
   (q_fp8, w_out, IndexerCache)."""
   b, n = batch.positions.shape
-  # q = qr wq_b^T contracting wq_b's dim 1 where it lies (as the projection's reference
-  # contracts w_cat), not `wq_b.T`: run eagerly, the .T is its own transpose and the dot
-  # then XLA CPU's bf16 GEMM, while under jit the transpose folds into the dot, which the
-  # CPU backend then computes as an f32 GEMM of upcast operands: another summation
-  # order, so eager and jitted q differed in a few bf16 roundings. One dot_general is
-  # the same HLO both ways (and what jit made of the .T on GPU anyway).
-  q = lax.dot_general(qr, weights.wq_b, (((1,), (1,)), ((), ())),
-                      preferred_element_type=jnp.float32)
+  # q = qr wq_b^T (indexer_q; its reference is one dot_general, the same HLO eagerly and
+  # under jit, see reference.indexer_q).
+  q = ops.indexer_q(qr, weights.wq_b)
   # The bf16 q as a tensor of its own in every composition: without the barrier the
   # reference program fused the convert into its consumers, XLA then picked another GEMM
   # for the same dot than in the kernel program (where an FFI call reads q), and q_fp8
   # differed in one fp8 code in 14% of a row's values on the H200 (2026-11-30). With it
   # both programs run the same GEMM + convert; it costs nothing where a kernel reads q.
-  q = lax.optimization_barrier(q.astype(jnp.bfloat16)).reshape(rows, config.heads, DIM)
+  q = lax.optimization_barrier(q).reshape(rows, config.heads, DIM)
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                w_out_dtype=np.dtype(config.w_out_dtype))
   update_args = (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,

@@ -126,6 +126,18 @@ def test_projection(heads, M, K):
   O.check_projection(x, w_cat, heads, got, f"projection H{heads} K{K}")
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 1536), (17, 256, 1536), (0, 128, 512)])
+def test_indexer_q(M, N, K):
+  """q = qr wq_b^T within SPEC D2's GEMM bound of the float64 product; eager and jitted
+  the same bits (one dot_general either way)."""
+  rng = np.random.default_rng(70 + M)
+  qr = O.random_bf16(rng, (M, K))
+  wq_b = O.random_bf16(rng, (N, K), 0.02)
+  got = jax.jit(R.indexer_q)(jnp.asarray(qr), jnp.asarray(wq_b))
+  O.check_q(qr, wq_b, got, f"indexer_q M{M} N{N} K{K}")
+  O.assert_same_bits([R.indexer_q(jnp.asarray(qr), jnp.asarray(wq_b))], [got], ["q"], "eager")
+
+
 def test_projection_fused():
   """fused = projection then query: q bytes exact, w_out exact given the projected
   head weights, key within 1 bf16 ulp of the LayerNorm of the projected key."""

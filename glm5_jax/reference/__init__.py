@@ -5,14 +5,20 @@ its primitive, the GPU fallback (GLM5_JAX_KERNELS) and the oracle the CUDA
 kernels are tested against.
 """
 from .expand import expand_and_remap, expand_pools
-from .indexer import indexer_projection, indexer_projection_fused, indexer_query, key_layernorm
+from .indexer import (
+    indexer_projection,
+    indexer_projection_fused,
+    indexer_q,
+    indexer_query,
+    key_layernorm,
+)
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update, prefill_windows
 from .logits import mqa_logits, pool_counts, pool_topk, select_pools, upcast_logits
 from .update import indexer_update
 
 __all__ = [
     "expand_and_remap", "expand_pools", "indexer_projection",
-    "indexer_projection_fused", "indexer_query", "indexer_update", "key_layernorm",
+    "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update", "key_layernorm",
     "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
     "pool_counts", "pool_topk", "prefill_windows", "select_pools", "upcast_logits",
 ]

@@ -9,6 +9,23 @@ from .numerics import DIM, rotate_quant
 LN_GROUPS = 16      # the key LayerNorm's (mean, M2) groups of 8 dims (seed order)
 
 
+def indexer_q(qr, wq_b):
+  """q = qr wq_b^T (SPEC §1, step 1): the query heads before the epilogue.
+
+  qr bf16[M, K] (the q-lora latent); wq_b bf16[N = heads * 128, K]. Returns q bf16[M, N]:
+  fp32 sums of exact products, one RNE rounding to bf16.
+
+  wq_b's dim 1 is contracted where it lies (as indexer_projection contracts w_cat), not
+  `wq_b.T`: run eagerly, the .T is its own transpose and the dot then XLA CPU's bf16
+  GEMM, while under jit the transpose folds into the dot, which the CPU backend then
+  computes as an f32 GEMM of upcast operands: another summation order, so eager and
+  jitted q differed in a few bf16 roundings. One dot_general is the same HLO both ways.
+  """
+  acc = lax.dot_general(qr, wq_b, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+  return acc.astype(jnp.bfloat16)
+
+
 def indexer_projection(x, w_cat, *, heads):
   """One GEMM against [wk; weights_proj; gate] (SPEC §1).
 

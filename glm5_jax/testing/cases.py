@@ -175,6 +175,11 @@ def _projection_args(rng, heads=PROJECTION_HEADS, k=PROJECTION_K):
   return bf16(rng, 3, k), bf16(rng, 256 + heads, k)
 
 
+def _q_args(rng):
+  # K = 1536 (GLM-5.3-Flash's q_lora), N = 2 heads of 128: a shape the kernel takes.
+  return bf16(rng, 3, 1536), bf16(rng, 256, 1536)
+
+
 def _query_args(rng):
   return (bf16(rng, 3, HEADS, 128), bf16(rng, 3, 128),
           jnp.asarray(rng.standard_normal((3, HEADS)), jnp.float32)) + _norm(rng)
@@ -233,6 +238,7 @@ CASES = {
                          exact=False, valid=_select_valid),
     "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=PROJECTION_HEADS),
                                _projection_args, exact=False),
+    "indexer_q": Case(glm5_jax.indexer_q, _q_args, exact=False),
     "indexer_query": Case(P(glm5_jax.indexer_query, **_query), _query_args),
     # Exact: its GEMM's inputs make every summation order give the same sums.
     "indexer_update": Case(P(glm5_jax.indexer_update, heads=PROJECTION_HEADS, scale=2.0 ** -6,

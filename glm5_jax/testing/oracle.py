@@ -543,25 +543,39 @@ def check_projection(x, w_cat, heads, got, label):
   M = x.shape[0]
   assert gk.dtype == BF16 and gg.dtype == BF16 and gw.dtype == np.float32
   assert gk.shape == (M, D) and gw.shape == (M, heads) and gg.shape == (M, D)
-  worst = 0.0
-  for name, g, want, b, is_bf16 in (("key", gk, key, bound[:, :D], True),
-                                    ("head_w", gw, head_w, bound[:, D:D + heads], False),
-                                    ("gate", gg, gate, bound[:, D + heads:], True)):
-    g = g.astype(F64)
-    tol = (K - 1) * U32 * b + 1e-300
-    if is_bf16:
-      tol = tol * (1 + 2.0 ** -8) + np.abs(want) * 2.0 ** -8
-    err = np.abs(g - want)
-    ratio = float(np.max(err / tol)) if err.size else 0.0
-    assert np.all(err <= tol), (label, name, ratio)
-    worst = max(worst, ratio)
-    if is_bf16:
-      diff = float(np.mean(g != to_bf16(want.astype(F32)).astype(F64))) if g.size else 0.0
-      print(f"\n[{label}] {name}: {diff:.2%} differ from bf16(f64 dot), max err/bound {ratio:.3f}")
-    else:
-      print(f"\n[{label}] {name}: max |err| = {float(np.max(err / (U32 * b), initial=0)):.2f} "
-            f"u sum|x w|, max err/bound {ratio:.3f}")
-  return worst
+  return max(_check_gemm_part(label, name, g, want, b, K, is_bf16)
+             for name, g, want, b, is_bf16 in (
+                 ("key", gk, key, bound[:, :D], True),
+                 ("head_w", gw, head_w, bound[:, D:D + heads], False),
+                 ("gate", gg, gate, bound[:, D + heads:], True)))
+
+
+def _check_gemm_part(label, name, g, want, b, K, is_bf16):
+  """SPEC D2's GEMM bound on one output part g against the float64 product `want` with
+  abs-sum bound b; returns the largest err / bound."""
+  g = g.astype(F64)
+  tol = (K - 1) * U32 * b + 1e-300
+  if is_bf16:
+    tol = tol * (1 + 2.0 ** -8) + np.abs(want) * 2.0 ** -8
+  err = np.abs(g - want)
+  ratio = float(np.max(err / tol)) if err.size else 0.0
+  assert np.all(err <= tol), (label, name, ratio)
+  if is_bf16:
+    diff = float(np.mean(g != to_bf16(want.astype(F32)).astype(F64))) if g.size else 0.0
+    print(f"\n[{label}] {name}: {diff:.2%} differ from bf16(f64 dot), max err/bound {ratio:.3f}")
+  else:
+    print(f"\n[{label}] {name}: max |err| = {float(np.max(err / (U32 * b), initial=0)):.2f} "
+          f"u sum|x w|, max err/bound {ratio:.3f}")
+  return ratio
+
+
+def check_q(qr, wq_b, got, label):
+  """SPEC D2's GEMM bound (as check_projection) on got = q bf16[M, N] of qr bf16[M, K]
+  and wq_b bf16[N, K], against the float64 product; returns the largest err / bound."""
+  x, w = np.asarray(qr).astype(F64), np.asarray(wq_b).astype(F64)
+  g = np.asarray(got)
+  assert g.dtype == BF16 and g.shape == (x.shape[0], w.shape[0]), (label, g.dtype, g.shape)
+  return _check_gemm_part(label, "q", g, x @ w.T, np.abs(x) @ np.abs(w).T, x.shape[1], True)
 
 
 # --------------------------------------------------------------------------- test helpers
