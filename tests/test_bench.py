@@ -173,19 +173,20 @@ def test_step_times_runs_the_sections_in_the_parsers_order():
 def test_skip_variants_apply_to_the_whole_step_groups(tmp_path):
   """--skip-variants names variants of every group: the stage and prefill groups build
   their variant lists through Bench.kept, as the per-op groups do (an H200 call ran
-  the stage's reference compiles that it was told to skip). On the CPU backend both
-  groups run only the reference, so skipping it leaves no row."""
+  the stage's reference compiles that it was told to skip). Both groups run the reference
+  and, where the CUDA module is built, the kernels: skipping both leaves no row on either
+  backend."""
   from bench import __main__ as cli
   from bench import prefill, stage
   from bench.driver import Bench
   from bench.sizes import sizes_for
-  args = cli.parser().parse_args(["--skip-variants", "reference", "kernel, PDL off",
+  args = cli.parser().parse_args(["--skip-variants", "reference", "kernel", "kernel, PDL off",
                                   "--stage-contexts", "1024", "--stage-rows", "1",
                                   "--prefill-prompts", "300", "--cache-dir", "",
                                   "--out", str(tmp_path / "b.json")])
   bench = Bench(sizes_for(False, True), args)
   assert bench.kept(["kernel", "reference", "kernel, PDL off", "kernel, update part only"]) \
-      == ["kernel", "kernel, update part only"]
+      == ["kernel, update part only"]
   stage.run(bench)
   prefill.run(bench)
   assert bench.rows == []
