@@ -179,8 +179,8 @@ __device__ __forceinline__ float warp_total(const float* partial, const Gemm& a,
 
 // One CTA's tile of the product (grid (split, N / 16, ceil(M / 128)), `split` CTAs a
 // cluster splitting K): store(t, n, total) writes element (token t, output n) once, after
-// the warps' sums in warp order and the cluster's in rank order. The kernels of
-// indexer_projection and indexer_q are this with their own store. partial:
+// the warps' sums in warp order and the cluster's in rank order. indexer_projection's
+// kernel is this with its store of key, head weights and gate. partial:
 // f32[warps][chunk_pad][16] (token-major, n fastest), in dynamic shared memory.
 template <int kBlocks, bool kStaged, typename Store>
 __device__ __forceinline__ void tile(const Gemm& a, Store store) {
