@@ -50,8 +50,8 @@ def tables(rows):
         cells.append(_ratio(us[REFERENCE], us[KERNEL]))
       if {KERNEL, TRITON} <= set(variants):
         cells.append(_ratio(us[TRITON], us[KERNEL]))
-      cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else 'no'}"
-                             for v in variants if v != REFERENCE and us[v] and got[v]["exact"] is not None)
+      cells.append(", ".join(f"{v}: {'yes' if got[v]['exact'] else 'no'}" for v in variants
+                             if v != REFERENCE and us[v] and got[v]["exact"] is not None)
                    or "—")
       out.append(f"| {shape} | " + " | ".join(cells) + " |")
       notes += [f"- {shape} {x['variant']}: {x['notes']}" for x in got.values()

@@ -13,7 +13,8 @@ update as three ops" (update="ops"): the two sides of "auto"'s choice; with
 --stage-update-only also "kernel, update part only" = the stage's update part alone
 (stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
 selection), what issue 12's targets are about; with --stage-q-kernel also "kernel, q
-kernel" = the default with indexer_q's kernel on."""
+kernel" = the default with indexer_q's kernel on, and with --stage-pdl-off as well
+"kernel, q kernel, PDL off"."""
 import gc
 
 import numpy as np
@@ -26,7 +27,16 @@ from glm5_jax import synthetic
 
 from .harness import time_step
 from .sizes import CONFIG, POOL, Sizes
-from .variants import KERNEL, NO_PDL, Q_KERNEL, REFERENCE, UPDATE_FUSED, UPDATE_ONLY, UPDATE_OPS
+from .variants import (
+  KERNEL,
+  NO_PDL,
+  Q_KERNEL,
+  Q_KERNEL_NO_PDL,
+  REFERENCE,
+  UPDATE_FUSED,
+  UPDATE_ONLY,
+  UPDATE_OPS,
+)
 
 NAME = "stage"
 
@@ -66,7 +76,8 @@ def add_arguments(parser):
                            "update part as the three ops at every M")
   parser.add_argument("--stage-q-kernel", action="store_true",
                       help="also time the stage with indexer_q's kernel on (off by "
-                           "default until measured)")
+                           "default: slower in the stage on the H200); with --stage-pdl-off "
+                           "also with PDL off")
   parser.add_argument("--stage-update-only", action="store_true",
                       help="also time the stage's update part alone (q, projection, "
                            "query epilogue, kpool_update; no selection)")
@@ -76,7 +87,8 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             NO_PDL: glm5_jax.Routing(pdl=False),
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing(),
-            Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True})}
+            Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
+            Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops"}
 
@@ -142,6 +154,8 @@ def run(bench):
                         + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
                         + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
                         + ([Q_KERNEL] if bench.args.stage_q_kernel else [])
+                        + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel
+                           and bench.args.stage_pdl_off else [])
                         if bench.module else [REFERENCE])
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)  # noqa: E731
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):

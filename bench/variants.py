@@ -23,8 +23,9 @@ UPDATE_FUSED = "kernel, update fused"    # the stage with IndexerConfig(update="
 UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(update="ops")
 UPDATE_ONLY = "kernel, update part only"      # the stage's update part alone (issue 12)
 Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
+Q_KERNEL_NO_PDL = "kernel, q kernel, PDL off"  # the same without PDL (does it cost there?)
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, Q_KERNEL)
+            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, Q_KERNEL, Q_KERNEL_NO_PDL)
 
 
 def three_dots(x, w_cat):
