@@ -10,6 +10,7 @@
 // tactic (warps, split) changes the order, hence the bits within the fp32 tolerance. It is
 // chosen in Python at lowering (shapes are static there) and arrives as the attributes warps
 // and split; the handler only validates it (check_tactic).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -20,6 +21,8 @@
 
 namespace glm5 {
 namespace {
+
+namespace cg = cooperative_groups;
 
 using namespace gemm;
 
@@ -34,10 +37,41 @@ __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_
     a.gate[t * kKeyRows + (n - kKeyRows - a.heads)] = bf16_bits(total);
 }
 
+// partial: f32[warps][chunk_pad][16] (token-major, n fastest), in dynamic shared memory.
 template <int kBlocks, bool kStaged>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_kernel(const ProjectionArgs a) {
-  tile<kBlocks, kStaged>(a.gemm, [&](int64_t t, int32_t n, float total) { store(a, t, n, total); });
+  extern __shared__ float partial[];
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int split = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int warps = blockDim.x / kWarp;
+  const int32_t n0 = blockIdx.y * kTileN;
+  const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
+  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.rows - chunk0));
+  const int warp = threadIdx.x / kWarp;
+  project<kBlocks, kStaged>(a.gemm, partial, n0, rank * warps + warp, chunk0, chunk);
+  __syncthreads();
+
+  // The CTA's sums into warp 0's slab (each element read and written by one thread).
+  const int elements = chunk * kTileN;
+  for (int e = threadIdx.x; e < elements; e += blockDim.x) {
+    const float total = warp_total(partial, a.gemm, warps, e);
+    if (split == 1)
+      store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
+    else
+      partial[e] = total;
+  }
+  if (split == 1) return;
+
+  // Rank r adds elements r, r + split, ... over the cluster's CTAs in rank order.
+  cluster.sync();
+  for (int e = threadIdx.x * split + rank; e < elements; e += blockDim.x * split) {
+    float total = *cluster.map_shared_rank(partial + e, 0);
+    for (int c = 1; c < split; ++c) total += *cluster.map_shared_rank(partial + e, c);
+    store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
+  }
+  cluster.sync();  // keep this CTA's sums alive until the cluster has read them
 }
 
 using Kernel = void (*)(ProjectionArgs);

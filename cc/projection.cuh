@@ -14,7 +14,6 @@
 // stage of all the blocks. warp_total then adds the warps' sums in warp order.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -175,47 +174,6 @@ __device__ __forceinline__ float warp_total(const float* partial, const Gemm& a,
   float total = partial[e];
   for (int v = 1; v < warps; ++v) total += partial[v * a.chunk_pad * kTileN + e];
   return total;
-}
-
-// One CTA's tile of the product (grid (split, N / 16, ceil(M / 128)), `split` CTAs a
-// cluster splitting K): store(t, n, total) writes element (token t, output n) once, after
-// the warps' sums in warp order and the cluster's in rank order. indexer_projection's
-// kernel is this with its store of key, head weights and gate. partial:
-// f32[warps][chunk_pad][16] (token-major, n fastest), in dynamic shared memory.
-template <int kBlocks, bool kStaged, typename Store>
-__device__ __forceinline__ void tile(const Gemm& a, Store store) {
-  extern __shared__ float partial[];
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int split = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int warps = blockDim.x / kWarp;
-  const int32_t n0 = blockIdx.y * kTileN;
-  const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
-  const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.rows - chunk0));
-  const int warp = threadIdx.x / kWarp;
-  project<kBlocks, kStaged>(a, partial, n0, rank * warps + warp, chunk0, chunk);
-  __syncthreads();
-
-  // The CTA's sums into warp 0's slab (each element read and written by one thread).
-  const int elements = chunk * kTileN;
-  for (int e = threadIdx.x; e < elements; e += blockDim.x) {
-    const float total = warp_total(partial, a, warps, e);
-    if (split == 1)
-      store(chunk0 + e / kTileN, n0 + e % kTileN, total);
-    else
-      partial[e] = total;
-  }
-  if (split == 1) return;
-
-  // Rank r adds elements r, r + split, ... over the cluster's CTAs in rank order.
-  cluster.sync();
-  for (int e = threadIdx.x * split + rank; e < elements; e += blockDim.x * split) {
-    float total = *cluster.map_shared_rank(partial + e, 0);
-    for (int c = 1; c < split; ++c) total += *cluster.map_shared_rank(partial + e, c);
-    store(chunk0 + e / kTileN, n0 + e % kTileN, total);
-  }
-  cluster.sync();  // keep this CTA's sums alive until the cluster has read them
 }
 
 // K blocks per stage (1..kMaxBlocks) and stages when `warps * split` warps split K: one stage
