@@ -39,6 +39,7 @@ constexpr int kChunk = 64;                  // token rows per CTA; grid y covers
 constexpr int kMaxBlocks = 8;               // K blocks per warp: K <= 8 * 32 * 8 = 2048
 constexpr int kPad = 64;                    // bytes of padding per shared weight row
 constexpr int kHalves = 2;                  // mbarriers per warp (halves of its K blocks)
+static_assert(kRows == kWarp, "lane r of each warp copies weight row r");
 
 struct QArgs {
   const uint16_t* x;    // qr bf16[M, K]
@@ -189,18 +190,20 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
 
 using Kernel = void (*)(QArgs);
 
-template <int... kBlocks>
-Kernel pick(int blocks, std::integer_sequence<int, kBlocks...>) {
+// The instantiation for `blocks` K blocks a warp, with its shared-memory bytes.
+struct Pick {
   Kernel kernel = nullptr;
-  ((kernel = blocks == kBlocks + 1 ? indexer_q_kernel<kBlocks + 1> : kernel), ...);
-  return kernel;
-}
+  size_t smem = 0;
+};
 
 template <int... kBlocks>
-size_t smem_bytes(int blocks, std::integer_sequence<int, kBlocks...>) {
-  size_t bytes = 0;
-  ((bytes = blocks == kBlocks + 1 ? Layout<kBlocks + 1>::kBytes : bytes), ...);
-  return bytes;
+Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
+  Pick out;
+  ((out = blocks == kBlocks + 1
+              ? Pick{indexer_q_kernel<kBlocks + 1>, size_t{Layout<kBlocks + 1>::kBytes}}
+              : out),
+   ...);
+  return out;
 }
 
 ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
@@ -230,13 +233,11 @@ ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
   args.rows = rows;
   args.n = n;
   const int blocks = static_cast<int>(k / per_block);
-  const auto seq = std::make_integer_sequence<int, kMaxBlocks>();
-  const Kernel kernel = pick(blocks, seq);
-  const size_t smem = smem_bytes(blocks, seq);
-  if (cudaError_t err = gemm::allow_smem(kernel, smem); err != cudaSuccess)
+  const Pick p = pick(blocks, std::make_integer_sequence<int, kMaxBlocks>());
+  if (cudaError_t err = gemm::allow_smem(p.kernel, p.smem); err != cudaSuccess)
     return check.cuda(err);
   const dim3 grid(static_cast<unsigned>(n / kRows), static_cast<unsigned>(chunks));
-  return check.cuda(launch(kernel, grid, dim3(kWarps * kWarp), smem, stream, pdl, args));
+  return check.cuda(launch(p.kernel, grid, dim3(kWarps * kWarp), p.smem, stream, pdl, args));
 }
 
 }  // namespace
