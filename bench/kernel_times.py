@@ -9,7 +9,7 @@ that fusion and the launch gaps of a command buffer; this gives what the kernels
 themselves take, next to it. The two together bound the cost of one call.
 
   ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \\
-      -k regex:'mqa_logits_kernel|pool_topk.*kernel' python -m bench.kernel_times > ncu.csv
+      -k regex:'mqa_logits.*kernel|pool_topk.*kernel' python -m bench.kernel_times > ncu.csv
   python -m bench.kernel_times --parse ncu.csv [--json out.json]
 """
 import argparse

@@ -41,6 +41,17 @@ struct Check {
   }
 };
 
+constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic smem without opting in
+
+// Lets `kernel` take `smem` bytes of dynamic shared memory (past the default 48 KiB). The
+// attribute belongs to the current device: call it at every launch, never once per process.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
+  if (smem <= kDefaultSmem) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
+}
+
 // Whether a buffer can take `bytes`-wide vector accesses.
 inline bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

@@ -38,7 +38,6 @@ constexpr int kMaxWarps = 8;                // warps per CTA (attribute warps)
 constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (attribute split):
                                             // the portable cluster size
 constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
-constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic smem without opting in
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
 
@@ -227,14 +226,6 @@ inline Gemm make_gemm(const void* x, const void* w, int64_t rows, int64_t k, int
 // Bytes of partial f32[warps][chunk_pad][16].
 inline size_t partial_bytes(const Gemm& a, int warps) {
   return sizeof(float) * warps * a.chunk_pad * kTileN;
-}
-
-// Lets `kernel` take `smem` bytes of dynamic shared memory (past the default 48 KiB).
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t smem) {
-  if (smem <= kDefaultSmem) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(smem));
 }
 
 // The kernel Pick<kBlocks, kStaged>::kernel for a tiling: one stage of 1..kMaxBlocks blocks,

@@ -209,7 +209,7 @@ ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF
                             : gemm::pick_kernel<Kernel, Pick<false>::Blocks>(*st);
   const size_t smem = gemm::partial_bytes(args.gemm, warps) +
                       sizeof(uint16_t) * args.gemm.chunk_pad * kTileN;
-  if (cudaError_t err = gemm::allow_smem(kernel, smem); err != cudaSuccess)
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess)
     return check.cuda(err);
   const int64_t tiles = cd[0] / kTileN;
   const dim3 grid(static_cast<unsigned>((tiles + kKeyTiles - 1) / kKeyTiles * kKeyTiles), 1,

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "bulk.cuh"
 #include "common.h"
 #include "handlers.h"
 #include "projection.cuh"
@@ -61,48 +62,6 @@ struct Layout {
   static constexpr int kBytes = kSums + 4 * kWarps * kTokens * kRows;
 };
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrier_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void barrier_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void barrier_wait(uint32_t bar) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-      "@!done bra wait;\n"
-      "}\n" ::"r"(bar)
-      : "memory");
-}
-
-// `bytes` (a multiple of 16) from global `src` to shared `dst` by the TMA, counted on `bar`.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-// 16 bytes of shared memory.
-__device__ __forceinline__ uint4 load_shared(uint32_t p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(p));
-  return v;
-}
-
 template <int kBlocks>
 __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a) {
   using L = Layout<kBlocks>;
@@ -114,13 +73,13 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.y) * kChunk;
   const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.rows - chunk0));
   const int kw = warp * kBlocks * kBlockK;                  // the warp's first K
-  const uint32_t bars = smem_address(smem) + warp * kHalves * 8;
-  const uint32_t weights = smem_address(smem + L::kWeights);
+  const uint32_t bars = bulk::smem_address(smem) + warp * kHalves * 8;
+  const uint32_t weights = bulk::smem_address(smem + L::kWeights);
 
   // The warp's K blocks of the 32 rows: lane r copies row r's span of each half.
   if (lane == 0) {
-    for (int h = 0; h < kHalves; ++h) barrier_init(bars + 8 * h);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int h = 0; h < kHalves; ++h) bulk::init(bars + 8 * h);
+    bulk::fence_init();
   }
   __syncwarp();
 #pragma unroll
@@ -128,10 +87,10 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
     const int b0 = h == 0 ? 0 : kFirst, blocks = h == 0 ? kFirst : kBlocks - kFirst;
     if (blocks == 0) continue;
     const uint32_t bytes = blocks * kBlockK * 2;
-    if (lane == 0) barrier_expect(bars + 8 * h, bytes * kRows);
+    if (lane == 0) bulk::arrive_expect(bars + 8 * h, bytes * kRows);
     __syncwarp();
     const int k = kw + b0 * kBlockK;
-    bulk_copy(weights + lane * L::kStride + 2 * k, a.w + (n0 + lane) * L::kK + k, bytes,
+    bulk::copy(weights + lane * L::kStride + 2 * k, a.w + (n0 + lane) * L::kK + k, bytes,
               bars + 8 * h);
   }
   pdl_wait();
@@ -154,11 +113,11 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
     float c[2][2][4] = {};                                  // [tile][token half][fragment]
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) {
-      if (s == 0 && (b == 0 || b == kFirst)) barrier_wait(bars + 8 * (b == 0 ? 0 : 1));
+      if (s == 0 && (b == 0 || b == kFirst)) bulk::wait(bars + 8 * (b == 0 ? 0 : 1), 0);
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const uint32_t p = frag + t * 16 * L::kStride + 2 * b * kBlockK;
-        const uint4 lo = load_shared(p), hi = load_shared(p + 8 * L::kStride);
+        const uint4 lo = bulk::load16(p), hi = bulk::load16(p + 8 * L::kStride);
         gemm::mma_block(c[t][0], lo, hi, xv[0][b]);
         if (second) gemm::mma_block(c[t][1], lo, hi, xv[1][b]);
       }
@@ -234,7 +193,7 @@ ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
   args.n = n;
   const int blocks = static_cast<int>(k / per_block);
   const Pick p = pick(blocks, std::make_integer_sequence<int, kMaxBlocks>());
-  if (cudaError_t err = gemm::allow_smem(p.kernel, p.smem); err != cudaSuccess)
+  if (cudaError_t err = allow_smem(p.kernel, p.smem); err != cudaSuccess)
     return check.cuda(err);
   const dim3 grid(static_cast<unsigned>(n / kRows), static_cast<unsigned>(chunks));
   return check.cuda(launch(p.kernel, grid, dim3(kWarps * kWarp), p.smem, stream, pdl, args));

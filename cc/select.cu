@@ -20,8 +20,10 @@
 // shared-memory atomics only count.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
+#include "bulk.cuh"
 #include "common.h"
 #include "constants.h"
 #include "handlers.h"
@@ -92,29 +94,20 @@ __device__ __forceinline__ void words(uint32_t (&w)[8], const uint8_t* p) {
   w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
 }
 
-// ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
-__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+// Exclusive prefix of work items over rows, first_item[0..rows] (every CTA computes the
+// same one from the row lengths: no schedule kernel); then the CTA's contiguous share of the
+// items, [begin, end), and the row of `begin`. All kThreads threads call it.
+struct ItemRange {
+  int32_t begin, end, row;
+};
 
-// The dot over the head dim is a sum, so the mma's k index may visit the 128 dims in any
-// order as long as A (K rows) and B (q rows) agree. Thread (g, t) of a warp loads 16 bytes
-// at dims 16t and 64 + 16t of its rows (two contiguous 64-byte runs per row per load
-// instruction); word i of those 8 becomes k-step i / 2, k-half i % 2 for both operands.
-//
-// Summation order of a logit (fixed, documented): per head, the mma's f32 dot; per thread,
-// s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads
-// h0 = 8j + 2t, h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a
-// pool add by butterfly (xor 1, then xor 2); then times the entry's scale.
-template <int kHeadTiles>
-__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
-  extern __shared__ int32_t first_item[];  // [rows + 1]: items before row r
-  __shared__ int32_t warp_total[kLogitsWarps];
+template <int kThreads>
+__device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* first_item) {
+  constexpr int kWarps = kThreads / kWarp;
+  __shared__ int32_t warp_total[kWarps];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int g = lane >> 2, t = lane & 3;
-  pdl_wait();
-
-  // Exclusive prefix of items over rows (every CTA computes the same one).
   int32_t carry = 0;
-  for (int base = 0; base < a.rows; base += kLogitsThreads) {
+  for (int base = 0; base < a.rows; base += kThreads) {
     const int r = base + threadIdx.x;
     const int32_t own = r < a.rows ? row_items(a, r) : 0;
     int32_t incl = own;
@@ -126,7 +119,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
     if (lane == kWarp - 1) warp_total[warp] = incl;
     __syncthreads();
     int32_t before = carry, total = 0;
-    for (int w = 0; w < kLogitsWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       if (w < warp) before += warp_total[w];
       total += warp_total[w];
     }
@@ -138,20 +131,97 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
   __syncthreads();
 
   const int64_t items = carry;
-  const int32_t begin = static_cast<int32_t>(items * blockIdx.x / gridDim.x);
-  const int32_t end = static_cast<int32_t>(items * (blockIdx.x + 1) / gridDim.x);
+  ItemRange range;
+  range.begin = static_cast<int32_t>(items * blockIdx.x / gridDim.x);
+  range.end = static_cast<int32_t>(items * (blockIdx.x + 1) / gridDim.x);
   // The row of item `begin`: the last r with first_item[r] <= begin.
   int lo = 0, hi = a.rows - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (first_item[mid] <= begin) lo = mid; else hi = mid - 1;
+    if (first_item[mid] <= range.begin) lo = mid; else hi = mid - 1;
   }
-  int r = lo, row = -1;
+  range.row = lo;
+  return range;
+}
+
+// ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
+__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+
+// Row r's query words (thread (g, t): heads 8j + g, dims 16t and 64 + 16t) and its head
+// weights (heads 8j + 2t and 8j + 2t + 1), for tile_scores.
+template <int kHeadTiles>
+__device__ __forceinline__ void row_queries(const LogitsArgs& a, int r,
+                                            uint32_t (&qw)[kHeadTiles][8],
+                                            float (&w0)[kHeadTiles], float (&w1)[kHeadTiles]) {
+  constexpr int kPadded = kHeadTiles * 8;
+  const int lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
+  const uint8_t* qrow = a.q + static_cast<int64_t>(r) * kPadded * kDim;
+#pragma unroll
+  for (int j = 0; j < kHeadTiles; ++j) {
+    words(qw[j], qrow + (8 * j + g) * kDim + 16 * t);
+    const float* wr = a.w_out + static_cast<int64_t>(r) * kPadded + 8 * j + 2 * t;
+    w0[j] = __ldg(wr);
+    w1[j] = __ldg(wr + 1);
+  }
+}
+
+// The dot over the head dim is a sum, so the mma's k index may visit the 128 dims in any
+// order as long as A (K rows) and B (q rows) agree. Thread (g, t) of a warp loads 16 bytes
+// at dims 16t and 64 + 16t of its rows (two contiguous 64-byte runs per row per load
+// instruction); word i of those 8 becomes k-step i / 2, k-half i % 2 for both operands.
+//
+// Summation order of a logit (fixed, documented): per head, the mma's f32 dot; per thread,
+// s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads
+// h0 = 8j + 2t, h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a
+// pool add by butterfly (xor 1, then xor 2); then times the entry's scale.
+// The scores of a warp's 16 pools (rows g and g + 8 of the tile, words ka and kb) against
+// the row's queries (qw, head weights w0/w1), in the summation order above.
+template <int kHeadTiles>
+__device__ __forceinline__ void tile_scores(const uint32_t (&qw)[kHeadTiles][8],
+                                            const float (&w0)[kHeadTiles],
+                                            const float (&w1)[kHeadTiles],
+                                            const uint32_t (&ka)[8], const uint32_t (&kb)[8],
+                                            float scale_lo, float scale_hi, float& s_lo,
+                                            float& s_hi) {
+  float acc[kHeadTiles][4];
+#pragma unroll
+  for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int j = 0; j < kHeadTiles; ++j)
+      mma_e4m3(acc[j], ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qw[j][2 * s],
+               qw[j][2 * s + 1]);
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeadTiles; ++j) {
+    sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
+    sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
+    sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
+    sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
+  }
+  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
+  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
+  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
+  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
+  s_lo = sum_lo * scale_lo;
+  s_hi = sum_hi * scale_hi;
+}
+
+template <int kHeadTiles>
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
+  extern __shared__ int32_t first_item[];  // [rows + 1]: items before row r
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int g = lane >> 2, t = lane & 3;
+  pdl_wait();
+
+  const ItemRange range = cta_items<kLogitsThreads>(a, first_item);
+  const int32_t begin = range.begin, end = range.end;
+  int r = range.row, row = -1;
   uint32_t qw[kHeadTiles][8];
   float w0[kHeadTiles], w1[kHeadTiles];
   int32_t n = 0;
   const int32_t* table = nullptr;
-  const int32_t padded = kHeadTiles * 8;
   const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
 
   for (int32_t item = begin; item < end; ++item) {
@@ -162,14 +232,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
       const int32_t req = a.req_ids != nullptr ? a.req_ids[r] : r;
       table = req >= 0 && req < a.tables
                   ? a.page_table + static_cast<int64_t>(req) * a.table_width : nullptr;
-      const uint8_t* qrow = a.q + static_cast<int64_t>(r) * padded * kDim;
-#pragma unroll
-      for (int j = 0; j < kHeadTiles; ++j) {
-        words(qw[j], qrow + (8 * j + g) * kDim + 16 * t);
-        const float* wr = a.w_out + static_cast<int64_t>(r) * padded + 8 * j + 2 * t;
-        w0[j] = __ldg(wr);
-        w1[j] = __ldg(wr + 1);
-      }
+      row_queries(a, r, qw, w0, w1);
     }
     const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
     float* out = a.logits + static_cast<int64_t>(r) * a.width;
@@ -198,33 +261,160 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
         scale_lo = __ldg(reinterpret_cast<const float*>(scales) + e);
         scale_hi = __ldg(reinterpret_cast<const float*>(scales) + e + 8);
       }
-      float acc[kHeadTiles][4];
-#pragma unroll
-      for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-      for (int s = 0; s < 4; ++s)
-#pragma unroll
-        for (int j = 0; j < kHeadTiles; ++j)
-          mma_e4m3(acc[j], ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qw[j][2 * s],
-                   qw[j][2 * s + 1]);
-      float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-      for (int j = 0; j < kHeadTiles; ++j) {
-        sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
-        sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
-        sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
-        sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
-      }
-      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
-      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
-      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
-      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
-      s_lo = sum_lo * scale_lo;
-      s_hi = sum_hi * scale_hi;
+      tile_scores<kHeadTiles>(qw, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
     }
     if (t < 2) {
       if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
       else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+    }
+  }
+  pdl_launch_dependents();
+}
+
+// Streamed logits: the same work items, scores and stores, but the K-cache tiles come
+// through a ring of kStreamStages stages in shared memory, filled by the TMA. A fifth
+// (producer) warp looks up the pages of the next kStreamLookahead items at once, one lane
+// per 16-pool tile, and issues one bulk copy of 2 KB (the tile's 16 entries are contiguous
+// in their page) plus one of its 64 scale bytes per tile; the four consumer warps wait on
+// the stage's full barrier, read their tile from shared memory, and release the stage on
+// its empty barrier. The loads in flight per SM are then the ring's bytes (CTAs x stages x
+// 8.25 KB), not what the consumers' registers can hold (one tile per warp in
+// mqa_logits_kernel: ~32 KB per SM, the kernel's limit at large shapes).
+constexpr int kStreamStages = 4;
+constexpr int kStreamWarps = kLogitsWarps + 1;           // consumers + the producer
+constexpr int kStreamThreads = kStreamWarps * kWarp;
+constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
+constexpr int kTileScaleBytes = kWarpPools * 4;          // its scales: 64 B
+constexpr int kStageBytes = kLogitsWarps * (kTileBytes + kTileScaleBytes);
+constexpr int kStreamLookahead = kWarp / kLogitsWarps;   // items per producer lookup round
+// Shared memory: full[stages], empty[stages] (mbarriers), the tiles' "copied" flags
+// s32[stages][4], the stages (128-byte aligned), then first_item s32[rows + 1].
+constexpr int kStreamFlags = 2 * 8 * kStreamStages;
+constexpr int kStreamData = (kStreamFlags + 4 * kStreamStages * kLogitsWarps + 127) / 128 * 128;
+constexpr int kStreamFirstItem = kStreamData + kStreamStages * kStageBytes;
+
+inline size_t stream_smem(int32_t rows) {
+  return kStreamFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+}
+
+template <int kHeadTiles>
+__global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(LogitsArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  int32_t* const first_item = reinterpret_cast<int32_t*>(smem + kStreamFirstItem);
+  int32_t* const copied = reinterpret_cast<int32_t*>(smem + kStreamFlags);
+  const uint32_t full = bulk::smem_address(smem), empty = full + 8 * kStreamStages;
+  const uint32_t data = bulk::smem_address(smem + kStreamData);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStreamStages; ++s) {
+      bulk::init(full + 8 * s, kLogitsWarps);   // one arrival per tile (producer lanes)
+      bulk::init(empty + 8 * s, kLogitsWarps);  // one per consumer warp
+    }
+    bulk::fence_init();
+  }
+  pdl_wait();
+  const ItemRange range = cta_items<kStreamThreads>(a, first_item);  // barriers inside
+  const int32_t begin = range.begin, end = range.end;
+
+  if (warp == kLogitsWarps) {
+    // Producer. Round by round, lane L takes tile L % 4 of item round + L / 4: its page
+    // (one lookup per lane, all in flight together), then, item by item, the lanes of that
+    // item wait for the stage to be free and issue their copies.
+    const int tile = lane % kLogitsWarps;
+    const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
+    int r = range.row;
+    for (int32_t round = begin; round < end; round += kStreamLookahead) {
+      const int32_t item = round + lane / kLogitsWarps;
+      const uint8_t* src = nullptr;  // the tile's first entry in its page, if it is read
+      const uint8_t* scales = nullptr;
+      int row = r;
+      if (item < end) {
+        while (first_item[row + 1] <= item) ++row;
+        const int32_t n = row_pools(a.lens, a.from_positions, row, a.width);
+        const int32_t p0 = (item - first_item[row]) * kItemPools + tile * kWarpPools;
+        const int32_t req = a.req_ids != nullptr ? a.req_ids[row] : row;
+        const int32_t slot = p0 / a.page;  // a.page % 16 == 0: the tile is in one page
+        if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
+          const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
+          if (pg >= 0 && pg < a.pages) {
+            const uint8_t* page = a.kv + pg * page_bytes;
+            src = page + (p0 % a.page) * kDim;
+            scales = page + static_cast<int64_t>(a.page) * kDim + 4 * (p0 % a.page);
+          }
+        }
+      }
+      r = __reduce_max_sync(0xffffffffu, row);
+      for (int i = 0; i < kStreamLookahead && round + i < end; ++i) {
+        const int32_t k = round + i - begin;
+        const int s = k % kStreamStages;
+        if (k >= kStreamStages) bulk::wait(empty + 8 * s, (k / kStreamStages - 1) & 1);
+        if (lane / kLogitsWarps == i) {
+          copied[s * kLogitsWarps + tile] = src != nullptr;
+          const uint32_t bar = full + 8 * s;
+          bulk::arrive_expect(bar, src != nullptr ? kTileBytes + kTileScaleBytes : 0);
+          if (src != nullptr) {
+            const uint32_t stage = data + s * kStageBytes;
+            bulk::copy(stage + tile * kTileBytes, src, kTileBytes, bar);
+            bulk::copy(stage + kLogitsWarps * kTileBytes + tile * kTileScaleBytes, scales,
+                       kTileScaleBytes, bar);
+          }
+        }
+      }
+    }
+  } else {
+    // Consumers: warp w scores tile w of every item, as mqa_logits_kernel does.
+    const int g = lane >> 2, t = lane & 3;
+    int r = range.row, row = -1;
+    uint32_t qw[kHeadTiles][8];
+    float w0[kHeadTiles], w1[kHeadTiles];
+    int32_t n = 0;
+    // Rows g and g + 8 of the tile, dims 16t.. and 64 + 16t..: odd rows read their upper
+    // half first, so the 8 lanes of each 16-byte load phase (rows 2i and 2i + 1) hit
+    // disjoint banks.
+    const uint32_t first = (g & 1) * 64 + 16 * t, second = first ^ 64;
+    for (int32_t item = begin; item < end; ++item) {
+      const int32_t k = item - begin;
+      const int s = k % kStreamStages;
+      while (first_item[r + 1] <= item) ++r;
+      if (r != row) {
+        row = r;
+        n = row_pools(a.lens, a.from_positions, r, a.width);
+        row_queries(a, r, qw, w0, w1);
+      }
+      const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
+      float* out = a.logits + static_cast<int64_t>(r) * a.width;
+      const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
+      float s_lo = -INFINITY, s_hi = -INFINITY;
+      bulk::wait(full + 8 * s, (k / kStreamStages) & 1);
+      if (copied[s * kLogitsWarps + warp]) {
+        const uint32_t tile = data + s * kStageBytes + warp * kTileBytes;
+        const uint4 a0 = bulk::load16(tile + g * kDim + first);
+        const uint4 a1 = bulk::load16(tile + g * kDim + second);
+        const uint4 b0 = bulk::load16(tile + (g + 8) * kDim + first);
+        const uint4 b1 = bulk::load16(tile + (g + 8) * kDim + second);
+        const bool odd = g & 1;
+        const uint4 alo = odd ? a1 : a0, ahi = odd ? a0 : a1;
+        const uint4 blo = odd ? b1 : b0, bhi = odd ? b0 : b1;
+        const uint32_t ka[8] = {alo.x, alo.y, alo.z, alo.w, ahi.x, ahi.y, ahi.z, ahi.w};
+        const uint32_t kb[8] = {blo.x, blo.y, blo.z, blo.w, bhi.x, bhi.y, bhi.z, bhi.w};
+        const unsigned char* sc = smem + kStreamData + s * kStageBytes +
+                                  kLogitsWarps * kTileBytes + warp * kTileScaleBytes;
+        float scale_lo, scale_hi;
+        if (a.ue8m0) {
+          scale_lo = __uint_as_float(static_cast<uint32_t>(sc[4 * g]) << 23);
+          scale_hi = __uint_as_float(static_cast<uint32_t>(sc[4 * (g + 8)]) << 23);
+        } else {
+          scale_lo = reinterpret_cast<const float*>(sc)[g];
+          scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
+        }
+        tile_scores<kHeadTiles>(qw, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
+      }
+      __syncwarp();
+      if (lane == 0) bulk::arrive(empty + 8 * s);  // the stage's tile is read
+      if (t < 2) {
+        if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+        else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+      }
     }
   }
   pdl_launch_dependents();
@@ -474,20 +664,39 @@ int sm_count() {
   return sms > 0 ? sms : 1;
 }
 
-cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
-                          int32_t padded) {
-  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
-  const int smem = (args.rows + 1) * static_cast<int>(sizeof(int32_t));  // <= 32 KiB
+// One logits kernel on a persistent grid: at most one CTA per possible item, at most what is
+// resident at once (shapes only: the command-buffer contract); the kernel spreads the
+// actual items over it.
+template <typename Kernel>
+cudaError_t launch_persistent(Kernel kernel, int threads, size_t smem, cudaStream_t stream,
+                              bool pdl, const LogitsArgs& args) {
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
   per_sm = std::max(per_sm, 1);
-  // Grid from shapes only (command-buffer contract): at most one CTA per possible item,
-  // at most what is resident at once; the kernel spreads the actual items over it.
   const int64_t bound = static_cast<int64_t>(args.rows) *
                         ((args.width + kItemPools - 1) / kItemPools);
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
-  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
-                pdl, args);
+  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), smem, stream, pdl,
+                args);
+}
+
+// MEASUREMENT ONLY (removed once the H200 has compared the two): GLM5_JAX_LOGITS_STREAM=0
+// launches the register kernel instead of the streamed one.
+bool stream_logits() {
+  const char* v = std::getenv("GLM5_JAX_LOGITS_STREAM");
+  return v == nullptr || v[0] != '0';
+}
+
+cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                          int32_t padded) {
+  if (stream_logits()) {
+    auto kernel = padded == 64 ? mqa_logits_stream_kernel<8> : mqa_logits_stream_kernel<4>;
+    return launch_persistent(kernel, kStreamThreads, stream_smem(args.rows), stream, pdl, args);
+  }
+  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
+  const size_t smem = (args.rows + 1) * sizeof(int32_t);  // <= 32 KiB
+  return launch_persistent(kernel, kLogitsThreads, smem, stream, pdl, args);
 }
 
 template <int kThreads, int kPer>

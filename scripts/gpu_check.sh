@@ -54,7 +54,7 @@ if [ "$sanitize" = 1 ]; then
 fi
 if [ "$ncu" = 1 ]; then
   ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \
-    -k regex:'mqa_logits_kernel|pool_topk.*kernel' python3 -m bench.kernel_times \
+    -k regex:'mqa_logits.*kernel|pool_topk.*kernel' python3 -m bench.kernel_times \
     > "$out/ncu.csv" 2> "$out/ncu.err"
   python3 -m bench.kernel_times --parse "$out/ncu.csv" | tee "$out/ncu.txt"
 fi

@@ -2,6 +2,7 @@
 
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
   compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
+  ... scripts/sanitize_kernels.py mqa_logits select_pools   (only the cases named so)
 
 The GPU runs only the kernels and the jit's glue (no reference programs there:
 compute-sanitizer crashes on some of XLA's own kernels inside the test suite);
@@ -49,6 +50,15 @@ def _variants():
   for params in (dict(scale_format="ue8m0"), dict(round_scale=False)):
     out.append((f"kpool_compress {params}", functools.partial(compress.fn, **params),
                 compress.make, None, True))
+  # mqa_logits with several times more work items than the persistent grid has CTAs (8
+  # rows x 448 items): each CTA of the streamed kernel reuses every stage of its ring,
+  # flips the barriers' parity and changes rows; short rows, a missing page and one past
+  # the cache (SPEC D4).
+  wide = 448 * 64
+  lens = (wide, 30000, 0, 17, 9000, 20000, -3, wide)
+  out.append(("mqa_logits ring", functools.partial(glm5_jax.mqa_logits, max_pools=wide),
+              functools.partial(cases.mqa_args, lens=lens, slots=wide // cases.LOGITS_PAGE,
+                                holes=True), None, False))
   return out
 
 
@@ -84,7 +94,10 @@ def main():
   gpu, cpu = jax.devices()[0], jax.devices("cpu")[0]   # gpu is the CPU on a CPU-only smoke run
   print(f"kernels on {gpu.platform}, reference on cpu")
   bad = 0
+  only = sys.argv[1:]     # op names: run only their cases
   for name, fn, make, valid, exact in _variants():
+    if only and name.split()[0] not in only:
+      continue
     for seed in range(SEEDS):
       args = make(np.random.default_rng(seed))
       got = jax.jit(fn)(*jax.device_put(args, gpu))

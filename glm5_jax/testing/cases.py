@@ -134,10 +134,16 @@ def _logits_cache(rng):
   return jnp.asarray(kv.reshape(PAGES, LOGITS_PAGE, 132))
 
 
-def _mqa_args(rng):
-  rows, heads = 3, LOGITS_HEADS
+def mqa_args(rng, lens=(5, 40, 0), slots=3, holes=False):
+  """mqa_logits arguments: a row per pool count in `lens`, `slots` random pages per row's
+  table (with `holes`, row 0's second page missing and the last row's last one past the
+  cache: SPEC D4)."""
+  rows, heads = len(lens), LOGITS_HEADS
+  table = rng.integers(0, PAGES, (rows, slots))
+  if holes:
+    table[0, 1], table[-1, -1] = -1, PAGES + 3
   return (_q_fp8(rng, rows, heads), jnp.asarray(rng.random((rows, heads)), jnp.float32),
-          _logits_cache(rng), i32(rng.integers(0, PAGES, (rows, 3))), i32([5, 40, 0]))
+          _logits_cache(rng), i32(table), i32(lens))
 
 
 def _select_args(rng):
@@ -232,7 +238,7 @@ CASES = {
     "expand_and_remap": Case(P(glm5_jax.expand_and_remap, block_size=16, width=132),
                              _remap_args),
     "upcast_logits": Case(glm5_jax.upcast_logits, _upcast_args, valid=_upcast_valid),
-    "mqa_logits": Case(P(glm5_jax.mqa_logits, max_pools=24), _mqa_args, exact=False),
+    "mqa_logits": Case(P(glm5_jax.mqa_logits, max_pools=24), mqa_args, exact=False),
     "pool_topk": Case(P(glm5_jax.pool_topk, k=5), _topk_args),
     "select_pools": Case(P(glm5_jax.select_pools, k=5, max_pools=48), _select_args,
                          exact=False, valid=_select_valid),

@@ -1,0 +1,70 @@
+// Bulk copies by the TMA into shared memory, counted on mbarriers: the one set of helpers
+// the streaming kernels share (indexer_q's weight rows, mqa_logits's K-cache tiles).
+#pragma once
+
+#include <cstdint>
+
+namespace glm5 {
+namespace bulk {
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// An mbarrier whose phase completes after `count` arrivals (and the bytes they expect).
+// Call fence_init() once after the last init, before other threads or the TMA use it.
+__device__ __forceinline__ void init(uint32_t bar, uint32_t count = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival that also expects `bytes` of bulk copies on the current phase. Arrive
+// before issuing the copies: the phase cannot complete while their bytes are pending.
+__device__ __forceinline__ void arrive_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// One plain arrival (release: the caller's earlier shared-memory reads and writes are
+// ordered before whoever waits on the phase).
+__device__ __forceinline__ void arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Spin until the phase of parity `parity` has completed (a fresh barrier: parity 1
+// counts as completed, parity 0 not yet).
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(bar), "r"(parity)
+      : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to shared
+// `dst` by the TMA, counted on `bar`.
+__device__ __forceinline__ void copy(uint32_t dst, const void* src, uint32_t bytes,
+                                     uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// 16 bytes of shared memory.
+__device__ __forceinline__ uint4 load16(uint32_t p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(p));
+  return v;
+}
+
+}  // namespace bulk
+}  // namespace glm5
