@@ -10,7 +10,7 @@
 // Logits: persistent CTAs of 4 warps; a work item is 64 pools of one row (16 per warp, the
 // mma M side). Each CTA computes the row -> item prefix itself from the row lengths (no
 // schedule kernel) and takes a contiguous range of items, so at M = 1 a 32K-pool row is
-// spread over every SM. Scores come from mma.sync m16n8k32 e4m3 x e4m3 -> f32.
+// spread over every SM. Scores come from f16 mma.sync m16n8k16 on the exactly converted fp8.
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), exact and
 // deterministic by construction: order-preserving 32-bit keys in registers, radix select
@@ -78,13 +78,26 @@ __device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int r) {
   return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
 }
 
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+// sm_90 has no fp8 mma.sync: ptxas emulates m16n8k32.e4m3 by converting both operands to
+// f16 at every call (measured on the H200: ~395 instructions per warp and 16-pool tile, the
+// kernel issue-bound at ~2.6 TB/s). So the kernels convert themselves, each K word once (not
+// once per head tile) and the queries once per row, and run the f16 mma. e4m3 -> f16 is
+// exact (every e4m3 value, subnormals and NaN included, is an f16 value).
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four e4m3 bytes -> two f16x2 words: bytes 0, 1 -> lo (byte 0 in the low half), 2, 3 -> hi.
+__device__ __forceinline__ void e4m3_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
 }
 
 __device__ __forceinline__ void words(uint32_t (&w)[8], const uint8_t* p) {
@@ -147,18 +160,22 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* fir
 // ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
 __device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
 
-// Row r's query words (thread (g, t): heads 8j + g, dims 16t and 64 + 16t) and its head
-// weights (heads 8j + 2t and 8j + 2t + 1), for tile_scores.
+// Row r's queries as f16 (thread (g, t): heads 8j + g, dims 16t and 64 + 16t; word i of the
+// fp8 load becomes qh[j][2i] and qh[j][2i + 1]) and its head weights (heads 8j + 2t and
+// 8j + 2t + 1), for tile_scores.
 template <int kHeadTiles>
 __device__ __forceinline__ void row_queries(const LogitsArgs& a, int r,
-                                            uint32_t (&qw)[kHeadTiles][8],
+                                            uint32_t (&qh)[kHeadTiles][16],
                                             float (&w0)[kHeadTiles], float (&w1)[kHeadTiles]) {
   constexpr int kPadded = kHeadTiles * 8;
   const int lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   const uint8_t* qrow = a.q + static_cast<int64_t>(r) * kPadded * kDim;
 #pragma unroll
   for (int j = 0; j < kHeadTiles; ++j) {
-    words(qw[j], qrow + (8 * j + g) * kDim + 16 * t);
+    uint32_t qw[8];
+    words(qw, qrow + (8 * j + g) * kDim + 16 * t);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e4m3_to_f16(qw[i], qh[j][2 * i], qh[j][2 * i + 1]);
     const float* wr = a.w_out + static_cast<int64_t>(r) * kPadded + 8 * j + 2 * t;
     w0[j] = __ldg(wr);
     w1[j] = __ldg(wr + 1);
@@ -168,16 +185,18 @@ __device__ __forceinline__ void row_queries(const LogitsArgs& a, int r,
 // The dot over the head dim is a sum, so the mma's k index may visit the 128 dims in any
 // order as long as A (K rows) and B (q rows) agree. Thread (g, t) of a warp loads 16 bytes
 // at dims 16t and 64 + 16t of its rows (two contiguous 64-byte runs per row per load
-// instruction); word i of those 8 becomes k-step i / 2, k-half i % 2 for both operands.
+// instruction); word i of those 8 becomes m16n8k16 step i, its bytes 0-1 the k-pair 2t and
+// its bytes 2-3 the k-pair 8 + 2t, for both operands.
 //
-// Summation order of a logit (fixed, documented): per head, the mma's f32 dot; per thread,
+// Summation order of a logit (fixed, documented): per head, an f32 accumulator from +0
+// takes the eight f16 mma steps (16 products each) in order; per thread,
 // s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads
 // h0 = 8j + 2t, h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a
 // pool add by butterfly (xor 1, then xor 2); then times the entry's scale.
 // The scores of a warp's 16 pools (rows g and g + 8 of the tile, words ka and kb) against
-// the row's queries (qw, head weights w0/w1), in the summation order above.
+// the row's queries (qh, head weights w0/w1), in the summation order above.
 template <int kHeadTiles>
-__device__ __forceinline__ void tile_scores(const uint32_t (&qw)[kHeadTiles][8],
+__device__ __forceinline__ void tile_scores(const uint32_t (&qh)[kHeadTiles][16],
                                             const float (&w0)[kHeadTiles],
                                             const float (&w1)[kHeadTiles],
                                             const uint32_t (&ka)[8], const uint32_t (&kb)[8],
@@ -187,11 +206,14 @@ __device__ __forceinline__ void tile_scores(const uint32_t (&qw)[kHeadTiles][8],
 #pragma unroll
   for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
-  for (int s = 0; s < 4; ++s)
+  for (int i = 0; i < 8; ++i) {
+    uint32_t a_lo, a_hi, b_lo, b_hi;  // rows g and g + 8, k-pairs 2t and 8 + 2t
+    e4m3_to_f16(ka[i], a_lo, a_hi);
+    e4m3_to_f16(kb[i], b_lo, b_hi);
 #pragma unroll
     for (int j = 0; j < kHeadTiles; ++j)
-      mma_e4m3(acc[j], ka[2 * s], kb[2 * s], ka[2 * s + 1], kb[2 * s + 1], qw[j][2 * s],
-               qw[j][2 * s + 1]);
+      mma_f16(acc[j], a_lo, b_lo, a_hi, b_hi, qh[j][2 * i], qh[j][2 * i + 1]);
+  }
   float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
   for (int j = 0; j < kHeadTiles; ++j) {
@@ -218,7 +240,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
   const ItemRange range = cta_items<kLogitsThreads>(a, first_item);
   const int32_t begin = range.begin, end = range.end;
   int r = range.row, row = -1;
-  uint32_t qw[kHeadTiles][8];
+  uint32_t qh[kHeadTiles][16];
   float w0[kHeadTiles], w1[kHeadTiles];
   int32_t n = 0;
   const int32_t* table = nullptr;
@@ -232,7 +254,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
       const int32_t req = a.req_ids != nullptr ? a.req_ids[r] : r;
       table = req >= 0 && req < a.tables
                   ? a.page_table + static_cast<int64_t>(req) * a.table_width : nullptr;
-      row_queries(a, r, qw, w0, w1);
+      row_queries(a, r, qh, w0, w1);
     }
     const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
     float* out = a.logits + static_cast<int64_t>(r) * a.width;
@@ -261,7 +283,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
         scale_lo = __ldg(reinterpret_cast<const float*>(scales) + e);
         scale_hi = __ldg(reinterpret_cast<const float*>(scales) + e + 8);
       }
-      tile_scores<kHeadTiles>(qw, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
+      tile_scores<kHeadTiles>(qh, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
     }
     if (t < 2) {
       if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
@@ -365,7 +387,7 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
     // Consumers: warp w scores tile w of every item, as mqa_logits_kernel does.
     const int g = lane >> 2, t = lane & 3;
     int r = range.row, row = -1;
-    uint32_t qw[kHeadTiles][8];
+    uint32_t qh[kHeadTiles][16];
     float w0[kHeadTiles], w1[kHeadTiles];
     int32_t n = 0;
     // Rows g and g + 8 of the tile, dims 16t.. and 64 + 16t..: odd rows read their upper
@@ -379,7 +401,7 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
       if (r != row) {
         row = r;
         n = row_pools(a.lens, a.from_positions, r, a.width);
-        row_queries(a, r, qw, w0, w1);
+        row_queries(a, r, qh, w0, w1);
       }
       const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
       float* out = a.logits + static_cast<int64_t>(r) * a.width;
@@ -407,7 +429,7 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
           scale_lo = reinterpret_cast<const float*>(sc)[g];
           scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
         }
-        tile_scores<kHeadTiles>(qw, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
+        tile_scores<kHeadTiles>(qh, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
       }
       __syncwarp();
       if (lane == 0) bulk::arrive(empty + 8 * s);  // the stage's tile is read
