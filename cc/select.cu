@@ -7,10 +7,10 @@
 //                      indexer_stage runs): rows whose pools all fit in k skip the logits
 //                      and select every pool, so the stage needs no lax.cond.
 //
-// Logits: persistent CTAs of 4 warps; a work item is 64 pools of one row (16 per warp, the
-// mma M side). Each CTA computes the row -> item prefix itself from the row lengths (no
-// schedule kernel) and takes a contiguous range of items, so at M = 1 a 32K-pool row is
-// spread over every SM. Scores come from f16 mma.sync m16n8k16 on the exactly converted fp8.
+// Logits: persistent CTAs of 4 consumer warps and a producer; a work item is 64 pools of one
+// row (16 per consumer warp, the mma M side), its K tiles streamed by the TMA. Each CTA
+// computes the row -> item prefix itself from the row lengths (no schedule kernel) and takes
+// a contiguous range of items, so at M = 1 a 32K-pool row is spread over every SM. Scores come from f16 mma.sync m16n8k16 on the exactly converted fp8.
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), exact and
 // deterministic by construction: order-preserving 32-bit keys in registers, radix select
@@ -20,7 +20,6 @@
 // shared-memory atomics only count.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 
 #include "bulk.cuh"
@@ -32,9 +31,8 @@ namespace glm5 {
 namespace {
 
 constexpr int kWarpPools = 16;                       // pools per warp tile (mma M)
-constexpr int kLogitsWarps = 4;
-constexpr int kLogitsThreads = kLogitsWarps * kWarp;
-constexpr int kItemPools = kWarpPools * kLogitsWarps;  // 64 pools per work item
+constexpr int kConsumerWarps = 4;                   // + a producer warp: kLogitsWarps
+constexpr int kItemPools = kWarpPools * kConsumerWarps;  // 64 pools per work item
 // Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys
 // (launch_topk's widest shape).
 constexpr int kTopkMaxThreads = 1024, kTopkMaxKeys = 32;
@@ -230,123 +228,61 @@ __device__ __forceinline__ void tile_scores(const uint32_t (&qh)[kHeadTiles][16]
   s_hi = sum_hi * scale_hi;
 }
 
-template <int kHeadTiles>
-__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
-  extern __shared__ int32_t first_item[];  // [rows + 1]: items before row r
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int g = lane >> 2, t = lane & 3;
-  pdl_wait();
-
-  const ItemRange range = cta_items<kLogitsThreads>(a, first_item);
-  const int32_t begin = range.begin, end = range.end;
-  int r = range.row, row = -1;
-  uint32_t qh[kHeadTiles][16];
-  float w0[kHeadTiles], w1[kHeadTiles];
-  int32_t n = 0;
-  const int32_t* table = nullptr;
-  const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
-
-  for (int32_t item = begin; item < end; ++item) {
-    while (first_item[r + 1] <= item) ++r;
-    if (r != row) {
-      row = r;
-      n = row_pools(a.lens, a.from_positions, r, a.width);
-      const int32_t req = a.req_ids != nullptr ? a.req_ids[r] : r;
-      table = req >= 0 && req < a.tables
-                  ? a.page_table + static_cast<int64_t>(req) * a.table_width : nullptr;
-      row_queries(a, r, qh, w0, w1);
-    }
-    const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
-    float* out = a.logits + static_cast<int64_t>(r) * a.width;
-    // Lane t = 0 stores pool g, lane t = 1 pool g + 8.
-    const int32_t mine = p0 + g + (t == 1 ? 8 : 0);
-    if (p0 >= n) {  // the warp's pools are all past the row's end (fill mode only)
-      if (t < 2 && mine < a.width) out[mine] = -INFINITY;
-      continue;
-    }
-    // a.page % 16 == 0, so the warp's 16 pools share one page.
-    const int32_t slot = p0 / a.page;
-    const int32_t pg = table != nullptr && slot < a.table_width ? table[slot] : -1;
-    float s_lo = -INFINITY, s_hi = -INFINITY;
-    if (pg >= 0 && pg < a.pages) {
-      const uint8_t* page = a.kv + pg * page_bytes;
-      const int e = p0 % a.page + g;
-      uint32_t ka[8], kb[8];
-      words(ka, page + e * kDim + 16 * t);
-      words(kb, page + (e + 8) * kDim + 16 * t);
-      const uint8_t* scales = page + static_cast<int64_t>(a.page) * kDim;
-      float scale_lo, scale_hi;
-      if (a.ue8m0) {
-        scale_lo = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * e)) << 23);
-        scale_hi = __uint_as_float(static_cast<uint32_t>(__ldg(scales + 4 * (e + 8))) << 23);
-      } else {
-        scale_lo = __ldg(reinterpret_cast<const float*>(scales) + e);
-        scale_hi = __ldg(reinterpret_cast<const float*>(scales) + e + 8);
-      }
-      tile_scores<kHeadTiles>(qh, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
-    }
-    if (t < 2) {
-      if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-      else if (a.fill && mine < a.width) out[mine] = -INFINITY;
-    }
-  }
-  pdl_launch_dependents();
-}
-
-// Streamed logits: the same work items, scores and stores, but the K-cache tiles come
-// through a ring of kStreamStages stages in shared memory, filled by the TMA. A fifth
-// (producer) warp looks up the pages of the next kStreamLookahead items at once, one lane
-// per 16-pool tile, and issues one bulk copy of 2 KB (the tile's 16 entries are contiguous
-// in their page) plus one of its 64 scale bytes per tile; the four consumer warps wait on
-// the stage's full barrier, read their tile from shared memory, and release the stage on
-// its empty barrier. The loads in flight per SM are then the ring's bytes (CTAs x stages x
-// 8.25 KB), not what the consumers' registers can hold (one tile per warp in
-// mqa_logits_kernel: ~32 KB per SM, the kernel's limit at large shapes).
-constexpr int kStreamStages = 4;
-constexpr int kStreamWarps = kLogitsWarps + 1;           // consumers + the producer
-constexpr int kStreamThreads = kStreamWarps * kWarp;
+// The logits kernel: CTAs of four consumer warps (warp w scores the w-th 16 pools of every
+// work item) and one producer warp. The K-cache tiles come through a ring of kRingStages
+// stages in shared memory, filled by the TMA: the producer looks up the pages of the next
+// kLookahead items at once, one lane per 16-pool tile, and issues one bulk copy of
+// 2 KB (the tile's 16 entries are contiguous in their page) plus one of its 64 scale bytes
+// per tile; the consumers wait on the stage's full barrier, read their tile from shared
+// memory and release the stage on its empty barrier. So the loads in flight per SM are the
+// ring's bytes (CTAs x stages x 8.25 KB), not what registers can hold: loading each warp's
+// tile into registers behind a dependent page lookup read 2.7 TB/s on the H200 at 64 x 32768
+// (with the f16 mma; 2.5 with two tiles in flight at 168 registers), the ring 3.5.
+constexpr int kRingStages = 4;
+constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
+constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
 constexpr int kTileScaleBytes = kWarpPools * 4;          // its scales: 64 B
-constexpr int kStageBytes = kLogitsWarps * (kTileBytes + kTileScaleBytes);
-constexpr int kStreamLookahead = kWarp / kLogitsWarps;   // items per producer lookup round
+constexpr int kStageBytes = kConsumerWarps * (kTileBytes + kTileScaleBytes);
+constexpr int kLookahead = kWarp / kConsumerWarps;        // items per lookup round
 // Shared memory: full[stages], empty[stages] (mbarriers), the tiles' "copied" flags
 // s32[stages][4], the stages (128-byte aligned), then first_item s32[rows + 1].
-constexpr int kStreamFlags = 2 * 8 * kStreamStages;
-constexpr int kStreamData = (kStreamFlags + 4 * kStreamStages * kLogitsWarps + 127) / 128 * 128;
-constexpr int kStreamFirstItem = kStreamData + kStreamStages * kStageBytes;
+constexpr int kSmemFlags = 2 * 8 * kRingStages;
+constexpr int kSmemRing = (kSmemFlags + 4 * kRingStages * kConsumerWarps + 127) / 128 * 128;
+constexpr int kSmemFirstItem = kSmemRing + kRingStages * kStageBytes;
 
-inline size_t stream_smem(int32_t rows) {
-  return kStreamFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+inline size_t logits_smem(int32_t rows) {
+  return kSmemFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
 }
 
 template <int kHeadTiles>
-__global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(LogitsArgs a) {
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  int32_t* const first_item = reinterpret_cast<int32_t*>(smem + kStreamFirstItem);
-  int32_t* const copied = reinterpret_cast<int32_t*>(smem + kStreamFlags);
-  const uint32_t full = bulk::smem_address(smem), empty = full + 8 * kStreamStages;
-  const uint32_t data = bulk::smem_address(smem + kStreamData);
+  int32_t* const first_item = reinterpret_cast<int32_t*>(smem + kSmemFirstItem);
+  int32_t* const copied = reinterpret_cast<int32_t*>(smem + kSmemFlags);
+  const uint32_t full = bulk::smem_address(smem), empty = full + 8 * kRingStages;
+  const uint32_t data = bulk::smem_address(smem + kSmemRing);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStreamStages; ++s) {
-      bulk::init(full + 8 * s, kLogitsWarps);   // one arrival per tile (producer lanes)
-      bulk::init(empty + 8 * s, kLogitsWarps);  // one per consumer warp
+    for (int s = 0; s < kRingStages; ++s) {
+      bulk::init(full + 8 * s, kConsumerWarps);   // one arrival per tile (producer lanes)
+      bulk::init(empty + 8 * s, kConsumerWarps);  // one per consumer warp
     }
     bulk::fence_init();
   }
   pdl_wait();
-  const ItemRange range = cta_items<kStreamThreads>(a, first_item);  // barriers inside
+  const ItemRange range = cta_items<kLogitsThreads>(a, first_item);  // barriers inside
   const int32_t begin = range.begin, end = range.end;
 
-  if (warp == kLogitsWarps) {
+  if (warp == kConsumerWarps) {
     // Producer. Round by round, lane L takes tile L % 4 of item round + L / 4: its page
     // (one lookup per lane, all in flight together), then, item by item, the lanes of that
     // item wait for the stage to be free and issue their copies.
-    const int tile = lane % kLogitsWarps;
+    const int tile = lane % kConsumerWarps;
     const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
     int r = range.row;
-    for (int32_t round = begin; round < end; round += kStreamLookahead) {
-      const int32_t item = round + lane / kLogitsWarps;
+    for (int32_t round = begin; round < end; round += kLookahead) {
+      const int32_t item = round + lane / kConsumerWarps;
       const uint8_t* src = nullptr;  // the tile's first entry in its page, if it is read
       const uint8_t* scales = nullptr;
       int row = r;
@@ -366,25 +302,25 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
         }
       }
       r = __reduce_max_sync(0xffffffffu, row);
-      for (int i = 0; i < kStreamLookahead && round + i < end; ++i) {
+      for (int i = 0; i < kLookahead && round + i < end; ++i) {
         const int32_t k = round + i - begin;
-        const int s = k % kStreamStages;
-        if (k >= kStreamStages) bulk::wait(empty + 8 * s, (k / kStreamStages - 1) & 1);
-        if (lane / kLogitsWarps == i) {
-          copied[s * kLogitsWarps + tile] = src != nullptr;
+        const int s = k % kRingStages;
+        if (k >= kRingStages) bulk::wait(empty + 8 * s, (k / kRingStages - 1) & 1);
+        if (lane / kConsumerWarps == i) {
+          copied[s * kConsumerWarps + tile] = src != nullptr;
           const uint32_t bar = full + 8 * s;
           bulk::arrive_expect(bar, src != nullptr ? kTileBytes + kTileScaleBytes : 0);
           if (src != nullptr) {
             const uint32_t stage = data + s * kStageBytes;
             bulk::copy(stage + tile * kTileBytes, src, kTileBytes, bar);
-            bulk::copy(stage + kLogitsWarps * kTileBytes + tile * kTileScaleBytes, scales,
+            bulk::copy(stage + kConsumerWarps * kTileBytes + tile * kTileScaleBytes, scales,
                        kTileScaleBytes, bar);
           }
         }
       }
     }
   } else {
-    // Consumers: warp w scores tile w of every item, as mqa_logits_kernel does.
+    // Consumers: warp w scores tile w of every item.
     const int g = lane >> 2, t = lane & 3;
     int r = range.row, row = -1;
     uint32_t qh[kHeadTiles][16];
@@ -396,7 +332,7 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
     const uint32_t first = (g & 1) * 64 + 16 * t, second = first ^ 64;
     for (int32_t item = begin; item < end; ++item) {
       const int32_t k = item - begin;
-      const int s = k % kStreamStages;
+      const int s = k % kRingStages;
       while (first_item[r + 1] <= item) ++r;
       if (r != row) {
         row = r;
@@ -407,8 +343,8 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
       float* out = a.logits + static_cast<int64_t>(r) * a.width;
       const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
       float s_lo = -INFINITY, s_hi = -INFINITY;
-      bulk::wait(full + 8 * s, (k / kStreamStages) & 1);
-      if (copied[s * kLogitsWarps + warp]) {
+      bulk::wait(full + 8 * s, (k / kRingStages) & 1);
+      if (copied[s * kConsumerWarps + warp]) {
         const uint32_t tile = data + s * kStageBytes + warp * kTileBytes;
         const uint4 a0 = bulk::load16(tile + g * kDim + first);
         const uint4 a1 = bulk::load16(tile + g * kDim + second);
@@ -419,8 +355,8 @@ __global__ void __launch_bounds__(kStreamThreads) mqa_logits_stream_kernel(Logit
         const uint4 blo = odd ? b1 : b0, bhi = odd ? b0 : b1;
         const uint32_t ka[8] = {alo.x, alo.y, alo.z, alo.w, ahi.x, ahi.y, ahi.z, ahi.w};
         const uint32_t kb[8] = {blo.x, blo.y, blo.z, blo.w, bhi.x, bhi.y, bhi.z, bhi.w};
-        const unsigned char* sc = smem + kStreamData + s * kStageBytes +
-                                  kLogitsWarps * kTileBytes + warp * kTileScaleBytes;
+        const unsigned char* sc = smem + kSmemRing + s * kStageBytes +
+                                  kConsumerWarps * kTileBytes + warp * kTileScaleBytes;
         float scale_lo, scale_hi;
         if (a.ue8m0) {
           scale_lo = __uint_as_float(static_cast<uint32_t>(sc[4 * g]) << 23);
@@ -686,39 +622,22 @@ int sm_count() {
   return sms > 0 ? sms : 1;
 }
 
-// One logits kernel on a persistent grid: at most one CTA per possible item, at most what is
-// resident at once (shapes only: the command-buffer contract); the kernel spreads the
-// actual items over it.
-template <typename Kernel>
-cudaError_t launch_persistent(Kernel kernel, int threads, size_t smem, cudaStream_t stream,
-                              bool pdl, const LogitsArgs& args) {
+// The logits kernel on a persistent grid: at most one CTA per possible item, at most what is
+// resident at once (shapes only: the command-buffer contract); the kernel spreads the actual
+// items over it.
+cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                          int32_t padded) {
+  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
+  const size_t smem = logits_smem(args.rows);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
   per_sm = std::max(per_sm, 1);
   const int64_t bound = static_cast<int64_t>(args.rows) *
                         ((args.width + kItemPools - 1) / kItemPools);
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
-  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), smem, stream, pdl,
-                args);
-}
-
-// MEASUREMENT ONLY (removed once the H200 has compared the two): GLM5_JAX_LOGITS_STREAM=0
-// launches the register kernel instead of the streamed one.
-bool stream_logits() {
-  const char* v = std::getenv("GLM5_JAX_LOGITS_STREAM");
-  return v == nullptr || v[0] != '0';
-}
-
-cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
-                          int32_t padded) {
-  if (stream_logits()) {
-    auto kernel = padded == 64 ? mqa_logits_stream_kernel<8> : mqa_logits_stream_kernel<4>;
-    return launch_persistent(kernel, kStreamThreads, stream_smem(args.rows), stream, pdl, args);
-  }
-  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
-  const size_t smem = (args.rows + 1) * sizeof(int32_t);  // <= 32 KiB
-  return launch_persistent(kernel, kLogitsThreads, smem, stream, pdl, args);
+  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
+                pdl, args);
 }
 
 template <int kThreads, int kPer>
