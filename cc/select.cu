@@ -266,7 +266,10 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
   if (threadIdx.x == 0) {
     for (int s = 0; s < kRingStages; ++s) {
       bulk::init(full + 8 * s, kConsumerWarps);   // one arrival per tile (producer lanes)
-      bulk::init(empty + 8 * s, kConsumerWarps);  // one per consumer warp
+      // One arrival per consumer thread, each after its own reads of the stage: the
+      // ordering compute-sanitizer's racecheck follows (one arrival per warp after a
+      // __syncwarp read as a potential WAR hazard against the next bulk copy).
+      bulk::init(empty + 8 * s, kConsumerWarps * kWarp);
     }
     bulk::fence_init();
   }
@@ -367,8 +370,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
         }
         tile_scores<kHeadTiles>(qh, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
       }
-      __syncwarp();
-      if (lane == 0) bulk::arrive(empty + 8 * s);  // the stage's tile is read
+      bulk::arrive(empty + 8 * s);  // this thread's reads of the stage are done
       if (t < 2) {
         if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
         else if (a.fill && mine < a.width) out[mine] = -INFINITY;
