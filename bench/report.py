@@ -178,8 +178,10 @@ def routing(rows):
                f"kernel by default at {note}, reference elsewhere" if note else
                "kernel by default")
     vs_ref, vs_triton = slower(REFERENCE), slower(TRITON)
-    lines.append(f"- `{op}`: kernel slower than the reference at {len(vs_ref)} of "
-                 f"{len(pairs)} shapes" + (f" ({', '.join(vs_ref)})" if vs_ref else "")
+    with_ref = sum(1 for _, ref, _ in pairs if ref)
+    lines.append(f"- `{op}`: " + (f"kernel slower than the reference at {len(vs_ref)} of "
+                 f"{with_ref} shapes" + (f" ({', '.join(vs_ref)})" if vs_ref else "")
+                 if with_ref else "no reference rows")
                  + (f", than Triton at {len(vs_triton)}" + (
                      f" ({', '.join(vs_triton)})" if vs_triton else "")
                     if any(by.get((op, sh, TRITON)) for sh, _, _ in pairs) else "")
