@@ -237,7 +237,8 @@ __device__ __forceinline__ void tile_scores(const uint32_t (&qh)[kHeadTiles][16]
 // memory and release the stage on its empty barrier. So the loads in flight per SM are the
 // ring's bytes (CTAs x stages x 8.25 KB), not what registers can hold: loading each warp's
 // tile into registers behind a dependent page lookup read 2.7 TB/s on the H200 at 64 x 32768
-// (with the f16 mma; 2.5 with two tiles in flight at 168 registers), the ring 3.5.
+// with the f16 mma (2.3-2.5 with the emulated fp8 one, one or two tiles in flight), the
+// ring 3.5.
 constexpr int kRingStages = 4;
 constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
