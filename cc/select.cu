@@ -10,7 +10,8 @@
 // Logits: persistent CTAs of 4 consumer warps and a producer; a work item is 64 pools of one
 // row (16 per consumer warp, the mma M side), its K tiles streamed by the TMA. Each CTA
 // computes the row -> item prefix itself from the row lengths (no schedule kernel) and takes
-// a contiguous range of items, so at M = 1 a 32K-pool row is spread over every SM. Scores come from f16 mma.sync m16n8k16 on the exactly converted fp8.
+// a contiguous range of items, so at M = 1 a 32K-pool row is spread over every SM. Scores
+// come from f16 mma.sync m16n8k16 on the exactly converted fp8.
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), exact and
 // deterministic by construction: order-preserving 32-bit keys in registers, radix select
@@ -191,6 +192,7 @@ __device__ __forceinline__ void row_queries(const LogitsArgs& a, int r,
 // s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads
 // h0 = 8j + 2t, h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a
 // pool add by butterfly (xor 1, then xor 2); then times the entry's scale.
+//
 // The scores of a warp's 16 pools (rows g and g + 8 of the tile, words ka and kb) against
 // the row's queries (qh, head weights w0/w1), in the summation order above.
 template <int kHeadTiles>
