@@ -57,6 +57,30 @@ __device__ __forceinline__ void copy(uint32_t dst, const void* src, uint32_t byt
       : "memory");
 }
 
+// The box at coordinates (c0, c1, c2) of the 3-d tensor map `map` (a __grid_constant__
+// kernel parameter) to shared `dst` by the TMA, counted on `bar`; the map's swizzle decides
+// the shared layout (dst 1024-byte aligned for the 128-byte swizzle).
+__device__ __forceinline__ void copy_box(uint32_t dst, const void* map, int32_t c0, int32_t c1,
+                                         int32_t c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
+// (wgmma operands, bulk copies out of shared memory).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// A barrier of `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is
+// __syncthreads'): the warps of a role synchronise without the others.
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // 16 bytes of shared memory.
 __device__ __forceinline__ uint4 load16(uint32_t p) {
   uint4 v;

@@ -19,8 +19,12 @@
 // row's largest key share, then one prefix sum of per-thread counts that places the selected pool ids in
 // ascending id order (ties at the threshold by ascending id). No atomic decides an order;
 // shared-memory atomics only count.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #include "bulk.cuh"
@@ -181,6 +185,29 @@ __device__ __forceinline__ void row_queries(const LogitsArgs& a, int r,
   }
 }
 
+// The head-weighted sum of a thread's accumulators (acc[j] = the mma fragment of head tile
+// j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
+template <int kHeadTiles>
+__device__ __forceinline__ void head_sum(const float (&acc)[kHeadTiles][4],
+                                         const float (&w0)[kHeadTiles],
+                                         const float (&w1)[kHeadTiles], float scale_lo,
+                                         float scale_hi, float& s_lo, float& s_hi) {
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeadTiles; ++j) {
+    sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
+    sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
+    sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
+    sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
+  }
+  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
+  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
+  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
+  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
+  s_lo = sum_lo * scale_lo;
+  s_hi = sum_hi * scale_hi;
+}
+
 // The dot over the head dim is a sum, so the mma's k index may visit the 128 dims in any
 // order as long as A (K rows) and B (q rows) agree. Thread (g, t) of a warp loads 16 bytes
 // at dims 16t and 64 + 16t of its rows (two contiguous 64-byte runs per row per load
@@ -214,20 +241,7 @@ __device__ __forceinline__ void tile_scores(const uint32_t (&qh)[kHeadTiles][16]
     for (int j = 0; j < kHeadTiles; ++j)
       mma_f16(acc[j], a_lo, b_lo, a_hi, b_hi, qh[j][2 * i], qh[j][2 * i + 1]);
   }
-  float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHeadTiles; ++j) {
-    sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
-    sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
-    sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
-    sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
-  }
-  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
-  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
-  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
-  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
-  s_lo = sum_lo * scale_lo;
-  s_hi = sum_hi * scale_hi;
+  head_sum<kHeadTiles>(acc, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
 }
 
 // The logits kernel: CTAs of four consumer warps (warp w scores the w-th 16 pools of every
@@ -256,6 +270,28 @@ constexpr int kSmemFirstItem = kSmemRing + kRingStages * kStageBytes;
 
 inline size_t logits_smem(int32_t rows) {
   return kSmemFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+}
+
+// Where tile `tile` (16 pools) of work item `item` lives: its page and the entry of its
+// first pool there; page -1 when it is not read (past the row's pools, an unknown request,
+// a page slot past the table, or a page id outside the cache: SPEC D4). `row` is advanced
+// to the item's row (a thread visits items in ascending order).
+struct TileSource {
+  int32_t page, entry;
+};
+
+__device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const int32_t* first_item,
+                                                  int32_t item, int tile, int& row) {
+  while (first_item[row + 1] <= item) ++row;
+  const int32_t n = row_pools(a.lens, a.from_positions, row, a.width);
+  const int32_t p0 = (item - first_item[row]) * kItemPools + tile * kWarpPools;
+  const int32_t req = a.req_ids != nullptr ? a.req_ids[row] : row;
+  const int32_t slot = p0 / a.page;  // a.page % 16 == 0: the tile is in one page
+  if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
+    const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
+    if (pg >= 0 && pg < a.pages) return {pg, p0 % a.page};
+  }
+  return {-1, 0};
 }
 
 template <int kHeadTiles>
@@ -293,18 +329,11 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
       const uint8_t* scales = nullptr;
       int row = r;
       if (item < end) {
-        while (first_item[row + 1] <= item) ++row;
-        const int32_t n = row_pools(a.lens, a.from_positions, row, a.width);
-        const int32_t p0 = (item - first_item[row]) * kItemPools + tile * kWarpPools;
-        const int32_t req = a.req_ids != nullptr ? a.req_ids[row] : row;
-        const int32_t slot = p0 / a.page;  // a.page % 16 == 0: the tile is in one page
-        if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
-          const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
-          if (pg >= 0 && pg < a.pages) {
-            const uint8_t* page = a.kv + pg * page_bytes;
-            src = page + (p0 % a.page) * kDim;
-            scales = page + static_cast<int64_t>(a.page) * kDim + 4 * (p0 % a.page);
-          }
+        const TileSource at = tile_source(a, first_item, item, tile, row);
+        if (at.page >= 0) {
+          const uint8_t* page = a.kv + at.page * page_bytes;
+          src = page + at.entry * kDim;
+          scales = page + static_cast<int64_t>(a.page) * kDim + 4 * at.entry;
         }
       }
       r = __reduce_max_sync(0xffffffffu, row);
@@ -374,6 +403,213 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a
         tile_scores<kHeadTiles>(qh, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
       }
       bulk::arrive(empty + 8 * s);  // this thread's reads of the stage are done
+      if (t < 2) {
+        if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+        else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+      }
+    }
+  }
+  pdl_launch_dependents();
+}
+
+// ------------------------------------------------------------------ logits on wgmma
+// MEASUREMENT ONLY (until the H200 has compared the two): GLM5_JAX_LOGITS_WGMMA=0 launches
+// mqa_logits_kernel (f16 mma.sync) instead; the loser goes.
+//
+// sm_90's fp8 tensor cores are reached only through wgmma. The four consumer warps form one
+// warpgroup and score a whole 64-pool item with kDim / 32 = 4 wgmma m64nNk32 e4m3 (N = the
+// padded heads): A = the item's four K tiles, B = the row's queries, both in shared memory
+// in the 128-byte swizzle. The producer copies each tile through a tensor map of the cache
+// (a box of 16 entries x 128 bytes of one page; the TMA swizzles), and the consumers write
+// the queries swizzled by hand when the row changes. The accumulator fragment of thread
+// (g, t) of warp w is the mma.sync one (rows 16w + g and 16w + g + 8 of the item, heads
+// 8j + 2t and 8j + 2t + 1, j = 0..N/8-1), so head_sum finishes as before.
+//
+// Summation order: per head, one fp32 accumulator from +0 takes the four 32-product wgmma
+// steps (dims 0-31, 32-63, 64-95, 96-127) in order; then head_sum's order.
+constexpr int kAtom = 1024;  // one 128-byte swizzle atom: 8 rows x 128 B
+
+template <int kHeadTiles>
+struct WgLayout {  // offsets from the 1024-aligned base of dynamic shared memory
+  static constexpr int kPadded = 8 * kHeadTiles;
+  static constexpr int kKeys = 0;                                          // [stage][64][128]
+  static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [padded][128]
+  static constexpr int kScales = kQueries + kPadded * kDim;                 // [stage][64] x 4 B
+  static constexpr int kBars = kScales + kRingStages * kItemPools * 4;      // full, empty
+  static constexpr int kFlags = kBars + 2 * 8 * kRingStages;               // s32[stage][4]
+  static constexpr int kFirstItem = kFlags + 4 * kRingStages * kConsumerWarps;
+  static_assert(kQueries % kAtom == 0 && kScales % 16 == 0 && kBars % 8 == 0);
+  static size_t bytes(int32_t rows) {  // + slack to align the base
+    return kAtom + kFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+  }
+};
+
+// A K-major operand in the 128-byte swizzle at shared address `addr` (8-row groups 1024 B
+// apart); k steps of 32 bytes advance the start address within the swizzled rows.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{kAtom >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_n32(float (&d)[16], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b));
+}
+
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b));
+}
+
+template <int kHeadTiles>
+__device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t keys,
+                                           uint32_t queries) {
+#pragma unroll
+  for (int k = 0; k < kDim / 32; ++k) {
+    if constexpr (kHeadTiles == 4)
+      wgmma_n32(d, wg_desc(keys + 32 * k), wg_desc(queries + 32 * k));
+    else
+      wgmma_n64(d, wg_desc(keys + 32 * k), wg_desc(queries + 32 * k));
+  }
+}
+
+template <int kHeadTiles>
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_wgmma_kernel(
+    const LogitsArgs a, const __grid_constant__ CUtensorMap keys_map) {
+  using L = WgLayout<kHeadTiles>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = bulk::smem_address(smem_raw);
+  unsigned char* const smem = smem_raw + ((kAtom - raw % kAtom) % kAtom);
+  const uint32_t base = bulk::smem_address(smem);
+  int32_t* const first_item = reinterpret_cast<int32_t*>(smem + L::kFirstItem);
+  int32_t* const copied = reinterpret_cast<int32_t*>(smem + L::kFlags);
+  const uint32_t full = base + L::kBars, empty = full + 8 * kRingStages;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRingStages; ++s) {
+      bulk::init(full + 8 * s, kConsumerWarps);           // one arrival per tile
+      bulk::init(empty + 8 * s, kConsumerWarps * kWarp);  // one per consumer thread
+    }
+    bulk::fence_init();
+  }
+  pdl_wait();
+  const ItemRange range = cta_items<kLogitsThreads>(a, first_item);  // barriers inside
+  const int32_t begin = range.begin, end = range.end;
+
+  if (warp == kConsumerWarps) {
+    // Producer: as mqa_logits_kernel's, the K tile through the tensor map.
+    const int tile = lane % kConsumerWarps;
+    const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
+    int r = range.row;
+    for (int32_t round = begin; round < end; round += kLookahead) {
+      const int32_t item = round + lane / kConsumerWarps;
+      TileSource at{-1, 0};
+      int row = r;
+      if (item < end) at = tile_source(a, first_item, item, tile, row);
+      r = __reduce_max_sync(0xffffffffu, row);
+      for (int i = 0; i < kLookahead && round + i < end; ++i) {
+        const int32_t k = round + i - begin;
+        const int s = k % kRingStages;
+        if (k >= kRingStages) bulk::wait(empty + 8 * s, (k / kRingStages - 1) & 1);
+        if (lane / kConsumerWarps == i) {
+          copied[s * kConsumerWarps + tile] = at.page >= 0;
+          const uint32_t bar = full + 8 * s;
+          bulk::arrive_expect(bar, at.page >= 0 ? kTileBytes + kTileScaleBytes : 0);
+          if (at.page >= 0) {
+            bulk::copy_box(base + L::kKeys + (s * kConsumerWarps + tile) * kTileBytes,
+                           &keys_map, 0, at.entry, at.page, bar);
+            bulk::copy(base + L::kScales + (s * kConsumerWarps + tile) * kTileScaleBytes,
+                       a.kv + at.page * page_bytes + static_cast<int64_t>(a.page) * kDim +
+                           4 * at.entry,
+                       kTileScaleBytes, bar);
+          }
+        }
+      }
+    }
+  } else {
+    // Consumers: one warpgroup, every item together; warp w finishes rows 16w.. of it.
+    const int g = lane >> 2, t = lane & 3;
+    int r = range.row, row = -1;
+    float w0[kHeadTiles], w1[kHeadTiles];
+    int32_t n = 0;
+    const uint32_t queries = base + L::kQueries;
+    for (int32_t item = begin; item < end; ++item) {
+      const int32_t k = item - begin;
+      const int s = k % kRingStages;
+      while (first_item[r + 1] <= item) ++r;
+      if (r != row) {
+        // The row's queries into shared memory, swizzled: 16-byte chunk c of head h at
+        // chunk c ^ (h % 8) of its 128-byte row. Every consumer thread is past its last
+        // wgmma on the old ones (each waited for its group) before any overwrites them.
+        if (row >= 0) bulk::named_sync(1, kConsumerWarps * kWarp);
+        row = r;
+        n = row_pools(a.lens, a.from_positions, r, a.width);
+        const uint4* qrow = reinterpret_cast<const uint4*>(
+            a.q + static_cast<int64_t>(r) * L::kPadded * kDim);
+        for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
+          const int h = c / (kDim / 16), chunk = c % (kDim / 16);
+          const uint4 v = __ldg(qrow + c);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
+                           queries + h * kDim + ((chunk ^ (h % 8)) * 16)),
+                       "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                       : "memory");
+        }
+#pragma unroll
+        for (int j = 0; j < kHeadTiles; ++j) {
+          const float* wr = a.w_out + static_cast<int64_t>(r) * L::kPadded + 8 * j + 2 * t;
+          w0[j] = __ldg(wr);
+          w1[j] = __ldg(wr + 1);
+        }
+        bulk::fence_proxy_async();  // the generic-proxy writes, before wgmma reads them
+        bulk::named_sync(1, kConsumerWarps * kWarp);
+      }
+      const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
+      float* out = a.logits + static_cast<int64_t>(r) * a.width;
+      const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
+      bulk::wait(full + 8 * s, (k / kRingStages) & 1);
+      float d[4 * kHeadTiles];
+#pragma unroll
+      for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
+      wg_fence();
+      wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes, queries);
+      wg_commit();
+      wg_wait();
+      // Tiles not copied hold stale bytes: their rows (this warp's, when so) are masked.
+      const bool have = copied[s * kConsumerWarps + warp];
+      const unsigned char* sc = smem + L::kScales + (s * kConsumerWarps + warp) * kTileScaleBytes;
+      float scale_lo, scale_hi;
+      if (a.ue8m0) {
+        scale_lo = __uint_as_float(static_cast<uint32_t>(sc[4 * g]) << 23);
+        scale_hi = __uint_as_float(static_cast<uint32_t>(sc[4 * (g + 8)]) << 23);
+      } else {
+        scale_lo = reinterpret_cast<const float*>(sc)[g];
+        scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
+      }
+      bulk::arrive(empty + 8 * s);  // this thread's reads of the stage (wgmma's too) are done
+      float acc[kHeadTiles][4];
+#pragma unroll
+      for (int j = 0; j < kHeadTiles; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = d[4 * j + i];
+      float s_lo, s_hi;
+      head_sum<kHeadTiles>(acc, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+      if (!have) s_lo = s_hi = -INFINITY;
       if (t < 2) {
         if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
         else if (a.fill && mine < a.width) out[mine] = -INFINITY;
@@ -627,13 +863,12 @@ int sm_count() {
   return sms > 0 ? sms : 1;
 }
 
-// The logits kernel on a persistent grid: at most one CTA per possible item, at most what is
-// resident at once (shapes only: the command-buffer contract); the kernel spreads the actual
-// items over it.
-cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
-                          int32_t padded) {
-  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
-  const size_t smem = logits_smem(args.rows);
+// The logits kernels on a persistent grid: at most one CTA per possible item, at most what
+// is resident at once (shapes only: the command-buffer contract); the kernel spreads the
+// actual items over it.
+template <typename Kernel, typename... Args>
+cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream, bool pdl,
+                              const LogitsArgs& args, Args&&... extra) {
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
@@ -642,7 +877,58 @@ cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                         ((args.width + kItemPools - 1) / kItemPools);
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
   return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
-                pdl, args);
+                pdl, args, std::forward<Args>(extra)...);
+}
+
+// The driver's tensor-map encoder, through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// The cache's fp8 bytes as a 3-d tensor (128 bytes of an entry, entries of a page, pages),
+// read in boxes of one 16-entry tile in the 128-byte swizzle (mqa_logits_wgmma_kernel).
+cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {kDim, static_cast<cuuint64_t>(args.page),
+                              static_cast<cuuint64_t>(args.pages)};
+  const cuuint64_t strides[2] = {kDim, static_cast<cuuint64_t>(args.page) * kEntryBytes};
+  const cuuint32_t box[3] = {kDim, kWarpPools, 1}, unit[3] = {1, 1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
+                              const_cast<uint8_t*>(args.kv), dims, strides, box, unit,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+bool wgmma_logits() {
+  const char* v = std::getenv("GLM5_JAX_LOGITS_WGMMA");
+  return v == nullptr || v[0] != '0';
+}
+
+cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                          int32_t padded) {
+  if (wgmma_logits()) {
+    CUtensorMap map;
+    if (cudaError_t err = keys_tensor_map(args, &map); err != cudaSuccess) return err;
+    return padded == 64
+               ? launch_persistent(mqa_logits_wgmma_kernel<8>, WgLayout<8>::bytes(args.rows),
+                                   stream, pdl, args, map)
+               : launch_persistent(mqa_logits_wgmma_kernel<4>, WgLayout<4>::bytes(args.rows),
+                                   stream, pdl, args, map);
+  }
+  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
+  return launch_persistent(kernel, logits_smem(args.rows), stream, pdl, args);
 }
 
 template <int kThreads, int kPer>
