@@ -7,11 +7,11 @@
 //                      indexer_stage runs): rows whose pools all fit in k skip the logits
 //                      and select every pool, so the stage needs no lax.cond.
 //
-// Logits: persistent CTAs of 4 consumer warps and a producer; a work item is 64 pools of one
-// row (16 per consumer warp, the mma M side), its K tiles streamed by the TMA. Each CTA
-// computes the row -> item prefix itself from the row lengths (no schedule kernel) and takes
-// a contiguous range of items, so at M = 1 a 32K-pool row is spread over every SM. Scores
-// come from f16 mma.sync m16n8k16 on the exactly converted fp8.
+// Logits: persistent CTAs of a consumer warpgroup and a producer warp; a work item is 64
+// pools of one row (the wgmma M side), its K tiles streamed by the TMA. Each CTA computes
+// the row -> item prefix itself from the row lengths (no schedule kernel) and takes a
+// contiguous range of items, so at M = 1 a 32K-pool row is spread over every SM. Scores come
+// from fp8 wgmma.
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), exact and
 // deterministic by construction: order-preserving 32-bit keys in registers, radix select
@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 
 #include "bulk.cuh"
@@ -81,35 +80,6 @@ __device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int r) {
   return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
 }
 
-// sm_90 has no fp8 mma.sync: ptxas emulates m16n8k32.e4m3 by converting both operands to
-// f16 at every call (measured on the H200: ~395 instructions per warp and 16-pool tile, the
-// kernel issue-bound at ~2.6 TB/s). So the kernels convert themselves, each K word once (not
-// once per head tile) and the queries once per row, and run the f16 mma. e4m3 -> f16 is
-// exact (every e4m3 value, subnormals and NaN included, is an f16 value).
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Four e4m3 bytes -> two f16x2 words: bytes 0, 1 -> lo (byte 0 in the low half), 2, 3 -> hi.
-__device__ __forceinline__ void e4m3_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
-      "cvt.rn.f16x2.e4m3x2 %1, h;\n}"
-      : "=r"(lo), "=r"(hi)
-      : "r"(w));
-}
-
-__device__ __forceinline__ void words(uint32_t (&w)[8], const uint8_t* p) {
-  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint4 hi = __ldg(reinterpret_cast<const uint4*>(p + 64));
-  w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
-  w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
-}
-
 // Exclusive prefix of work items over rows, first_item[0..rows] (every CTA computes the
 // same one from the row lengths: no schedule kernel); then the CTA's contiguous share of the
 // items, [begin, end), and the row of `begin`. All kThreads threads call it.
@@ -163,28 +133,6 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* fir
 // ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
 __device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
 
-// Row r's queries as f16 (thread (g, t): heads 8j + g, dims 16t and 64 + 16t; word i of the
-// fp8 load becomes qh[j][2i] and qh[j][2i + 1]) and its head weights (heads 8j + 2t and
-// 8j + 2t + 1), for tile_scores.
-template <int kHeadTiles>
-__device__ __forceinline__ void row_queries(const LogitsArgs& a, int r,
-                                            uint32_t (&qh)[kHeadTiles][16],
-                                            float (&w0)[kHeadTiles], float (&w1)[kHeadTiles]) {
-  constexpr int kPadded = kHeadTiles * 8;
-  const int lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
-  const uint8_t* qrow = a.q + static_cast<int64_t>(r) * kPadded * kDim;
-#pragma unroll
-  for (int j = 0; j < kHeadTiles; ++j) {
-    uint32_t qw[8];
-    words(qw, qrow + (8 * j + g) * kDim + 16 * t);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) e4m3_to_f16(qw[i], qh[j][2 * i], qh[j][2 * i + 1]);
-    const float* wr = a.w_out + static_cast<int64_t>(r) * kPadded + 8 * j + 2 * t;
-    w0[j] = __ldg(wr);
-    w1[j] = __ldg(wr + 1);
-  }
-}
-
 // The head-weighted sum of a thread's accumulators (acc[j] = the mma fragment of head tile
 // j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
 template <int kHeadTiles>
@@ -208,70 +156,39 @@ __device__ __forceinline__ void head_sum(const float (&acc)[kHeadTiles][4],
   s_hi = sum_hi * scale_hi;
 }
 
-// The dot over the head dim is a sum, so the mma's k index may visit the 128 dims in any
-// order as long as A (K rows) and B (q rows) agree. Thread (g, t) of a warp loads 16 bytes
-// at dims 16t and 64 + 16t of its rows (two contiguous 64-byte runs per row per load
-// instruction); word i of those 8 becomes m16n8k16 step i, its bytes 0-1 the k-pair 2t and
-// its bytes 2-3 the k-pair 8 + 2t, for both operands.
+// The logits kernel: CTAs of one consumer warpgroup (four warps) and one producer warp.
+// The K-cache tiles come through a ring of kRingStages stages in shared memory, filled by
+// the TMA: the producer looks up the pages of the next kLookahead items at once, one lane
+// per 16-pool tile, and issues one tensor copy of the tile (2 KB: its 16 entries are
+// contiguous in their page) plus one bulk copy of its 64 scale bytes; the consumers wait
+// on the stage's full barrier, score the item and release the stage on its empty barrier.
+// So the loads in flight per SM are the ring's bytes, not what registers can hold (tiles
+// loaded into registers behind a dependent page lookup read 2.7 TB/s on the H200 at
+// 64 x 32768, the ring 3.5 with the same arithmetic).
 //
-// Summation order of a logit (fixed, documented): per head, an f32 accumulator from +0
-// takes the eight f16 mma steps (16 products each) in order; per thread,
-// s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads
-// h0 = 8j + 2t, h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a
-// pool add by butterfly (xor 1, then xor 2); then times the entry's scale.
+// Scores: sm_90's fp8 tensor cores are reached only through wgmma (it has no fp8 mma.sync:
+// ptxas emulates m16n8k32.e4m3 by converting both operands to f16 at every call, which left
+// the kernel issue-bound; an f16 mma.sync on exactly converted fp8 ran 80.6 µs at 64 x 32768
+// where wgmma runs 74.8, H200, ncu, L2 flushed). The warpgroup scores a whole 64-pool item
+// with kDim / 32 = 4 wgmma m64nNk32 e4m3 (N = the padded heads): A = the item's four K
+// tiles, B = the row's queries, both in shared memory in the 128-byte swizzle. The TMA
+// swizzles the tiles (a tensor map of the cache: boxes of 16 entries x 128 bytes of one
+// page); the consumers write the queries swizzled by hand when the row changes. The
+// accumulator fragment of thread (g, t) of warp w holds rows 16w + g and 16w + g + 8 of the
+// item, heads 8j + 2t and 8j + 2t + 1 (j = 0..N/8-1): head_sum's layout.
 //
-// The scores of a warp's 16 pools (rows g and g + 8 of the tile, words ka and kb) against
-// the row's queries (qh, head weights w0/w1), in the summation order above.
-template <int kHeadTiles>
-__device__ __forceinline__ void tile_scores(const uint32_t (&qh)[kHeadTiles][16],
-                                            const float (&w0)[kHeadTiles],
-                                            const float (&w1)[kHeadTiles],
-                                            const uint32_t (&ka)[8], const uint32_t (&kb)[8],
-                                            float scale_lo, float scale_hi, float& s_lo,
-                                            float& s_hi) {
-  float acc[kHeadTiles][4];
-#pragma unroll
-  for (int j = 0; j < kHeadTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint32_t a_lo, a_hi, b_lo, b_hi;  // rows g and g + 8, k-pairs 2t and 8 + 2t
-    e4m3_to_f16(ka[i], a_lo, a_hi);
-    e4m3_to_f16(kb[i], b_lo, b_hi);
-#pragma unroll
-    for (int j = 0; j < kHeadTiles; ++j)
-      mma_f16(acc[j], a_lo, b_lo, a_hi, b_hi, qh[j][2 * i], qh[j][2 * i + 1]);
-  }
-  head_sum<kHeadTiles>(acc, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
-}
-
-// The logits kernel: CTAs of four consumer warps (warp w scores the w-th 16 pools of every
-// work item) and one producer warp. The K-cache tiles come through a ring of kRingStages
-// stages in shared memory, filled by the TMA: the producer looks up the pages of the next
-// kLookahead items at once, one lane per 16-pool tile, and issues one bulk copy of
-// 2 KB (the tile's 16 entries are contiguous in their page) plus one of its 64 scale bytes
-// per tile; the consumers wait on the stage's full barrier, read their tile from shared
-// memory and release the stage on its empty barrier. So the loads in flight per SM are the
-// ring's bytes (CTAs x stages x 8.25 KB), not what registers can hold: loading each warp's
-// tile into registers behind a dependent page lookup read 2.7 TB/s on the H200 at 64 x 32768
-// with the f16 mma (2.3-2.5 with the emulated fp8 one, one or two tiles in flight), the
-// ring 3.5.
+// Summation order of a logit (fixed, documented): per head, one fp32 accumulator from +0
+// takes the four 32-product wgmma steps (dims 0-31, 32-63, 64-95, 96-127) in order (the
+// order of the products inside a step is the tensor core's); per thread,
+// s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads h0 = 8j + 2t,
+// h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a pool add by
+// butterfly (xor 1, then xor 2); then times the entry's scale.
 constexpr int kRingStages = 4;
 constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
 constexpr int kTileScaleBytes = kWarpPools * 4;          // its scales: 64 B
-constexpr int kStageBytes = kConsumerWarps * (kTileBytes + kTileScaleBytes);
 constexpr int kLookahead = kWarp / kConsumerWarps;        // items per lookup round
-// Shared memory: full[stages], empty[stages] (mbarriers), the tiles' "copied" flags
-// s32[stages][4], the stages (128-byte aligned), then first_item s32[rows + 1].
-constexpr int kSmemFlags = 2 * 8 * kRingStages;
-constexpr int kSmemRing = (kSmemFlags + 4 * kRingStages * kConsumerWarps + 127) / 128 * 128;
-constexpr int kSmemFirstItem = kSmemRing + kRingStages * kStageBytes;
-
-inline size_t logits_smem(int32_t rows) {
-  return kSmemFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
-}
-
 // Where tile `tile` (16 pools) of work item `item` lives: its page and the entry of its
 // first pool there; page -1 when it is not read (past the row's pools, an unknown request,
 // a page slot past the table, or a page id outside the cache: SPEC D4). `row` is advanced
@@ -294,143 +211,10 @@ __device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const int
   return {-1, 0};
 }
 
-template <int kHeadTiles>
-__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(LogitsArgs a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  int32_t* const first_item = reinterpret_cast<int32_t*>(smem + kSmemFirstItem);
-  int32_t* const copied = reinterpret_cast<int32_t*>(smem + kSmemFlags);
-  const uint32_t full = bulk::smem_address(smem), empty = full + 8 * kRingStages;
-  const uint32_t data = bulk::smem_address(smem + kSmemRing);
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRingStages; ++s) {
-      bulk::init(full + 8 * s, kConsumerWarps);   // one arrival per tile (producer lanes)
-      // One arrival per consumer thread, each after its own reads of the stage: the
-      // ordering compute-sanitizer's racecheck follows (one arrival per warp after a
-      // __syncwarp read as a potential WAR hazard against the next bulk copy).
-      bulk::init(empty + 8 * s, kConsumerWarps * kWarp);
-    }
-    bulk::fence_init();
-  }
-  pdl_wait();
-  const ItemRange range = cta_items<kLogitsThreads>(a, first_item);  // barriers inside
-  const int32_t begin = range.begin, end = range.end;
-
-  if (warp == kConsumerWarps) {
-    // Producer. Round by round, lane L takes tile L % 4 of item round + L / 4: its page
-    // (one lookup per lane, all in flight together), then, item by item, the lanes of that
-    // item wait for the stage to be free and issue their copies.
-    const int tile = lane % kConsumerWarps;
-    const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
-    int r = range.row;
-    for (int32_t round = begin; round < end; round += kLookahead) {
-      const int32_t item = round + lane / kConsumerWarps;
-      const uint8_t* src = nullptr;  // the tile's first entry in its page, if it is read
-      const uint8_t* scales = nullptr;
-      int row = r;
-      if (item < end) {
-        const TileSource at = tile_source(a, first_item, item, tile, row);
-        if (at.page >= 0) {
-          const uint8_t* page = a.kv + at.page * page_bytes;
-          src = page + at.entry * kDim;
-          scales = page + static_cast<int64_t>(a.page) * kDim + 4 * at.entry;
-        }
-      }
-      r = __reduce_max_sync(0xffffffffu, row);
-      for (int i = 0; i < kLookahead && round + i < end; ++i) {
-        const int32_t k = round + i - begin;
-        const int s = k % kRingStages;
-        if (k >= kRingStages) bulk::wait(empty + 8 * s, (k / kRingStages - 1) & 1);
-        if (lane / kConsumerWarps == i) {
-          copied[s * kConsumerWarps + tile] = src != nullptr;
-          const uint32_t bar = full + 8 * s;
-          bulk::arrive_expect(bar, src != nullptr ? kTileBytes + kTileScaleBytes : 0);
-          if (src != nullptr) {
-            const uint32_t stage = data + s * kStageBytes;
-            bulk::copy(stage + tile * kTileBytes, src, kTileBytes, bar);
-            bulk::copy(stage + kConsumerWarps * kTileBytes + tile * kTileScaleBytes, scales,
-                       kTileScaleBytes, bar);
-          }
-        }
-      }
-    }
-  } else {
-    // Consumers: warp w scores tile w of every item.
-    const int g = lane >> 2, t = lane & 3;
-    int r = range.row, row = -1;
-    uint32_t qh[kHeadTiles][16];
-    float w0[kHeadTiles], w1[kHeadTiles];
-    int32_t n = 0;
-    // Rows g and g + 8 of the tile, dims 16t.. and 64 + 16t..: odd rows read their upper
-    // half first, so the 8 lanes of each 16-byte load phase (rows 2i and 2i + 1) hit
-    // disjoint banks.
-    const uint32_t first = (g & 1) * 64 + 16 * t, second = first ^ 64;
-    for (int32_t item = begin; item < end; ++item) {
-      const int32_t k = item - begin;
-      const int s = k % kRingStages;
-      while (first_item[r + 1] <= item) ++r;
-      if (r != row) {
-        row = r;
-        n = row_pools(a.lens, a.from_positions, r, a.width);
-        row_queries(a, r, qh, w0, w1);
-      }
-      const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
-      float* out = a.logits + static_cast<int64_t>(r) * a.width;
-      const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
-      float s_lo = -INFINITY, s_hi = -INFINITY;
-      bulk::wait(full + 8 * s, (k / kRingStages) & 1);
-      if (copied[s * kConsumerWarps + warp]) {
-        const uint32_t tile = data + s * kStageBytes + warp * kTileBytes;
-        const uint4 a0 = bulk::load16(tile + g * kDim + first);
-        const uint4 a1 = bulk::load16(tile + g * kDim + second);
-        const uint4 b0 = bulk::load16(tile + (g + 8) * kDim + first);
-        const uint4 b1 = bulk::load16(tile + (g + 8) * kDim + second);
-        const bool odd = g & 1;
-        const uint4 alo = odd ? a1 : a0, ahi = odd ? a0 : a1;
-        const uint4 blo = odd ? b1 : b0, bhi = odd ? b0 : b1;
-        const uint32_t ka[8] = {alo.x, alo.y, alo.z, alo.w, ahi.x, ahi.y, ahi.z, ahi.w};
-        const uint32_t kb[8] = {blo.x, blo.y, blo.z, blo.w, bhi.x, bhi.y, bhi.z, bhi.w};
-        const unsigned char* sc = smem + kSmemRing + s * kStageBytes +
-                                  kConsumerWarps * kTileBytes + warp * kTileScaleBytes;
-        float scale_lo, scale_hi;
-        if (a.ue8m0) {
-          scale_lo = __uint_as_float(static_cast<uint32_t>(sc[4 * g]) << 23);
-          scale_hi = __uint_as_float(static_cast<uint32_t>(sc[4 * (g + 8)]) << 23);
-        } else {
-          scale_lo = reinterpret_cast<const float*>(sc)[g];
-          scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
-        }
-        tile_scores<kHeadTiles>(qh, w0, w1, ka, kb, scale_lo, scale_hi, s_lo, s_hi);
-      }
-      bulk::arrive(empty + 8 * s);  // this thread's reads of the stage are done
-      if (t < 2) {
-        if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-        else if (a.fill && mine < a.width) out[mine] = -INFINITY;
-      }
-    }
-  }
-  pdl_launch_dependents();
-}
-
-// ------------------------------------------------------------------ logits on wgmma
-// MEASUREMENT ONLY (until the H200 has compared the two): GLM5_JAX_LOGITS_WGMMA=0 launches
-// mqa_logits_kernel (f16 mma.sync) instead; the loser goes.
-//
-// sm_90's fp8 tensor cores are reached only through wgmma. The four consumer warps form one
-// warpgroup and score a whole 64-pool item with kDim / 32 = 4 wgmma m64nNk32 e4m3 (N = the
-// padded heads): A = the item's four K tiles, B = the row's queries, both in shared memory
-// in the 128-byte swizzle. The producer copies each tile through a tensor map of the cache
-// (a box of 16 entries x 128 bytes of one page; the TMA swizzles), and the consumers write
-// the queries swizzled by hand when the row changes. The accumulator fragment of thread
-// (g, t) of warp w is the mma.sync one (rows 16w + g and 16w + g + 8 of the item, heads
-// 8j + 2t and 8j + 2t + 1, j = 0..N/8-1), so head_sum finishes as before.
-//
-// Summation order: per head, one fp32 accumulator from +0 takes the four 32-product wgmma
-// steps (dims 0-31, 32-63, 64-95, 96-127) in order; then head_sum's order.
 constexpr int kAtom = 1024;  // one 128-byte swizzle atom: 8 rows x 128 B
 
 template <int kHeadTiles>
-struct WgLayout {  // offsets from the 1024-aligned base of dynamic shared memory
+struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared memory
   static constexpr int kPadded = 8 * kHeadTiles;
   static constexpr int kKeys = 0;                                          // [stage][64][128]
   static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [padded][128]
@@ -490,9 +274,9 @@ __device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t 
 }
 
 template <int kHeadTiles>
-__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_wgmma_kernel(
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     const LogitsArgs a, const __grid_constant__ CUtensorMap keys_map) {
-  using L = WgLayout<kHeadTiles>;
+  using L = LogitsLayout<kHeadTiles>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw = bulk::smem_address(smem_raw);
   unsigned char* const smem = smem_raw + ((kAtom - raw % kAtom) % kAtom);
@@ -513,7 +297,9 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_wgmma_kernel(
   const int32_t begin = range.begin, end = range.end;
 
   if (warp == kConsumerWarps) {
-    // Producer: as mqa_logits_kernel's, the K tile through the tensor map.
+    // Producer. Round by round, lane L takes tile L % 4 of item round + L / 4: its page
+    // (one lookup per lane, all in flight together), then, item by item, the lanes of that
+    // item wait for the stage to be free and issue their copies.
     const int tile = lane % kConsumerWarps;
     const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
     int r = range.row;
@@ -863,22 +649,6 @@ int sm_count() {
   return sms > 0 ? sms : 1;
 }
 
-// The logits kernels on a persistent grid: at most one CTA per possible item, at most what
-// is resident at once (shapes only: the command-buffer contract); the kernel spreads the
-// actual items over it.
-template <typename Kernel, typename... Args>
-cudaError_t launch_persistent(Kernel kernel, size_t smem, cudaStream_t stream, bool pdl,
-                              const LogitsArgs& args, Args&&... extra) {
-  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
-  int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
-  per_sm = std::max(per_sm, 1);
-  const int64_t bound = static_cast<int64_t>(args.rows) *
-                        ((args.width + kItemPools - 1) / kItemPools);
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
-  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
-                pdl, args, std::forward<Args>(extra)...);
-}
 
 // The driver's tensor-map encoder, through the runtime (no link against libcuda).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -895,7 +665,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // The cache's fp8 bytes as a 3-d tensor (128 bytes of an entry, entries of a page, pages),
-// read in boxes of one 16-entry tile in the 128-byte swizzle (mqa_logits_wgmma_kernel).
+// read in boxes of one 16-entry tile in the 128-byte swizzle (mqa_logits_kernel).
 cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
@@ -911,24 +681,31 @@ cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-bool wgmma_logits() {
-  const char* v = std::getenv("GLM5_JAX_LOGITS_WGMMA");
-  return v == nullptr || v[0] != '0';
+// The logits kernel on a persistent grid: at most one CTA per possible item, at most what is
+// resident at once (shapes only: the command-buffer contract); the kernel spreads the actual
+// items over it.
+template <int kHeadTiles>
+cudaError_t launch_logits_as(cudaStream_t stream, bool pdl, const LogitsArgs& args) {
+  CUtensorMap map{};  // a cache of no pages is never read: no map to encode
+  if (args.pages > 0)
+    if (cudaError_t err = keys_tensor_map(args, &map); err != cudaSuccess) return err;
+  const auto kernel = mqa_logits_kernel<kHeadTiles>;
+  const size_t smem = LogitsLayout<kHeadTiles>::bytes(args.rows);
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
+  int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
+  per_sm = std::max(per_sm, 1);
+  const int64_t bound = static_cast<int64_t>(args.rows) *
+                        ((args.width + kItemPools - 1) / kItemPools);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
+  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
+                pdl, args, map);
 }
 
 cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                           int32_t padded) {
-  if (wgmma_logits()) {
-    CUtensorMap map;
-    if (cudaError_t err = keys_tensor_map(args, &map); err != cudaSuccess) return err;
-    return padded == 64
-               ? launch_persistent(mqa_logits_wgmma_kernel<8>, WgLayout<8>::bytes(args.rows),
-                                   stream, pdl, args, map)
-               : launch_persistent(mqa_logits_wgmma_kernel<4>, WgLayout<4>::bytes(args.rows),
-                                   stream, pdl, args, map);
-  }
-  auto kernel = padded == 64 ? mqa_logits_kernel<8> : mqa_logits_kernel<4>;
-  return launch_persistent(kernel, logits_smem(args.rows), stream, pdl, args);
+  return padded == 64 ? launch_logits_as<8>(stream, pdl, args)
+                      : launch_logits_as<4>(stream, pdl, args);
 }
 
 template <int kThreads, int kPer>
