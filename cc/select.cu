@@ -41,6 +41,9 @@ constexpr int kItemPools = kWarpPools * kConsumerWarps;  // 64 pools per work it
 // (launch_topk's widest shape).
 constexpr int kTopkMaxThreads = 1024, kTopkMaxKeys = 32;
 constexpr int kTopkMaxPools = kTopkMaxThreads * kTopkMaxKeys;  // 32768
+// Keys gathered into shared memory after the bound (pool_topk_kernel): 2 per thread at 1024
+// threads; the bound leaves ~1000-1500 of 8K-32K normal logits (numpy model of the bound).
+constexpr int kTopkCandidates = 2048;
 constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
 constexpr int kTopkBins = 1 << kTopkDigitBits;
 
@@ -428,10 +431,14 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Inclusive prefix sum over the CTA's threads in thread order. warp_sums is written here:
-// the caller puts a barrier between this call and the next one.
+// Inclusive prefix sum over the CTA's threads in thread order, and the CTA's total.
+// warp_sums is written here: the caller puts a barrier between this call and the next one.
+struct Scan {
+  uint32_t incl, total;
+};
+
 template <int kThreads>
-__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* warp_sums) {
+__device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   uint32_t incl = v;
 #pragma unroll
@@ -450,30 +457,121 @@ __device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* w
     if (lane >= d) across += o;
   }
   const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
-  return before + incl;
+  return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
+}
+
+// The top-k kernel's shared memory.
+struct TopkShared {
+  uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
+  uint32_t warp_sums[kTopkMaxThreads / kWarp];
+  uint32_t warp_lo[kTopkMaxThreads / kWarp], warp_hi[kTopkMaxThreads / kWarp];
+  uint32_t warp_bound[kTopkMaxThreads / kWarp];
+  uint32_t digit, above, count;
+};
+
+// Gathering the keys left after the bound pays where it cuts the keys per thread at least
+// 4-fold (launch_topk's 1024-thread shapes: 8-32 keys per thread become 2).
+template <int kThreads, int kPer>
+constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
+
+// Radix select of the k-th largest of the CTA's keys, then the selected ids written to `out`
+// in ascending id order. key[i] (0: no key) has id id_of(i), and the ids ascend with
+// (thread, i) across the CTA; lo and hi are the CTA's smallest and largest nonzero keys,
+// and more than k keys are nonzero. hist[0] is zero and a barrier separates that from here.
+//
+// The digits (at most kTopkDigitBits each) start below the bits lo and hi share, so keys of
+// a narrow range still spread over the bins. After each digit the selection is "keys whose
+// bits above `shift` exceed the prefix, plus the first `remaining` (by id) of those equal to
+// it"; it stops when every key equal to the prefix is selected, or at shift 0 (ties at the
+// k-th key, taken by ascending id). Shared-memory atomics only count; the order of the
+// output is fixed by one prefix sum of per-thread counts.
+template <int kThreads, int kSlots, typename IdOf>
+__device__ __forceinline__ void radix_select_emit(const uint32_t (&key)[kSlots], IdOf id_of,
+                                                  uint32_t lo, uint32_t hi, int32_t k,
+                                                  int32_t* out, TopkShared& sh) {
+  constexpr int kBinsPerThread = kTopkBins / kThreads;
+  static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
+  // Invariant: the keys whose bits above `bits` equal the prefix number at least
+  // `remaining`, and the keys above them fewer than k.
+  int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
+  uint32_t prefix = bits == 32 ? 0u : hi & ~((1u << bits) - 1u);
+  uint32_t remaining = static_cast<uint32_t>(k);
+  int shift = 0, buffer = 0;
+  while (bits > 0) {
+    shift = bits > kTopkDigitBits ? bits - kTopkDigitBits : 0;
+    const uint32_t digit_mask = (1u << (bits - shift)) - 1u;
+    uint32_t* h = sh.hist[buffer];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i)
+      if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
+        atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
+    __syncthreads();
+    // Thread t owns kBinsPerThread bins, thread 0 the highest: the thread whose prefix
+    // sum crosses `remaining` holds the digit.
+    const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
+    uint32_t mine[kBinsPerThread], sum = 0;
+#pragma unroll
+    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = h[first_bin + b];
+    const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums).incl;
+    uint32_t above = incl - sum;
+    if (above < remaining && remaining <= incl) {
+#pragma unroll
+      for (int b = kBinsPerThread - 1; b >= 0; --b) {
+        if (above + mine[b] >= remaining) {
+          sh.digit = static_cast<uint32_t>(first_bin + b);
+          sh.above = above;
+          sh.count = mine[b];
+          break;
+        }
+        above += mine[b];
+      }
+    }
+    for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[buffer ^ 1][i] = 0;
+    __syncthreads();
+    prefix |= sh.digit << shift;
+    remaining -= sh.above;
+    bits = shift;
+    if (sh.count == remaining) break;  // every key equal to the prefix is selected
+    buffer ^= 1;
+  }
+
+  // Emit: keys above the prefix, and the first `remaining` keys equal to it, in id order
+  // (counts packed: above in the high half, equal in the low; each <= 32768).
+  const uint32_t top = prefix >> shift;
+  uint32_t gt = 0, eq = 0;
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    if (key[i] == 0u) continue;
+    gt += (key[i] >> shift) > top;
+    eq += (key[i] >> shift) == top;
+  }
+  const uint32_t packed = (gt << 16) | eq;
+  const uint32_t before = block_scan<kThreads>(packed, sh.warp_sums).incl - packed;
+  const uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
+  uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
+  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    if (key[i] == 0u) continue;
+    const uint32_t d = key[i] >> shift;
+    if (d > top || (d == top && take > 0u)) {
+      if (d == top) --take;
+      out[at++] = id_of(i);
+    }
+  }
 }
 
 // One CTA of kThreads per row; thread t holds the keys of pools [t * chunk, (t + 1) *
 // chunk) in registers, chunk = ceil(n / kThreads) <= kPer (kThreads * kPer >= the logits
-// width), so emitting the selection in ascending id order is one prefix sum of
-// per-thread counts.
-//
-// Radix select of the k-th largest key over digits of at most kTopkDigitBits, starting
-// below the bits that the row's smallest candidate and largest key share (the digits
-// adapt to the row's range, so keys of a narrow range still spread over the bins). After each digit
-// the selection is "keys whose bits above `shift` exceed the prefix, plus the first
-// `remaining` (by id) of those equal to it"; it stops when every key equal to the prefix
-// is selected, or at shift 0 (ties at the k-th key, taken by ascending id). Shared-memory
-// atomics only count; the order of the output is fixed by the prefix sum.
+// width), so the ids ascend with (thread, key) and emitting the selection in ascending id
+// order is one prefix sum of per-thread counts. A lower bound on the k-th largest key drops
+// most keys first; where few are left (kCompact), they are gathered into shared memory in
+// id order and spread over the threads before the radix select (radix_select_emit).
 template <int kThreads, int kPer>
 __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   constexpr int kWarps = kThreads / kWarp;
-  constexpr int kBinsPerThread = kTopkBins / kThreads;
-  static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0 && kPer % 4 == 0);
-  __shared__ uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
-  __shared__ uint32_t warp_sums[kWarps];
-  __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps], warp_bound_of[kWarps];
-  __shared__ uint32_t shared_digit, shared_above, shared_count;
+  static_assert(kPer % 4 == 0 && kThreads <= kTopkMaxThreads);
+  __shared__ TopkShared sh;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x;
   const int32_t k = a.k;
@@ -511,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) val[i] = i < chunk && base + i < n ? __ldg(row + base + i) : 0.f;
   }
-  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) hist[0][i] = 0;
+  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
 
   // Keys (0 = no pool: past n; every pool's key is > 0); the thread's min and max.
   uint32_t key[kPer];
@@ -548,17 +646,17 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   lo = __reduce_min_sync(0xffffffffu, lo);
   hi = __shfl_sync(0xffffffffu, sorted, 0);  // the warp's largest
   if (lane == 0) {
-    warp_lo[warp] = lo;
-    warp_hi[warp] = hi;
-    warp_bound_of[warp] = warp_bound;
+    sh.warp_lo[warp] = lo;
+    sh.warp_hi[warp] = hi;
+    sh.warp_bound[warp] = warp_bound;
   }
   __syncthreads();
   uint32_t bound = warp_bound;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
-    lo = min(lo, warp_lo[w]);
-    hi = max(hi, warp_hi[w]);
-    bound = min(bound, warp_bound_of[w]);
+    lo = min(lo, sh.warp_lo[w]);
+    hi = max(hi, sh.warp_hi[w]);
+    bound = min(bound, sh.warp_bound[w]);
   }
   if (bound > lo) {
     lo = bound;
@@ -566,74 +664,44 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
     for (int i = 0; i < kPer; ++i)
       if (key[i] < bound) key[i] = 0u;
   }
-  // 2. The digits. Invariant: the keys whose bits above `bits` equal the prefix number
-  //    at least `remaining`, and the keys above them fewer than k.
-  int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
-  uint32_t prefix = bits == 32 ? 0u : hi & ~((1u << bits) - 1u);
-  uint32_t remaining = static_cast<uint32_t>(k);
-  int shift = 0, buffer = 0;
-  while (bits > 0) {
-    shift = bits > kTopkDigitBits ? bits - kTopkDigitBits : 0;
-    const uint32_t digit_mask = (1u << (bits - shift)) - 1u;
-    uint32_t* h = hist[buffer];
+  // 2. The few keys left, gathered in id order and spread over the threads (kCandidatePer
+  //    each at most), when they fit: the radix passes and the emission then walk
+  //    kCandidatePer keys per thread instead of kPer.
+  if constexpr (kCompact<kThreads, kPer>) {
+    constexpr int kCandidatePer = kTopkCandidates / kThreads;
+    __shared__ uint32_t cand_key[kTopkCandidates];
+    __shared__ int32_t cand_id[kTopkCandidates];
+    uint32_t own = 0;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i)
-      if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
-        atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
-    __syncthreads();
-    // Thread t owns kBinsPerThread bins, thread 0 the highest: the thread whose prefix
-    // sum crosses `remaining` holds the digit.
-    const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
-    uint32_t mine[kBinsPerThread], sum = 0;
+    for (int i = 0; i < kPer; ++i) own += key[i] != 0u;
+    const Scan kept = block_scan<kThreads>(own, sh.warp_sums);
+    if (kept.total <= kTopkCandidates) {  // the same branch in every thread
+      uint32_t at = kept.incl - own;
 #pragma unroll
-    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = h[first_bin + b];
-    const uint32_t incl = block_inclusive_scan<kThreads>(sum, warp_sums);
-    uint32_t above = incl - sum;
-    if (above < remaining && remaining <= incl) {
-#pragma unroll
-      for (int b = kBinsPerThread - 1; b >= 0; --b) {
-        if (above + mine[b] >= remaining) {
-          shared_digit = static_cast<uint32_t>(first_bin + b);
-          shared_above = above;
-          shared_count = mine[b];
-          break;
+      for (int i = 0; i < kPer; ++i)
+        if (key[i] != 0u) {
+          cand_key[at] = key[i];
+          cand_id[at] = base + i;
+          ++at;
         }
-        above += mine[b];
+      __syncthreads();
+      const uint32_t per = (kept.total + kThreads - 1) / kThreads;  // <= kCandidatePer
+      uint32_t ckey[kCandidatePer];
+      int32_t cid[kCandidatePer];
+#pragma unroll
+      for (int j = 0; j < kCandidatePer; ++j) {
+        const uint32_t c = threadIdx.x * per + j;
+        const bool in = j < per && c < kept.total;
+        ckey[j] = in ? cand_key[c] : 0u;
+        cid[j] = in ? cand_id[c] : -1;
       }
-    }
-    for (int i = threadIdx.x; i < kTopkBins; i += kThreads) hist[buffer ^ 1][i] = 0;
-    __syncthreads();
-    prefix |= shared_digit << shift;
-    remaining -= shared_above;
-    bits = shift;
-    if (shared_count == remaining) break;  // every key equal to the prefix is selected
-    buffer ^= 1;
-  }
-
-  // 3. Emit: keys above the prefix, and the first `remaining` keys equal to it, in id
-  //    order (counts packed: above in the high half, equal in the low; each <= 32768).
-  const uint32_t top = prefix >> shift;
-  uint32_t gt = 0, eq = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    if (key[i] == 0u) continue;
-    gt += (key[i] >> shift) > top;
-    eq += (key[i] >> shift) == top;
-  }
-  const uint32_t packed = (gt << 16) | eq;
-  const uint32_t before = block_inclusive_scan<kThreads>(packed, warp_sums) - packed;
-  const uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
-  uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
-  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    if (key[i] == 0u) continue;
-    const uint32_t d = key[i] >> shift;
-    if (d > top || (d == top && take > 0u)) {
-      if (d == top) --take;
-      out[at++] = base + i;
+      radix_select_emit<kThreads>(ckey, [&](int i) { return cid[i]; }, lo, hi, k, out, sh);
+      pdl_launch_dependents();
+      return;
     }
   }
+  // 3. Otherwise the radix select over the thread's own keys.
+  radix_select_emit<kThreads>(key, [&](int i) { return base + i; }, lo, hi, k, out, sh);
   pdl_launch_dependents();
 }
 
