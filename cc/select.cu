@@ -22,8 +22,11 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #include "bulk.cuh"
@@ -33,6 +36,8 @@
 
 namespace glm5 {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kWarpPools = 16;                       // pools per warp tile (mma M)
 constexpr int kConsumerWarps = 4;                   // + a producer warp: kLogitsWarps
@@ -467,6 +472,8 @@ struct TopkShared {
   uint32_t warp_lo[kTopkMaxThreads / kWarp], warp_hi[kTopkMaxThreads / kWarp];
   uint32_t warp_bound[kTopkMaxThreads / kWarp];
   uint32_t digit, above, count;
+  uint32_t cand_key[kTopkCandidates];  // the keys kept after the bound, gathered in id order
+  int32_t cand_id[kTopkCandidates];
 };
 
 // Gathering the keys left after the bound pays where it cuts the keys per thread at least
@@ -477,7 +484,7 @@ constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 // Radix select of the k-th largest of the CTA's keys, then the selected ids written to `out`
 // in ascending id order. key[i] (0: no key) has id id_of(i), and the ids ascend with
 // (thread, i) across the CTA; lo and hi are the CTA's smallest and largest nonzero keys,
-// and more than k keys are nonzero. hist[0] is zero and a barrier separates that from here.
+// and at least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
 //
 // The digits (at most kTopkDigitBits each) start below the bits lo and hi share, so keys of
 // a narrow range still spread over the bins. After each digit the selection is "keys whose
@@ -561,45 +568,18 @@ __device__ __forceinline__ void radix_select_emit(const uint32_t (&key)[kSlots],
   }
 }
 
-// One CTA of kThreads per row; thread t holds the keys of pools [t * chunk, (t + 1) *
-// chunk) in registers, chunk = ceil(n / kThreads) <= kPer (kThreads * kPer >= the logits
-// width), so the ids ascend with (thread, key) and emitting the selection in ascending id
-// order is one prefix sum of per-thread counts. A lower bound on the k-th largest key drops
-// most keys first; where few are left (kCompact), they are gathered into shared memory in
-// id order and spread over the threads before the radix select (radix_select_emit).
-template <int kThreads, int kPer>
-__global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
-  constexpr int kWarps = kThreads / kWarp;
-  static_assert(kPer % 4 == 0 && kThreads <= kTopkMaxThreads);
-  __shared__ TopkShared sh;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int r = blockIdx.x;
-  const int32_t k = a.k;
-  int32_t* out = a.out + static_cast<int64_t>(r) * k;
-
-  if (!a.early_rows) pdl_wait();
-  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
-  if (n <= k) {  // every pool is selected: ids 0..n-1 in order, then -1
-    for (int32_t i = threadIdx.x; i < k; i += kThreads) out[i] = i < n ? i : -1;
-    if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
-    pdl_launch_dependents();
-    return;
-  }
-  if (a.early_rows) pdl_wait();
-
-  // 1. The thread's logits: `chunk` of them from the row's length (not its width), so a
-  //    short row in wide logits (the stage: max_pools wide) still spreads over every
-  //    thread.
-  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
-  const int32_t chunk = min(kPer, (n + kThreads - 1) / kThreads);  // n > k >= 1: >= 1
-  const int32_t base = threadIdx.x * chunk;
+// Thread t's `chunk` keys of a row, pools [first, first + chunk) (0 past `end`: no pool);
+// vector loads where the row and the chunk are 16-byte aligned (`aligned`).
+template <int kPer>
+__device__ __forceinline__ void load_keys(const float* row, int32_t first, int32_t chunk,
+                                          int32_t end, bool aligned, uint32_t (&key)[kPer]) {
   float val[kPer];
-  if (chunk % 4 == 0 && a.width % 4 == 0) {  // rows and chunks 16-byte aligned
+  if (aligned) {
 #pragma unroll
     for (int j = 0; j < kPer / 4; ++j) {
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (4 * j < chunk && base + 4 * j + 4 <= a.width)
-        v = __ldg(reinterpret_cast<const float4*>(row + base) + j);
+      if (4 * j < chunk && first + 4 * j < end)  // may pass `end`, never the row's width
+        v = __ldg(reinterpret_cast<const float4*>(row + first) + j);
       val[4 * j] = v.x;
       val[4 * j + 1] = v.y;
       val[4 * j + 2] = v.z;
@@ -607,51 +587,117 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) val[i] = i < chunk && base + i < n ? __ldg(row + base + i) : 0.f;
+    for (int i = 0; i < kPer; ++i) val[i] = i < chunk && first + i < end ? __ldg(row + first + i) : 0.f;
   }
-  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
-
-  // Keys (0 = no pool: past n; every pool's key is > 0); the thread's min and max.
-  uint32_t key[kPer];
-  uint32_t lo = 0xffffffffu, hi = 0u;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    key[i] = i < chunk && base + i < n ? order_key(val[i]) : 0u;
-    if (key[i] != 0u) lo = min(lo, key[i]);
-    hi = max(hi, key[i]);
-  }
-  // A lower bound B on the k-th largest key. The first `full` warps have a pool in every
-  // thread; in each of them at least c = ceil(k / full) threads have a maximum >= the
-  // warp's c-th largest maximum >= B, so at least full * c >= k keys are >= B. Keys below
-  // B are never selected: they are dropped, and the digits start below the bits B and
-  // the row's largest key share (a range much narrower than the row's, so the first
-  // digit spreads over the bins instead of piling onto a few exponents, and fewer keys
-  // take part). No bound where c > 32 (k > 32 * full).
-  const int full = (n + chunk - 1) / chunk / kWarp;
-  const int c = full > 0 ? (k + full - 1) / full : kWarp + 1;
-  uint32_t sorted = hi;  // bitonic sort of the warp's maxima, descending
+  for (int i = 0; i < kPer; ++i) key[i] = i < chunk && first + i < end ? order_key(val[i]) : 0u;
+}
+
+// The c-th largest of the warp's values `v` (c in 1..32): a bitonic sort, descending.
+__device__ __forceinline__ uint32_t warp_nth_largest(uint32_t v, int c) {
+  const int lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int size = 2; size <= kWarp; size <<= 1)
 #pragma unroll
     for (int stride = size / 2; stride > 0; stride >>= 1) {
-      const uint32_t other = __shfl_xor_sync(0xffffffffu, sorted, stride);
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, v, stride);
       const bool descending = (lane & size) == 0 || size == kWarp;
       const bool lower = (lane & stride) == 0;
-      sorted = lower == descending ? max(sorted, other) : min(sorted, other);
+      v = lower == descending ? max(v, other) : min(v, other);
     }
-  // Warps past `full` do not bound (all ones: neutral in the min below).
-  const uint32_t warp_bound = c > kWarp ? 0u
-                              : warp < full ? __shfl_sync(0xffffffffu, sorted, c - 1)
-                                            : 0xffffffffu;
+  return __shfl_sync(0xffffffffu, v, c - 1);
+}
+
+// The candidate bound B <= the k-th largest key, over `full` warps that have a pool in every
+// thread: in each, at least c = ceil(k / full) threads have a maximum >= the warp's c-th
+// largest maximum >= B, so at least full * c >= k keys are >= B. Keys below B are never
+// selected: they are dropped, and the digits start below the bits B and the row's largest
+// key share (a range much narrower than the row's, so the first digit spreads over the bins
+// instead of piling onto a few exponents, and fewer keys take part). 0 (no bound) where
+// c > 32 (k > 32 * full). This warp's share: its c-th largest maximum if it is one of
+// the full ones (`is_full`), else all ones (neutral in the minimum over warps).
+__device__ __forceinline__ uint32_t warp_bound(uint32_t thread_max, int32_t k, int full,
+                                               bool is_full) {
+  const int c = full > 0 ? (k + full - 1) / full : kWarp + 1;
+  if (c > kWarp) return 0u;
+  const uint32_t nth = warp_nth_largest(thread_max, c);
+  return is_full ? nth : 0xffffffffu;
+}
+
+// Gathers the CTA's nonzero keys into `key_dst`/`id_dst` (shared memory, maybe another
+// CTA's) from position `at0`, in (thread, key) order: the ids ascend. `own`: the thread's
+// count, `at`: its exclusive prefix in the CTA.
+template <int kPer>
+__device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t first,
+                                            uint32_t at, uint32_t* key_dst, int32_t* id_dst) {
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    if (key[i] != 0u) {
+      key_dst[at] = key[i];
+      id_dst[at] = first + i;
+      ++at;
+    }
+}
+
+// Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (thread t
+// takes a contiguous run of them, so the ids still ascend with (thread, key)); lo and hi:
+// their smallest and largest. hist[0] is zero and a barrier separates that from here.
+template <int kThreads>
+__device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uint32_t hi,
+                                                int32_t k, int32_t* out, TopkShared& sh) {
+  constexpr int kCandidatePer = kTopkCandidates / kThreads;
+  const uint32_t per = (total + kThreads - 1) / kThreads;  // <= kCandidatePer
+  uint32_t ckey[kCandidatePer];
+  int32_t cid[kCandidatePer];
+#pragma unroll
+  for (int j = 0; j < kCandidatePer; ++j) {
+    const uint32_t c = threadIdx.x * per + j;
+    const bool in = j < per && c < total;
+    ckey[j] = in ? sh.cand_key[c] : 0u;
+    cid[j] = in ? sh.cand_id[c] : -1;
+  }
+  radix_select_emit<kThreads>(ckey, [&](int i) { return cid[i]; }, lo, hi, k, out, sh);
+}
+
+// The top-k of row r (n > k pools) by one CTA. Thread t holds the keys of pools
+// [t * chunk, (t + 1) * chunk) in registers, chunk = ceil(n / kThreads) <= kPer (kThreads *
+// kPer >= the logits width): `chunk` from the row's length, not its width, so a short row
+// in wide logits (the stage: max_pools wide) still spreads over every thread; the ids
+// ascend with (thread, key), so emitting the selection in ascending id order is one prefix
+// sum of per-thread counts. The candidate bound drops most keys first; where few are left
+// (kCompact), they are gathered into shared memory and spread over the threads before the
+// radix select.
+template <int kThreads, int kPer>
+__device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, int32_t* out,
+                                         TopkShared& sh) {
+  constexpr int kWarps = kThreads / kWarp;
+  static_assert(kPer % 4 == 0 && kThreads <= kTopkMaxThreads);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int32_t k = a.k;
+  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
+  const int32_t chunk = min(kPer, (n + kThreads - 1) / kThreads);  // n > k >= 1: >= 1
+  const int32_t base = threadIdx.x * chunk;
+  uint32_t key[kPer];
+  load_keys<kPer>(row, base, chunk, n, chunk % 4 == 0 && a.width % 4 == 0, key);
+  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
+
+  uint32_t lo = 0xffffffffu, hi = 0u;  // the thread's smallest and largest key
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (key[i] != 0u) lo = min(lo, key[i]);
+    hi = max(hi, key[i]);
+  }
+  const int full = (n + chunk - 1) / chunk / kWarp;  // the first `full` warps
+  const uint32_t bound_share = warp_bound(hi, k, full, warp < full);
   lo = __reduce_min_sync(0xffffffffu, lo);
-  hi = __shfl_sync(0xffffffffu, sorted, 0);  // the warp's largest
+  hi = __reduce_max_sync(0xffffffffu, hi);
   if (lane == 0) {
     sh.warp_lo[warp] = lo;
     sh.warp_hi[warp] = hi;
-    sh.warp_bound[warp] = warp_bound;
+    sh.warp_bound[warp] = bound_share;
   }
   __syncthreads();
-  uint32_t bound = warp_bound;
+  uint32_t bound = bound_share;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
     lo = min(lo, sh.warp_lo[w]);
@@ -664,44 +710,155 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
     for (int i = 0; i < kPer; ++i)
       if (key[i] < bound) key[i] = 0u;
   }
-  // 2. The few keys left, gathered in id order and spread over the threads (kCandidatePer
-  //    each at most), when they fit: the radix passes and the emission then walk
-  //    kCandidatePer keys per thread instead of kPer.
   if constexpr (kCompact<kThreads, kPer>) {
-    constexpr int kCandidatePer = kTopkCandidates / kThreads;
-    __shared__ uint32_t cand_key[kTopkCandidates];
-    __shared__ int32_t cand_id[kTopkCandidates];
     uint32_t own = 0;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) own += key[i] != 0u;
     const Scan kept = block_scan<kThreads>(own, sh.warp_sums);
     if (kept.total <= kTopkCandidates) {  // the same branch in every thread
-      uint32_t at = kept.incl - own;
-#pragma unroll
-      for (int i = 0; i < kPer; ++i)
-        if (key[i] != 0u) {
-          cand_key[at] = key[i];
-          cand_id[at] = base + i;
-          ++at;
-        }
+      gather_keys<kPer>(key, base, kept.incl - own, sh.cand_key, sh.cand_id);
       __syncthreads();
-      const uint32_t per = (kept.total + kThreads - 1) / kThreads;  // <= kCandidatePer
-      uint32_t ckey[kCandidatePer];
-      int32_t cid[kCandidatePer];
-#pragma unroll
-      for (int j = 0; j < kCandidatePer; ++j) {
-        const uint32_t c = threadIdx.x * per + j;
-        const bool in = j < per && c < kept.total;
-        ckey[j] = in ? cand_key[c] : 0u;
-        cid[j] = in ? cand_id[c] : -1;
-      }
-      radix_select_emit<kThreads>(ckey, [&](int i) { return cid[i]; }, lo, hi, k, out, sh);
-      pdl_launch_dependents();
+      select_gathered<kThreads>(kept.total, lo, hi, k, out, sh);
       return;
     }
   }
-  // 3. Otherwise the radix select over the thread's own keys.
   radix_select_emit<kThreads>(key, [&](int i) { return base + i; }, lo, hi, k, out, sh);
+}
+
+// One CTA of kThreads per row.
+template <int kThreads, int kPer>
+__global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
+  __shared__ TopkShared sh;
+  const int r = blockIdx.x;
+  int32_t* out = a.out + static_cast<int64_t>(r) * a.k;
+  if (!a.early_rows) pdl_wait();
+  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+  if (n <= a.k) {  // every pool is selected: ids 0..n-1 in order, then -1
+    for (int32_t i = threadIdx.x; i < a.k; i += kThreads) out[i] = i < n ? i : -1;
+    if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
+    pdl_launch_dependents();
+    return;
+  }
+  if (a.early_rows) pdl_wait();
+  topk_row<kThreads, kPer>(a, r, n, out, sh);
+  pdl_launch_dependents();
+}
+
+// kParts CTAs of kTopkMaxThreads per row, a thread-block cluster (few rows of many pools:
+// one CTA would walk the row alone on one SM). CTA q of the cluster holds pools
+// [q * span, (q + 1) * span), span = ceil(n / kParts) rounded up to 4, kPer keys per thread
+// at most. The cluster shares one candidate bound (the minimum of the CTAs'), then every CTA
+// writes its kept keys, in id order, into CTA 0's shared memory at its offset (the sum of
+// the lower CTAs' counts), and CTA 0 alone runs the radix select among them. Three cluster
+// barriers in all. Where more than kTopkCandidates keys are kept (ties, adversarial rows),
+// CTA 0 runs the one-CTA path (topk_row) on the whole row instead.
+template <int kParts, int kPer>
+__global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
+  constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
+  constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA
+  static_assert(kPer % 4 == 0 && kRowPer <= kTopkMaxKeys);
+  __shared__ TopkShared sh;
+  __shared__ uint32_t part_bound, part_count, part_lo, part_hi;  // read by the cluster
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int part = static_cast<int>(cluster.block_rank());
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int r = blockIdx.x / kParts;
+  const int32_t k = a.k;
+  int32_t* out = a.out + static_cast<int64_t>(r) * k;
+  if (!a.early_rows) pdl_wait();
+  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+  if (n <= k) {  // the whole cluster returns here: no cluster barrier was passed
+    if (part == 0)
+      for (int32_t i = threadIdx.x; i < k; i += kThreads) out[i] = i < n ? i : -1;
+    if (a.early_rows) pdl_wait();
+    pdl_launch_dependents();
+    return;
+  }
+  if (a.early_rows) pdl_wait();
+
+  // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
+  const int32_t span = ((n + kParts - 1) / kParts + 3) / 4 * 4;
+  const int32_t chunk = min(kPer, (span + kThreads - 1) / kThreads);
+  const int32_t first = part * span + threadIdx.x * chunk;
+  const int32_t end = min(n, (part + 1) * span);
+  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
+  uint32_t key[kPer];
+  load_keys<kPer>(row, first, chunk, end, chunk % 4 == 0 && a.width % 4 == 0, key);
+  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
+  int full = 0, mine = 0;  // full warps: of the cluster, of this CTA
+  for (int q = 0; q < kParts; ++q) {
+    const int32_t keys = min(max(n - q * span, 0), span);
+    const int f = (keys + chunk - 1) / chunk / kWarp;
+    full += f;
+    if (q == part) mine = f;
+  }
+  uint32_t hi = 0u;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) hi = max(hi, key[i]);
+  const uint32_t bound_share = warp_bound(hi, k, full, warp < mine);
+  if (lane == 0) sh.warp_bound[warp] = bound_share;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t b = sh.warp_bound[0];
+    for (int w = 1; w < kWarps; ++w) b = min(b, sh.warp_bound[w]);
+    part_bound = b;
+  }
+  cluster.sync();  // 1: the parts' bounds
+  uint32_t bound = 0xffffffffu;
+  for (int q = 0; q < kParts; ++q) bound = min(bound, *cluster.map_shared_rank(&part_bound, q));
+
+  // 2. The kept keys (>= the bound): their count, smallest and largest, per CTA.
+  uint32_t own = 0, lo = 0xffffffffu;
+  hi = 0u;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (key[i] < bound) key[i] = 0u;
+    own += key[i] != 0u;
+    if (key[i] != 0u) lo = min(lo, key[i]);
+    hi = max(hi, key[i]);
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) {
+    sh.warp_lo[warp] = lo;
+    sh.warp_hi[warp] = hi;
+  }
+  const Scan kept = block_scan<kThreads>(own, sh.warp_sums);  // its barrier orders warp_lo/hi
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kWarps; ++w) {
+      lo = min(lo, sh.warp_lo[w]);
+      hi = max(hi, sh.warp_hi[w]);
+    }
+    part_count = kept.total;
+    part_lo = lo;
+    part_hi = hi;
+  }
+  cluster.sync();  // 2: the parts' counts
+  uint32_t offset = 0, total = 0;
+  for (int q = 0; q < kParts; ++q) {
+    const uint32_t c = *cluster.map_shared_rank(&part_count, q);
+    offset += q < part ? c : 0u;
+    total += c;
+  }
+  if (part == 0) {
+    for (int q = 0; q < kParts; ++q) {
+      lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
+      hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
+    }
+  }
+  // 3. The kept keys into CTA 0, in id order.
+  const bool gathered = total <= kTopkCandidates;  // the same in every CTA
+  if (gathered)
+    gather_keys<kPer>(key, first, offset + kept.incl - own,
+                      cluster.map_shared_rank(sh.cand_key, 0),
+                      cluster.map_shared_rank(sh.cand_id, 0));
+  cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  if (part == 0) {
+    if (gathered)
+      select_gathered<kThreads>(total, lo, hi, k, out, sh);
+    else
+      topk_row<kThreads, kRowPer>(a, r, n, out, sh);
+  }
   pdl_launch_dependents();
 }
 
@@ -782,16 +939,44 @@ cudaError_t launch_topk_as(cudaStream_t stream, bool pdl, const TopkArgs& args) 
                 dim3(kThreads), 0, stream, pdl, args);
 }
 
+template <int kParts, int kPer>
+cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
+                        dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
+                        0, stream, pdl, static_cast<unsigned>(kParts), args);
+}
+
+// CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
+// the H200 idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
+// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1; at most width /
+// 4096 (4 keys per thread at least, one 16-byte load).
+// MEASUREMENT ONLY: GLM5_JAX_TOPK_PARTS=0 keeps one CTA per row (the A/B on the H200).
+int topk_parts(int32_t rows, int32_t width) {
+  const char* v = std::getenv("GLM5_JAX_TOPK_PARTS");
+  if (v != nullptr && v[0] == '0') return 1;
+  const int by_rows = rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1;
+  return std::min(by_rows, width <= 4096 ? 1 : width <= 8192 ? 2 : width <= 16384 ? 4 : 8);
+}
+
 // Threads and keys per thread from the logits width (a static shape): at least 16 warps
 // (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
 // past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
-// 1024 threads per CTA).
+// 1024 threads per CTA); the keys of a row split over topk_parts CTAs where it says so.
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  const int parts = topk_parts(args.rows, args.width);
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
-  if (args.width <= 8192) return launch_topk_as<1024, 8>(stream, pdl, args);
-  if (args.width <= 16384) return launch_topk_as<1024, 16>(stream, pdl, args);
-  return launch_topk_as<kTopkMaxThreads, kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 8192)
+    return parts == 2 ? launch_topk_parts<2, 4>(stream, pdl, args)
+                      : launch_topk_as<1024, 8>(stream, pdl, args);
+  if (args.width <= 16384)
+    return parts == 4   ? launch_topk_parts<4, 4>(stream, pdl, args)
+           : parts == 2 ? launch_topk_parts<2, 8>(stream, pdl, args)
+                        : launch_topk_as<1024, 16>(stream, pdl, args);
+  return parts == 8   ? launch_topk_parts<8, 4>(stream, pdl, args)
+         : parts == 4 ? launch_topk_parts<4, 8>(stream, pdl, args)
+         : parts == 2 ? launch_topk_parts<2, 16>(stream, pdl, args)
+                      : launch_topk_as<kTopkMaxThreads, kTopkMaxKeys>(stream, pdl, args);
 }
 
 // --------------------------------------------------------------------------- handlers

@@ -19,6 +19,7 @@ os.environ["GLM5_JAX_KERNELS"] = "1"
 
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import glm5_jax  # noqa: E402
 from glm5_jax.testing import cases, oracle  # noqa: E402
@@ -59,6 +60,14 @@ def _variants():
   out.append(("mqa_logits ring", functools.partial(glm5_jax.mqa_logits, max_pools=wide),
               functools.partial(cases.mqa_args, lens=lens, slots=wide // cases.LOGITS_PAGE,
                                 holes=True), None, False))
+  # pool_topk on a cluster per row (few rows, wide logits): kept keys gathered into the
+  # first CTA (normal rows), the one-CTA path there (equal logits: every key kept).
+  def topk_parts_args(rng, rows=3, width=32768):
+    logits = rng.standard_normal((rows, width)).astype(np.float32)
+    logits[1] = 3.0
+    return jnp.asarray(logits), cases.i32([width, width, 20001][:rows])
+  out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
+              topk_parts_args, None, True))
   return out
 
 
