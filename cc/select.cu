@@ -49,6 +49,7 @@ constexpr int kTopkMaxPools = kTopkMaxThreads * kTopkMaxKeys;  // 32768
 // Keys gathered into shared memory after the bound (pool_topk_kernel): 2 per thread at 1024
 // threads; the bound leaves ~1000-1500 of 8K-32K normal logits (numpy model of the bound).
 constexpr int kTopkCandidates = 2048;
+constexpr int kTopkClusterBoundWarps = 16;          // J of the bound in a cluster (warp_bound)
 constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
 constexpr int kTopkBins = 1 << kTopkDigitBits;
 
@@ -608,20 +609,29 @@ __device__ __forceinline__ uint32_t warp_nth_largest(uint32_t v, int c) {
   return __shfl_sync(0xffffffffu, v, c - 1);
 }
 
-// The candidate bound B <= the k-th largest key, over `full` warps that have a pool in every
-// thread: in each, at least c = ceil(k / full) threads have a maximum >= the warp's c-th
-// largest maximum >= B, so at least full * c >= k keys are >= B. Keys below B are never
-// selected: they are dropped, and the digits start below the bits B and the row's largest
-// key share (a range much narrower than the row's, so the first digit spreads over the bins
-// instead of piling onto a few exponents, and fewer keys take part). 0 (no bound) where
-// c > 32 (k > 32 * full). This warp's share: its c-th largest maximum if it is one of
-// the full ones (`is_full`), else all ones (neutral in the minimum over warps).
-__device__ __forceinline__ uint32_t warp_bound(uint32_t thread_max, int32_t k, int full,
-                                               bool is_full) {
-  const int c = full > 0 ? (k + full - 1) / full : kWarp + 1;
+// The candidate bound B <= the k-th largest key, in two levels. A warp with a pool in every
+// thread (a full one) offers v = its c-th largest thread maximum: at least c of its keys are
+// >= v. A CTA with f full warps (its first ones) offers b = the j-th largest v among them,
+// j = min(f, J): at least c * j of its keys are >= b. B = the minimum b over the CTAs of the
+// row, so with c = ceil(k / (the sum of their j)) at least k keys are >= B; no bound (0)
+// where c > 32. One CTA per row takes J = 32 >= f (B = the minimum v over its full warps); a
+// cluster of 4-8 takes J = 16: the minimum over 256 warps' v of 4 keys per thread left
+// ~2000 of 32768 normal logits (numpy model), the 16th largest per CTA ~1100.
+//
+// Keys below B are never selected: they are dropped, and the digits start below the bits B
+// and the row's largest key share (a range much narrower than the row's, so the first digit
+// spreads over the bins instead of piling onto a few exponents, and fewer keys take part).
+// This warp's v (0 where c > 32; 0 too for a warp that is not full, so it never ranks among
+// the j largest of j <= f full warps).
+__device__ __forceinline__ uint32_t warp_bound(uint32_t thread_max, int c, bool is_full) {
   if (c > kWarp) return 0u;
   const uint32_t nth = warp_nth_largest(thread_max, c);
-  return is_full ? nth : 0xffffffffu;
+  return is_full ? nth : 0u;
+}
+
+// c for `sum_j` offered warps (above); 33 (no bound) where none.
+__device__ __forceinline__ int bound_c(int32_t k, int sum_j) {
+  return sum_j > 0 ? (k + sum_j - 1) / sum_j : kWarp + 1;
 }
 
 // Gathers the CTA's nonzero keys into `key_dst`/`id_dst` (shared memory, maybe another
@@ -688,7 +698,8 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, in
     hi = max(hi, key[i]);
   }
   const int full = (n + chunk - 1) / chunk / kWarp;  // the first `full` warps
-  const uint32_t bound_share = warp_bound(hi, k, full, warp < full);
+  const int c = bound_c(k, full);                     // j = f: J = 32 >= f
+  const uint32_t bound_share = warp_bound(hi, c, warp < full);
   lo = __reduce_min_sync(0xffffffffu, lo);
   hi = __reduce_max_sync(0xffffffffu, hi);
   if (lane == 0) {
@@ -697,12 +708,12 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, in
     sh.warp_bound[warp] = bound_share;
   }
   __syncthreads();
-  uint32_t bound = bound_share;
+  uint32_t bound = c > kWarp ? 0u : 0xffffffffu;  // the minimum v over the full warps
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
     lo = min(lo, sh.warp_lo[w]);
     hi = max(hi, sh.warp_hi[w]);
-    bound = min(bound, sh.warp_bound[w]);
+    if (w < full) bound = min(bound, sh.warp_bound[w]);
   }
   if (bound > lo) {
     lo = bound;
@@ -785,23 +796,25 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   uint32_t key[kPer];
   load_keys<kPer>(row, first, chunk, end, chunk % 4 == 0 && a.width % 4 == 0, key);
   for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
-  int full = 0, mine = 0;  // full warps: of the cluster, of this CTA
+  int sum_j = 0, mine = 0;  // the offered warps of the cluster; this CTA's full warps
   for (int q = 0; q < kParts; ++q) {
     const int32_t keys = min(max(n - q * span, 0), span);
     const int f = (keys + chunk - 1) / chunk / kWarp;
-    full += f;
+    sum_j += min(f, kTopkClusterBoundWarps);
     if (q == part) mine = f;
   }
+  const int c = bound_c(k, sum_j), j = min(mine, kTopkClusterBoundWarps);
   uint32_t hi = 0u;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) hi = max(hi, key[i]);
-  const uint32_t bound_share = warp_bound(hi, k, full, warp < mine);
-  if (lane == 0) sh.warp_bound[warp] = bound_share;
+  const uint32_t v = warp_bound(hi, c, warp < mine);
+  if (lane == 0) sh.warp_bound[warp] = v;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t b = sh.warp_bound[0];
-    for (int w = 1; w < kWarps; ++w) b = min(b, sh.warp_bound[w]);
-    part_bound = b;
+  if (warp == 0) {  // b: the j-th largest v (no bound where c > 32; neutral where j = 0)
+    const uint32_t b = c > kWarp ? 0u
+                       : j == 0  ? 0xffffffffu
+                                 : warp_nth_largest(lane < kWarps ? sh.warp_bound[lane] : 0u, j);
+    if (lane == 0) part_bound = b;
   }
   cluster.sync();  // 1: the parts' bounds
   uint32_t bound = 0xffffffffu;
