@@ -487,18 +487,31 @@ constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 // (thread, i) across the CTA; lo and hi are the CTA's smallest and largest nonzero keys,
 // and at least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
 //
-// The digits (at most kTopkDigitBits each) start below the bits lo and hi share, so keys of
-// a narrow range still spread over the bins. After each digit the selection is "keys whose
-// bits above `shift` exceed the prefix, plus the first `remaining` (by id) of those equal to
-// it"; it stops when every key equal to the prefix is selected, or at shift 0 (ties at the
-// k-th key, taken by ascending id). Shared-memory atomics only count; the order of the
-// output is fixed by one prefix sum of per-thread counts.
+// The keys are first taken relative to lo (key - lo + 1: the order and the ties kept, 0
+// still "no key"), so the digits cover [lo, hi] linearly. Bit-aligned digits of the keys
+// themselves start below the bits lo and hi share, which a range across a power of two
+// (0.5 to 3.5: exponents 126 to 128) leaves at bit 31: the first 11-bit digit is then
+// 8 exponent and 3 mantissa bits, ~1700 kept keys of a 2048-pool row pile into ~24 bins
+// (shared atomics on the same address serialise), and three digits are needed. Relative
+// keys spread over the bins, so the threshold's bin mostly holds every key still needed
+// after one or two digits. The key array is rewritten in place.
+//
+// The digits (at most kTopkDigitBits each) start below the bits the relative lo and hi
+// share. After each digit the selection is "keys whose bits above `shift` exceed the
+// prefix, plus the first `remaining` (by id) of those equal to it"; it stops when every key
+// equal to the prefix is selected, or at shift 0 (ties at the k-th key, taken by ascending
+// id). Shared-memory atomics only count; the order of the output is fixed by one prefix sum
+// of per-thread counts.
 template <int kThreads, int kSlots, typename IdOf>
-__device__ __forceinline__ void radix_select_emit(const uint32_t (&key)[kSlots], IdOf id_of,
+__device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf id_of,
                                                   uint32_t lo, uint32_t hi, int32_t k,
                                                   int32_t* out, TopkShared& sh) {
   constexpr int kBinsPerThread = kTopkBins / kThreads;
   static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) key[i] = key[i] != 0u ? key[i] - lo + 1u : 0u;
+  hi = hi - lo + 1u;  // lo >= 1 (keys are > 0): no wrap
+  lo = 1u;
   // Invariant: the keys whose bits above `bits` equal the prefix number at least
   // `remaining`, and the keys above them fewer than k.
   int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
