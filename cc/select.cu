@@ -39,7 +39,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kWarpPools = 16;                       // pools per warp tile (mma M)
+constexpr int kWarpPools = 16;                       // pools per tile: one warp's wgmma rows
 constexpr int kConsumerWarps = 4;                   // + a producer warp: kLogitsWarps
 constexpr int kItemPools = kWarpPools * kConsumerWarps;  // 64 pools per work item
 // Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys
@@ -142,20 +142,20 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* fir
 // ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
 __device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
 
-// The head-weighted sum of a thread's accumulators (acc[j] = the mma fragment of head tile
-// j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
+// The head-weighted sum of a thread's accumulators (d[4j..4j+3] = the fragment of head
+// tile j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
 template <int kHeadTiles>
-__device__ __forceinline__ void head_sum(const float (&acc)[kHeadTiles][4],
+__device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
                                          const float (&w0)[kHeadTiles],
                                          const float (&w1)[kHeadTiles], float scale_lo,
                                          float scale_hi, float& s_lo, float& s_hi) {
   float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
   for (int j = 0; j < kHeadTiles; ++j) {
-    sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
-    sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
-    sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
-    sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
+    sum_lo = fmaf(w0[j], relu(d[4 * j]), sum_lo);
+    sum_lo = fmaf(w1[j], relu(d[4 * j + 1]), sum_lo);
+    sum_hi = fmaf(w0[j], relu(d[4 * j + 2]), sum_hi);
+    sum_hi = fmaf(w1[j], relu(d[4 * j + 3]), sum_hi);
   }
   sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
   sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
@@ -397,13 +397,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
       }
       bulk::arrive(empty + 8 * s);  // this thread's reads of the stage (wgmma's too) are done
-      float acc[kHeadTiles][4];
-#pragma unroll
-      for (int j = 0; j < kHeadTiles; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = d[4 * j + i];
       float s_lo, s_hi;
-      head_sum<kHeadTiles>(acc, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+      head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
       if (!have) s_lo = s_hi = -INFINITY;
       if (t < 2) {
         if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
@@ -634,9 +629,9 @@ __device__ __forceinline__ int bound_c(int32_t k, int sum_j) {
   return sum_j > 0 ? (k + sum_j - 1) / sum_j : kWarp + 1;
 }
 
-// Gathers the CTA's nonzero keys into `key_dst`/`id_dst` (shared memory, maybe another
-// CTA's) from position `at0`, in (thread, key) order: the ids ascend. `own`: the thread's
-// count, `at`: its exclusive prefix in the CTA.
+// Writes the thread's nonzero keys (key[i] of pool first + i) and their ids into
+// `key_dst`/`id_dst` (shared memory, maybe another CTA's) from position `at`, the thread's
+// exclusive prefix of kept keys: in (thread, key) order, so the ids ascend.
 template <int kPer>
 __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t first,
                                             uint32_t at, uint32_t* key_dst, int32_t* id_dst) {
