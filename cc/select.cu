@@ -956,34 +956,35 @@ cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& arg
 
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
 // the H200 idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
-// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1; at most width /
-// 4096 (4 keys per thread at least, one 16-byte load). Measured on the H200 (ncu, L2
-// flushed, µs, one CTA per row -> the split): 1 x 32768 16.64 -> 12.74, 16 x 32768 18.18 ->
-// 11.94, 64 x 32768 20.74 -> 13.89; at 8192 (2 CTAs) within 0.6 either way.
-int topk_parts(int32_t rows, int32_t width) {
-  const int by_rows = rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1;
-  return std::min(by_rows, width <= 4096 ? 1 : width <= 8192 ? 2 : width <= 16384 ? 4 : 8);
+// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1. Measured on the
+// H200 (ncu, L2 flushed, µs, one CTA per row -> the split): 1 x 32768 16.64 -> 12.74,
+// 16 x 32768 18.18 -> 11.94, 64 x 32768 20.74 -> 13.89; at 8192 (2 CTAs) within 0.6 either
+// way.
+int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1; }
+
+// The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
+// topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
+template <int kRowPer>
+cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
+  if constexpr (kRowPer / 4 >= 8)
+    if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
+  if constexpr (kRowPer / 4 >= 4)
+    if (parts == 4) return launch_topk_parts<4, kRowPer / 4>(stream, pdl, args);
+  if (parts == 2) return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
+  return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
 }
 
 // Threads and keys per thread from the logits width (a static shape): at least 16 warps
 // (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
 // past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
-// 1024 threads per CTA); the keys of a row split over topk_parts CTAs where it says so.
+// 1024 threads per CTA).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  const int parts = topk_parts(args.rows, args.width);
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
-  if (args.width <= 8192)
-    return parts == 2 ? launch_topk_parts<2, 4>(stream, pdl, args)
-                      : launch_topk_as<1024, 8>(stream, pdl, args);
-  if (args.width <= 16384)
-    return parts == 4   ? launch_topk_parts<4, 4>(stream, pdl, args)
-           : parts == 2 ? launch_topk_parts<2, 8>(stream, pdl, args)
-                        : launch_topk_as<1024, 16>(stream, pdl, args);
-  return parts == 8   ? launch_topk_parts<8, 4>(stream, pdl, args)
-         : parts == 4 ? launch_topk_parts<4, 8>(stream, pdl, args)
-         : parts == 2 ? launch_topk_parts<2, 16>(stream, pdl, args)
-                      : launch_topk_as<kTopkMaxThreads, kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
+  if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
+  return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
 }
 
 // --------------------------------------------------------------------------- handlers
