@@ -360,10 +360,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
           const int h = c / (kDim / 16), chunk = c % (kDim / 16);
           const uint4 v = __ldg(qrow + c);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                           queries + h * kDim + ((chunk ^ (h % 8)) * 16)),
-                       "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                       : "memory");
+          bulk::store16(queries + h * kDim + ((chunk ^ (h % 8)) * 16), v);
         }
 #pragma unroll
         for (int j = 0; j < kHeadTiles; ++j) {
