@@ -90,5 +90,12 @@ __device__ __forceinline__ uint4 load16(uint32_t p) {
   return v;
 }
 
+// 16 bytes to shared memory.
+__device__ __forceinline__ void store16(uint32_t p, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 }  // namespace bulk
 }  // namespace glm5

@@ -39,7 +39,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kWarpPools = 16;                       // pools per warp tile (mma M)
+constexpr int kWarpPools = 16;                       // pools per tile: one warp's wgmma rows
 constexpr int kConsumerWarps = 4;                   // + a producer warp: kLogitsWarps
 constexpr int kItemPools = kWarpPools * kConsumerWarps;  // 64 pools per work item
 // Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys
@@ -142,20 +142,20 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* fir
 // ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
 __device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
 
-// The head-weighted sum of a thread's accumulators (acc[j] = the mma fragment of head tile
-// j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
+// The head-weighted sum of a thread's accumulators (d[4j..4j+3] = the fragment of head
+// tile j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
 template <int kHeadTiles>
-__device__ __forceinline__ void head_sum(const float (&acc)[kHeadTiles][4],
+__device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
                                          const float (&w0)[kHeadTiles],
                                          const float (&w1)[kHeadTiles], float scale_lo,
                                          float scale_hi, float& s_lo, float& s_hi) {
   float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
   for (int j = 0; j < kHeadTiles; ++j) {
-    sum_lo = fmaf(w0[j], relu(acc[j][0]), sum_lo);
-    sum_lo = fmaf(w1[j], relu(acc[j][1]), sum_lo);
-    sum_hi = fmaf(w0[j], relu(acc[j][2]), sum_hi);
-    sum_hi = fmaf(w1[j], relu(acc[j][3]), sum_hi);
+    sum_lo = fmaf(w0[j], relu(d[4 * j]), sum_lo);
+    sum_lo = fmaf(w1[j], relu(d[4 * j + 1]), sum_lo);
+    sum_hi = fmaf(w0[j], relu(d[4 * j + 2]), sum_hi);
+    sum_hi = fmaf(w1[j], relu(d[4 * j + 3]), sum_hi);
   }
   sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
   sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
@@ -360,10 +360,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
           const int h = c / (kDim / 16), chunk = c % (kDim / 16);
           const uint4 v = __ldg(qrow + c);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                           queries + h * kDim + ((chunk ^ (h % 8)) * 16)),
-                       "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                       : "memory");
+          bulk::store16(queries + h * kDim + ((chunk ^ (h % 8)) * 16), v);
         }
 #pragma unroll
         for (int j = 0; j < kHeadTiles; ++j) {
@@ -397,13 +394,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
       }
       bulk::arrive(empty + 8 * s);  // this thread's reads of the stage (wgmma's too) are done
-      float acc[kHeadTiles][4];
-#pragma unroll
-      for (int j = 0; j < kHeadTiles; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = d[4 * j + i];
       float s_lo, s_hi;
-      head_sum<kHeadTiles>(acc, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+      head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
       if (!have) s_lo = s_hi = -INFINITY;
       if (t < 2) {
         if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
@@ -647,9 +639,9 @@ __device__ __forceinline__ int bound_c(int32_t k, int sum_j) {
   return sum_j > 0 ? (k + sum_j - 1) / sum_j : kWarp + 1;
 }
 
-// Gathers the CTA's nonzero keys into `key_dst`/`id_dst` (shared memory, maybe another
-// CTA's) from position `at0`, in (thread, key) order: the ids ascend. `own`: the thread's
-// count, `at`: its exclusive prefix in the CTA.
+// Writes the thread's nonzero keys (key[i] of pool first + i) and their ids into
+// `key_dst`/`id_dst` (shared memory, maybe another CTA's) from position `at`, the thread's
+// exclusive prefix of kept keys: in (thread, key) order, so the ids ascend.
 template <int kPer>
 __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t first,
                                             uint32_t at, uint32_t* key_dst, int32_t* id_dst) {
@@ -974,34 +966,35 @@ cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& arg
 
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
 // the H200 idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
-// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1; at most width /
-// 4096 (4 keys per thread at least, one 16-byte load). Measured on the H200 (ncu, L2
-// flushed, µs, one CTA per row -> the split): 1 x 32768 16.64 -> 12.74, 16 x 32768 18.18 ->
-// 11.94, 64 x 32768 20.74 -> 13.89; at 8192 (2 CTAs) within 0.6 either way.
-int topk_parts(int32_t rows, int32_t width) {
-  const int by_rows = rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1;
-  return std::min(by_rows, width <= 4096 ? 1 : width <= 8192 ? 2 : width <= 16384 ? 4 : 8);
+// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1. Measured on the
+// H200 (ncu, L2 flushed, µs, one CTA per row -> the split): 1 x 32768 16.64 -> 12.74,
+// 16 x 32768 18.18 -> 11.94, 64 x 32768 20.74 -> 13.89; at 8192 (2 CTAs) within 0.6 either
+// way.
+int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1; }
+
+// The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
+// topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
+template <int kRowPer>
+cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
+  if constexpr (kRowPer / 4 >= 8)
+    if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
+  if constexpr (kRowPer / 4 >= 4)
+    if (parts == 4) return launch_topk_parts<4, kRowPer / 4>(stream, pdl, args);
+  if (parts == 2) return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
+  return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
 }
 
 // Threads and keys per thread from the logits width (a static shape): at least 16 warps
 // (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
 // past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
-// 1024 threads per CTA); the keys of a row split over topk_parts CTAs where it says so.
+// 1024 threads per CTA).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  const int parts = topk_parts(args.rows, args.width);
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
-  if (args.width <= 8192)
-    return parts == 2 ? launch_topk_parts<2, 4>(stream, pdl, args)
-                      : launch_topk_as<1024, 8>(stream, pdl, args);
-  if (args.width <= 16384)
-    return parts == 4   ? launch_topk_parts<4, 4>(stream, pdl, args)
-           : parts == 2 ? launch_topk_parts<2, 8>(stream, pdl, args)
-                        : launch_topk_as<1024, 16>(stream, pdl, args);
-  return parts == 8   ? launch_topk_parts<8, 4>(stream, pdl, args)
-         : parts == 4 ? launch_topk_parts<4, 8>(stream, pdl, args)
-         : parts == 2 ? launch_topk_parts<2, 16>(stream, pdl, args)
-                      : launch_topk_as<kTopkMaxThreads, kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
+  if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
+  return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
 }
 
 // --------------------------------------------------------------------------- handlers
