@@ -89,6 +89,35 @@ __device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int r) {
   return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
 }
 
+// Inclusive prefix sum over the CTA's threads in thread order, and the CTA's total.
+// warp_sums is written here: the caller puts a barrier between this call and the next one.
+struct Scan {
+  uint32_t incl, total;
+};
+
+template <int kThreads>
+__device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  uint32_t incl = v;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += o;
+  }
+  if (lane == kWarp - 1) warp_sums[warp] = incl;
+  __syncthreads();
+  // The warps' totals scanned across the lanes of every warp (no second barrier).
+  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
+  uint32_t across = total;
+#pragma unroll
+  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
+    if (lane >= d) across += o;
+  }
+  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
+  return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
+}
+
 // Exclusive prefix of work items over rows, first_item[0..rows] (every CTA computes the
 // same one from the row lengths: no schedule kernel); then the CTA's contiguous share of the
 // items, [begin, end), and the row of `begin`. All kThreads threads call it.
@@ -98,29 +127,15 @@ struct ItemRange {
 
 template <int kThreads>
 __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* first_item) {
-  constexpr int kWarps = kThreads / kWarp;
-  __shared__ int32_t warp_total[kWarps];
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  __shared__ uint32_t warp_sums[kThreads / kWarp];
   int32_t carry = 0;
   for (int base = 0; base < a.rows; base += kThreads) {
     const int r = base + threadIdx.x;
     const int32_t own = r < a.rows ? row_items(a, r) : 0;
-    int32_t incl = own;
-#pragma unroll
-    for (int d = 1; d < kWarp; d <<= 1) {
-      const int32_t o = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += o;
-    }
-    if (lane == kWarp - 1) warp_total[warp] = incl;
-    __syncthreads();
-    int32_t before = carry, total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      if (w < warp) before += warp_total[w];
-      total += warp_total[w];
-    }
-    if (r < a.rows) first_item[r] = before + incl - own;
-    carry += total;
-    __syncthreads();
+    const Scan scan = block_scan<kThreads>(static_cast<uint32_t>(own), warp_sums);
+    if (r < a.rows) first_item[r] = carry + static_cast<int32_t>(scan.incl) - own;
+    carry += static_cast<int32_t>(scan.total);
+    __syncthreads();  // warp_sums is written again by the next round
   }
   if (threadIdx.x == 0) first_item[a.rows] = carry;
   __syncthreads();
@@ -429,35 +444,6 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Inclusive prefix sum over the CTA's threads in thread order, and the CTA's total.
-// warp_sums is written here: the caller puts a barrier between this call and the next one.
-struct Scan {
-  uint32_t incl, total;
-};
-
-template <int kThreads>
-__device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  uint32_t incl = v;
-#pragma unroll
-  for (int d = 1; d < kWarp; d <<= 1) {
-    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += o;
-  }
-  if (lane == kWarp - 1) warp_sums[warp] = incl;
-  __syncthreads();
-  // The warps' totals scanned across the lanes of every warp (no second barrier).
-  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
-  uint32_t across = total;
-#pragma unroll
-  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
-    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
-    if (lane >= d) across += o;
-  }
-  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
-  return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
-}
-
 // The top-k kernel's shared memory.
 struct TopkShared {
   uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
@@ -741,21 +727,34 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, in
   radix_select_emit<kThreads>(key, [&](int i) { return base + i; }, lo, hi, k, out, sh);
 }
 
+// Row r's pool count, past the PDL wait the logits need; or -1 where every pool is selected
+// (n <= k): then the CTA has written ids 0..n-1 in order and -1 past them (where `writes`),
+// released its dependents, and returns at once. With early_rows such a row writes before
+// its wait.
+template <int kThreads>
+__device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, int32_t* out,
+                                                   bool writes) {
+  if (!a.early_rows) pdl_wait();
+  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+  if (n <= a.k) {
+    if (writes)
+      for (int32_t i = threadIdx.x; i < a.k; i += kThreads) out[i] = i < n ? i : -1;
+    if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
+    pdl_launch_dependents();
+    return -1;
+  }
+  if (a.early_rows) pdl_wait();
+  return n;
+}
+
 // One CTA of kThreads per row.
 template <int kThreads, int kPer>
 __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   __shared__ TopkShared sh;
   const int r = blockIdx.x;
   int32_t* out = a.out + static_cast<int64_t>(r) * a.k;
-  if (!a.early_rows) pdl_wait();
-  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
-  if (n <= a.k) {  // every pool is selected: ids 0..n-1 in order, then -1
-    for (int32_t i = threadIdx.x; i < a.k; i += kThreads) out[i] = i < n ? i : -1;
-    if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
-    pdl_launch_dependents();
-    return;
-  }
-  if (a.early_rows) pdl_wait();
+  const int32_t n = pools_to_select<kThreads>(a, r, out, true);
+  if (n < 0) return;
   topk_row<kThreads, kPer>(a, r, n, out, sh);
   pdl_launch_dependents();
 }
@@ -781,16 +780,8 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const int r = blockIdx.x / kParts;
   const int32_t k = a.k;
   int32_t* out = a.out + static_cast<int64_t>(r) * k;
-  if (!a.early_rows) pdl_wait();
-  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
-  if (n <= k) {  // the whole cluster returns here: no cluster barrier was passed
-    if (part == 0)
-      for (int32_t i = threadIdx.x; i < k; i += kThreads) out[i] = i < n ? i : -1;
-    if (a.early_rows) pdl_wait();
-    pdl_launch_dependents();
-    return;
-  }
-  if (a.early_rows) pdl_wait();
+  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0);
+  if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
 
   // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
   const int32_t span = ((n + kParts - 1) / kParts + 3) / 4 * 4;
