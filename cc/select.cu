@@ -20,6 +20,7 @@
 // start below the bits the bound and the row's largest key share, then one prefix sum of
 // per-thread counts that places the selected pool ids in ascending id order (ties at the
 // threshold by ascending id). No atomic decides an order; shared-memory atomics only count.
+#include <cstdlib>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -585,8 +586,12 @@ __device__ __forceinline__ void load_keys(const float* row, int32_t first, int32
   for (int i = 0; i < kPer; ++i) key[i] = i < chunk && first + i < end ? order_key(val[i]) : 0u;
 }
 
-// The c-th largest of the warp's values `v` (c in 1..32): a bitonic sort, descending.
+// The c-th largest of the warp's values `v` (c in 1..32): the minimum or maximum where c
+// is 32 or 1 (one instruction: the bound of a 16-warp CTA has c = 32), else a bitonic sort,
+// descending (15 dependent shuffles: ~1000 cycles of a 512-thread CTA, H200 clock64 trace).
 __device__ __forceinline__ uint32_t warp_nth_largest(uint32_t v, int c) {
+  if (c == kWarp) return __reduce_min_sync(0xffffffffu, v);
+  if (c == 1) return __reduce_max_sync(0xffffffffu, v);
   const int lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int size = 2; size <= kWarp; size <<= 1)
@@ -981,8 +986,17 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
 // 1024 threads per CTA).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
-  if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
+  static const int narrow = [] { const char* e = std::getenv("GLM5_TOPK_NARROW"); return e ? std::atoi(e) : 512; }();
+  if (args.width <= 2048) {
+    if (narrow == 128) return launch_topk_as<128, 16>(stream, pdl, args);
+    if (narrow == 256) return launch_topk_as<256, 8>(stream, pdl, args);
+    return launch_topk_as<512, 4>(stream, pdl, args);
+  }
+  if (args.width <= 4096) {
+    if (narrow == 128) return launch_topk_as<128, 32>(stream, pdl, args);
+    if (narrow == 256) return launch_topk_as<256, 16>(stream, pdl, args);
+    return launch_topk_as<512, 8>(stream, pdl, args);
+  }
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
