@@ -20,7 +20,6 @@
 // start below the bits the bound and the row's largest key share, then one prefix sum of
 // per-thread counts that places the selected pool ids in ascending id order (ties at the
 // threshold by ascending id). No atomic decides an order; shared-memory atomics only count.
-#include <cstdlib>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -84,9 +83,9 @@ struct LogitsArgs {
   bool ue8m0;                 // scale format: UE8M0 byte (else fp32)
 };
 
-__device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int r) {
+// The work items of a row of n pools.
+__device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int32_t n) {
   if (a.fill) return (a.width + kItemPools - 1) / kItemPools;
-  const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
 }
 
@@ -119,20 +118,42 @@ __device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
   return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
 }
 
-// Exclusive prefix of work items over rows, first_item[0..rows] (every CTA computes the
-// same one from the row lengths: no schedule kernel); then the CTA's contiguous share of the
-// items, [begin, end), and the row of `begin`. All kThreads threads call it.
+// The per-row tables of a logits CTA in shared memory: the exclusive prefix of work items
+// first_item[0..rows], then each row's pool count and page-table row (its request). They are
+// read once, together, before the scan: the page lookups behind them then wait on one
+// global load instead of two in a row (lens, then req_ids).
+struct RowTables {
+  int32_t* first_item;  // [rows + 1]
+  int32_t* pools;       // [rows]
+  int32_t* req;         // [rows]
+  __device__ RowTables(int32_t* base, int32_t rows)
+      : first_item(base), pools(base + rows + 1), req(base + 2 * rows + 1) {}
+  static constexpr size_t bytes(int32_t rows) {
+    return (3 * static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+  }
+};
+
+// The row tables (every CTA computes the same ones from the row lengths: no schedule
+// kernel); then the CTA's contiguous share of the items, [begin, end), and the row of
+// `begin`. All kThreads threads call it.
 struct ItemRange {
   int32_t begin, end, row;
 };
 
 template <int kThreads>
-__device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, int32_t* first_item) {
+__device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTables& t) {
   __shared__ uint32_t warp_sums[kThreads / kWarp];
+  int32_t* const first_item = t.first_item;
   int32_t carry = 0;
   for (int base = 0; base < a.rows; base += kThreads) {
     const int r = base + threadIdx.x;
-    const int32_t own = r < a.rows ? row_items(a, r) : 0;
+    int32_t own = 0;
+    if (r < a.rows) {
+      const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+      t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
+      t.pools[r] = n;
+      own = row_items(a, n);
+    }
     const Scan scan = block_scan<kThreads>(static_cast<uint32_t>(own), warp_sums);
     if (r < a.rows) first_item[r] = carry + static_cast<int32_t>(scan.incl) - own;
     carry += static_cast<int32_t>(scan.total);
@@ -222,12 +243,12 @@ struct TileSource {
   int32_t page, entry;
 };
 
-__device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const int32_t* first_item,
+__device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const RowTables& t,
                                                   int32_t item, int tile, int& row) {
-  while (first_item[row + 1] <= item) ++row;
-  const int32_t n = row_pools(a.lens, a.from_positions, row, a.width);
-  const int32_t p0 = (item - first_item[row]) * kItemPools + tile * kWarpPools;
-  const int32_t req = a.req_ids != nullptr ? a.req_ids[row] : row;
+  while (t.first_item[row + 1] <= item) ++row;
+  const int32_t n = t.pools[row];
+  const int32_t p0 = (item - t.first_item[row]) * kItemPools + tile * kWarpPools;
+  const int32_t req = t.req[row];
   const int32_t slot = p0 / a.page;  // a.page % 16 == 0: the tile is in one page
   if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
     const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
@@ -246,10 +267,10 @@ struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared m
   static constexpr int kScales = kQueries + kPadded * kDim;                 // [stage][64] x 4 B
   static constexpr int kBars = kScales + kRingStages * kItemPools * 4;      // full, empty
   static constexpr int kFlags = kBars + 2 * 8 * kRingStages;               // s32[stage][4]
-  static constexpr int kFirstItem = kFlags + 4 * kRingStages * kConsumerWarps;
+  static constexpr int kRowTables = kFlags + 4 * kRingStages * kConsumerWarps;
   static_assert(kQueries % kAtom == 0 && kScales % 16 == 0 && kBars % 8 == 0);
   static size_t bytes(int32_t rows) {  // + slack to align the base
-    return kAtom + kFirstItem + (static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+    return kAtom + kRowTables + RowTables::bytes(rows);
   }
 };
 
@@ -306,7 +327,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
   const uint32_t raw = bulk::smem_address(smem_raw);
   unsigned char* const smem = smem_raw + ((kAtom - raw % kAtom) % kAtom);
   const uint32_t base = bulk::smem_address(smem);
-  int32_t* const first_item = reinterpret_cast<int32_t*>(smem + L::kFirstItem);
+  const RowTables tables(reinterpret_cast<int32_t*>(smem + L::kRowTables), a.rows);
+  const int32_t* const first_item = tables.first_item;
   int32_t* const copied = reinterpret_cast<int32_t*>(smem + L::kFlags);
   const uint32_t full = base + L::kBars, empty = full + 8 * kRingStages;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -318,7 +340,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     bulk::fence_init();
   }
   pdl_wait();
-  const ItemRange range = cta_items<kLogitsThreads>(a, first_item);  // barriers inside
+  const ItemRange range = cta_items<kLogitsThreads>(a, tables);  // barriers inside
   const int32_t begin = range.begin, end = range.end;
 
   if (warp == kConsumerWarps) {
@@ -332,7 +354,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       const int32_t item = round + lane / kConsumerWarps;
       TileSource at{-1, 0};
       int row = r;
-      if (item < end) at = tile_source(a, first_item, item, tile, row);
+      if (item < end) at = tile_source(a, tables, item, tile, row);
       r = __reduce_max_sync(0xffffffffu, row);
       for (int i = 0; i < kLookahead && round + i < end; ++i) {
         const int32_t k = round + i - begin;
@@ -370,7 +392,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         // wgmma on the old ones (each waited for its group) before any overwrites them.
         if (row >= 0) bulk::named_sync(1, kConsumerWarps * kWarp);
         row = r;
-        n = row_pools(a.lens, a.from_positions, r, a.width);
+        n = tables.pools[r];
         const uint4* qrow = reinterpret_cast<const uint4*>(
             a.q + static_cast<int64_t>(r) * L::kPadded * kDim);
         for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
@@ -704,13 +726,14 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, in
     sh.warp_bound[warp] = bound_share;
   }
   __syncthreads();
-  uint32_t bound = c > kWarp ? 0u : 0xffffffffu;  // the minimum v over the full warps
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    lo = min(lo, sh.warp_lo[w]);
-    hi = max(hi, sh.warp_hi[w]);
-    if (w < full) bound = min(bound, sh.warp_bound[w]);
-  }
+  // Across the warps: lane w takes warp w's values (three reductions, where a loop over the
+  // warps in every thread issued 16 x 3 shared loads and min/max per thread).
+  const bool offered = lane < kWarps;
+  lo = __reduce_min_sync(0xffffffffu, offered ? sh.warp_lo[lane] : 0xffffffffu);
+  hi = __reduce_max_sync(0xffffffffu, offered ? sh.warp_hi[lane] : 0u);
+  // The minimum v over the full warps; none (0) where c > 32.
+  uint32_t bound = __reduce_min_sync(0xffffffffu, lane < full ? sh.warp_bound[lane] : 0xffffffffu);
+  if (c > kWarp) bound = 0u;
   if (bound > lo) {
     lo = bound;
 #pragma unroll
@@ -984,19 +1007,13 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // Threads and keys per thread from the logits width (a static shape): at least 16 warps
 // (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
 // past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
-// 1024 threads per CTA).
+// 1024 threads per CTA). Narrower CTAs at the 2048 and 4096 widths lose (H200, ncu, L2
+// flushed, 1 / 16 / 64 rows x 2048: 512 x 4 6.69 / 6.02 / 6.85 µs, 256 x 8 7.46 / 6.24 /
+// 7.23, 128 x 16 8.80 / 8.45 / 9.25): below 16 warps there is no bound, and the key loops
+// of the fewer threads are longer than what the fewer warps save at the barriers.
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  static const int narrow = [] { const char* e = std::getenv("GLM5_TOPK_NARROW"); return e ? std::atoi(e) : 512; }();
-  if (args.width <= 2048) {
-    if (narrow == 128) return launch_topk_as<128, 16>(stream, pdl, args);
-    if (narrow == 256) return launch_topk_as<256, 8>(stream, pdl, args);
-    return launch_topk_as<512, 4>(stream, pdl, args);
-  }
-  if (args.width <= 4096) {
-    if (narrow == 128) return launch_topk_as<128, 32>(stream, pdl, args);
-    if (narrow == 256) return launch_topk_as<256, 16>(stream, pdl, args);
-    return launch_topk_as<512, 8>(stream, pdl, args);
-  }
+  if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
+  if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
