@@ -339,10 +339,6 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     }
     bulk::fence_init();
   }
-  // The map's fetch overlaps the wait and the row tables: at one row of 2048 pools the
-  // first tile copy was issued ~900 cycles after its page was known, and landed ~2300
-  // cycles later (H200, clock64 marks in CTA 0).
-  if (warp == kConsumerWarps && lane == 0 && a.pages > 0) bulk::prefetch_map(&keys_map);
   pdl_wait();
   const ItemRange range = cta_items<kLogitsThreads>(a, tables);  // barriers inside
   const int32_t begin = range.begin, end = range.end;
