@@ -60,7 +60,8 @@ def _mqa_shapes(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
 # The select kernels' limits (cc/select.cu), decided here and only validated there:
 # 32 or 64 (padded) heads (the mma's 8-head tiles: 4 or 8), K-cache pages of a multiple
 # of 16 entries (a warp's 16 pools share a page), at most 8192 rows (the CTA's row
-# tables in shared memory: 3 words a row, 96 KB at 8192 beside the ~42 KB ring); the top-k keeps a row of at most 32768 pools in shared memory.
+# tables in shared memory: 3 words a row, 96 KB at 8192 beside the ~42 KB ring); the
+# top-k keeps a row of at most 32768 pools in shared memory.
 LOGITS_HEADS = (32, 64)
 LOGITS_PAGE_MULTIPLE = 16
 LOGITS_MAX_ROWS = 8192
