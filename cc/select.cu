@@ -864,14 +864,15 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     sh.warp_hi[warp] = hi;
   }
   const Scan kept = block_scan<kThreads>(own, sh.warp_sums);  // its barrier orders warp_lo/hi
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) {
-      lo = min(lo, sh.warp_lo[w]);
-      hi = max(hi, sh.warp_hi[w]);
+  if (warp == 0) {  // lane w takes warp w's values, as topk_row combines them
+    static_assert(kWarps == kWarp);
+    lo = __reduce_min_sync(0xffffffffu, sh.warp_lo[lane]);
+    hi = __reduce_max_sync(0xffffffffu, sh.warp_hi[lane]);
+    if (lane == 0) {
+      part_count = kept.total;
+      part_lo = lo;
+      part_hi = hi;
     }
-    part_count = kept.total;
-    part_lo = lo;
-    part_hi = hi;
   }
   cluster.sync();  // 2: the parts' counts
   uint32_t offset = 0, total = 0;

@@ -17,7 +17,7 @@ from .indexer import (indexer_projection, indexer_q, indexer_query,  # noqa: F40
 from .kpool import kpool_update, kpool_compress, kpool_seed_tail  # noqa: F401
 from .update import indexer_update  # noqa: F401
 from .expand import expand_pools, expand_and_remap  # noqa: F401
-from .logits import upcast_logits, mqa_logits, pool_topk, select_pools  # noqa: F401
+from .logits import upcast_logits, mqa_logits, pool_topk, select_pools, select_slots  # noqa: F401
 # isort: on
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)

@@ -48,22 +48,29 @@ def expand_pools(pool_ids: jax.Array, seq_lens: jax.Array, *, seq_offset: int = 
                  routing=routing)[0]
 
 
+def check_remap(op, groups, block_table, *, block_size, width, stride_rows, seq_offset=1):
+  """The remap's arguments of `op` (expand_and_remap, select_slots) for G = `groups` pool
+  ids a row."""
+  expect(op, "block_table", block_table, I32, (None, None))
+  if block_table.shape[0] == 0 or block_table.shape[1] == 0:
+    fail(op, "block_table", f"must not be empty, got {tuple(block_table.shape)}")
+  if block_size <= 0 or block_size % POOL:
+    fail(op, "block_size", f"must be a positive multiple of 4, got {block_size}")
+  remap_stride(block_size, stride_rows, op)
+  for arg, value in [("block_size", block_size), ("stride_rows", stride_rows),
+                     ("seq_offset", seq_offset)]:
+    _check_int32(op, arg, value)
+  expand_width(op, groups, width)
+
+
 def _remap_shapes(pool_ids, positions, req_ids, block_table, *, block_size, width,
                   stride_rows, seq_offset, compact):
   op = "expand_and_remap"
   expect(op, "pool_ids", pool_ids, I32, (None, None))
   expect(op, "positions", positions, I32, (pool_ids.shape[0],))
   expect(op, "req_ids", req_ids, I32, (None,))
-  expect(op, "block_table", block_table, I32, (None, None))
-  if block_table.shape[0] == 0 or block_table.shape[1] == 0:
-    fail(op, "block_table", f"must not be empty, got {tuple(block_table.shape)}")
-  if block_size <= 0 or block_size % POOL:
-    fail(op, "block_size", f"must be a positive multiple of 4, got {block_size}")
-  remap_stride(block_size, stride_rows)
-  for arg, value in [("block_size", block_size), ("stride_rows", stride_rows),
-                     ("seq_offset", seq_offset)]:
-    _check_int32(op, arg, value)
-  expand_width(op, pool_ids.shape[1], width)
+  check_remap(op, pool_ids.shape[1], block_table, block_size=block_size, width=width,
+              stride_rows=stride_rows, seq_offset=seq_offset)
   rows = req_ids.shape[0]
   return [((rows, width), I32), ((rows,), I32)]
 

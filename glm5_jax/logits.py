@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from . import reference as ref
 from ._checks import check_cache, check_scale_format, expect, fail
 from ._primitive import Op, Routing, Split, local_ids
+from .expand import check_remap
+from .reference.expand import remap_stride
 from .reference.numerics import DIM
 
 I32, F32 = np.int32, np.float32
@@ -128,9 +130,9 @@ def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
   return _topk(logits, pool_lens, k=int(k), routing=routing)[0]
 
 
-def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
-                   scale_format):
-  op = "select_pools"
+def _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k, max_pools,
+                  scale_format):
+  """The select path's shared arguments (select_pools, select_slots); returns the rows."""
   rows = _check_queries(op, q_fp8, w_out, kv_cache, scale_format)
   expect(op, "page_table", page_table, I32, (None, None))
   expect(op, "req_ids", req_ids, I32, (rows,))
@@ -139,20 +141,35 @@ def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k,
     fail(op, "k", f"must be > 0, got {k}")
   if max_pools <= 0:
     fail(op, "max_pools", f"must be > 0, got {max_pools}")
+  return rows
+
+
+def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
+                   scale_format):
+  rows = _check_select("select_pools", q_fp8, w_out, kv_cache, page_table, req_ids,
+                       positions, k, max_pools, scale_format)
   return [((rows, k), I32), ((rows, max_pools), F32)]
 
 
+def _select_kernel_supports(q_fp8, w_out, kv_cache, *rest, max_pools, **params):
+  return _logits_kernel_supports(q_fp8, kv_cache, max_pools) and max_pools <= TOPK_MAX_POOLS
+
+
+def _localize_select(index, q_fp8, w_out, kv_cache, page_table, req_ids, *rest):
+  """A device's block of a select call: its pages and requests as local ids (req_ids name
+  rows of the page table, and of select_slots' block table, split alike)."""
+  return (q_fp8, w_out, kv_cache, local_ids(page_table, index, kv_cache.shape[0]),
+          local_ids(req_ids, index, page_table.shape[0]), *rest)
+
+
+_SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
 _select = Op(
     "select_pools", ref.select_pools, _select_shapes,
     rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
     attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
-    kernel_supports=lambda q_fp8, w_out, kv_cache, *rest, max_pools, **params: (
-        _logits_kernel_supports(q_fp8, kv_cache, max_pools) and max_pools <= TOPK_MAX_POOLS),
+    kernel_supports=_select_kernel_supports,
     kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}",
-    split=Split(("rows", "rows", "pages", "requests", "rows", "rows"), ("rows", "rows"),
-                lambda index, q_fp8, w_out, kv_cache, page_table, req_ids, positions: (
-                    q_fp8, w_out, kv_cache, local_ids(page_table, index, kv_cache.shape[0]),
-                    local_ids(req_ids, index, page_table.shape[0]), positions)))
+    split=Split(_SELECT_OPERANDS, ("rows", "rows"), _localize_select))
 
 
 def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
@@ -166,3 +183,62 @@ def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
   ids, logits = _select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
                         max_pools=int(max_pools), scale_format=scale_format, routing=routing)
   return ids, logits
+
+
+def _slots_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, block_table, *, k,
+                  max_pools, block_size, width, stride_rows, scale_format):
+  op = "select_slots"
+  rows = _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k,
+                       max_pools, scale_format)
+  check_remap(op, k, block_table, block_size=block_size, width=width, stride_rows=stride_rows)
+  return [((rows, width), I32), ((rows,), I32), ((rows, max_pools), F32)]
+
+
+# The top-k kernel writes each selected pool's slots where select_pools writes its id: the
+# kernel's limits are select_pools'.
+_slots = Op(
+    "select_slots", ref.select_slots, _slots_shapes,
+    rows=((0, 0, None, None, 0, 0, None), (0, 0, 0)), kernel="glm5_select_slots",
+    attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64),
+    attribute_values=_ue8m0, kernel_supports=_select_kernel_supports,
+    kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}",
+    split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
+
+
+def _slots_params(k, max_pools, block_size, width, stride_rows, scale_format):
+  """select_slots' keyword arguments as the primitive takes them."""
+  block_size = int(block_size)
+  return dict(k=int(k), max_pools=int(max_pools), block_size=block_size, width=int(width),
+              stride_rows=remap_stride(block_size, None if stride_rows is None
+                                       else int(stride_rows), "select_slots"),
+              scale_format=scale_format)
+
+
+def select_slots(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
+                 page_table: jax.Array, req_ids: jax.Array, positions: jax.Array,
+                 block_table: jax.Array, *, k: int, max_pools: int, block_size: int,
+                 width: int, stride_rows: int | None = None, scale_format: str = "fp32",
+                 routing: Routing | None = None) -> tuple[jax.Array, jax.Array]:
+  """The select path to the sparse-MLA slots, one FFI call on CUDA: (slots i32[rows,
+  width], counts i32[rows]) = expand_and_remap(select_pools(...)'s pool ids, positions,
+  req_ids, block_table) (SPEC §5-§7); see glm5_jax.reference.select_slots. The kernel
+  is select_pools' whose top-k writes each selected pool's four slots where it would
+  write the pool id (no expand launch), bit-equal to the two ops."""
+  slots, counts, _ = _slots(q_fp8, w_out, kv_cache, page_table, req_ids, positions,
+                            block_table, routing=routing,
+                            **_slots_params(k, max_pools, block_size, width, stride_rows,
+                                            scale_format))
+  return slots, counts
+
+
+def select_slots_kernel_chosen(*args: jax.Array, k: int, max_pools: int, block_size: int,
+                               width: int, stride_rows: int | None = None,
+                               scale_format: str = "fp32",
+                               routing: Routing | None = None) -> bool:
+  """Whether select_slots(*args, ...) would call its kernel on a GPU (the routing and the
+  kernel's limits): indexer_stage runs its select path as this op where it would, as
+  select_pools + expand_and_remap elsewhere. Decided from shapes at trace time."""
+  return _slots.kernel_chosen(Routing.resolve(routing, "select_slots"),
+                              [jax.typeof(a) for a in args],
+                              _slots_params(k, max_pools, block_size, width, stride_rows,
+                                            scale_format))

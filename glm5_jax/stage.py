@@ -23,7 +23,7 @@ from .indexer import (
   indexer_query,
 )
 from .kpool import kpool_update
-from .logits import select_pools
+from .logits import select_pools, select_slots, select_slots_kernel_chosen
 from .reference.numerics import DIM, POOL
 from .update import indexer_update
 
@@ -240,7 +240,7 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         indexer_update, select_pools, expand_and_remap)
+         indexer_update, select_pools, select_slots, expand_and_remap)
   # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
   # routing; the reference composition runs the three ops).
   if use_reference:
@@ -378,17 +378,23 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
 
 
 def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=None):
-  """The stage from the updated cache on: select_pools (or `select_pools`, a function of
-  its signature: sharding's context-parallel one) and expand_and_remap. Returns
+  """The stage from the updated cache on: select_slots where its kernel runs, else
+  select_pools (or `select_pools`, a function of its signature: sharding's
+  context-parallel one) and expand_and_remap (the same slots and counts). Returns
   (slots, counts)."""
-  select_pools = ops.select_pools if select_pools is None else select_pools
   positions = batch.positions.reshape(rows)
   # Rows whose pools all fit in the top-k select every pool (the causal fill), others
-  # the top-k of their logits; decided per row inside select_pools: no branch here.
-  pool_ids, _ = select_pools(q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table,
-                             batch.req_ids, positions, k=config.topk_tokens // POOL,
-                             max_pools=config.max_pools, scale_format=config.scale_format)
-  slots, counts = ops.expand_and_remap(pool_ids, positions, batch.req_ids,
-                                       batch.block_table, block_size=config.block_size,
-                                       width=config.width)
-  return slots, counts
+  # the top-k of their logits; decided per row inside the kernel: no branch here.
+  args = (q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table, batch.req_ids,
+          positions)
+  select = dict(k=config.topk_tokens // POOL, max_pools=config.max_pools,
+                scale_format=config.scale_format)
+  remap = dict(block_size=config.block_size, width=config.width)
+  # One FFI call where select_slots' kernel runs (its top-k writes the slots: no expand
+  # launch); the two ops elsewhere, and with a select_pools of the caller's.
+  if select_pools is None and ops.kernels and select_slots_kernel_chosen(
+      *args, batch.block_table, routing=config.routing, **select, **remap):
+    return ops.select_slots(*args, batch.block_table, **select, **remap)
+  select_pools = ops.select_pools if select_pools is None else select_pools
+  pool_ids, _ = select_pools(*args, **select)
+  return ops.expand_and_remap(pool_ids, positions, batch.req_ids, batch.block_table, **remap)

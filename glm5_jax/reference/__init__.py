@@ -13,12 +13,12 @@ from .indexer import (
     key_layernorm,
 )
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update, prefill_windows
-from .logits import mqa_logits, pool_counts, pool_topk, select_pools, upcast_logits
+from .logits import mqa_logits, pool_counts, pool_topk, select_pools, select_slots, upcast_logits
 from .update import indexer_update
 
 __all__ = [
     "expand_and_remap", "expand_pools", "indexer_projection",
     "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update", "key_layernorm",
     "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
-    "pool_counts", "pool_topk", "prefill_windows", "select_pools", "upcast_logits",
+    "pool_counts", "pool_topk", "prefill_windows", "select_pools", "select_slots", "upcast_logits",
 ]

@@ -20,13 +20,13 @@ def expand_width(op, groups, width):
   return width
 
 
-def remap_stride(block_size, stride_rows):
+def remap_stride(block_size, stride_rows, op="expand_and_remap"):
   """Slot rows per block of the sparse-MLA buffer: `stride_rows` (> 0), block_size where
   None."""
   if stride_rows is None:
     return block_size
   if stride_rows <= 0:
-    fail("expand_and_remap", "stride_rows", f"must be > 0, got {stride_rows}")
+    fail(op, "stride_rows", f"must be > 0, got {stride_rows}")
   return stride_rows
 
 

@@ -1,9 +1,10 @@
-"""Reference MQA logits over the pooled fp8 cache, pool top-k and the bf16 ->
-fp32 logits upcast (SPEC §5b, §5c, §8)."""
+"""Reference MQA logits over the pooled fp8 cache, pool top-k, the select path with
+and without its slots, and the bf16 -> fp32 logits upcast (SPEC §5b, §5c, §6, §7, §8)."""
 import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from .expand import expand_and_remap
 from .numerics import DIM, POOL, e4m3_to_f32
 
 
@@ -127,3 +128,22 @@ def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, m
 
   # A branch only here, in the reference: the kernel decides per row.
   return lax.cond(jnp.max(n, initial=0) <= k, fill, top, None)
+
+
+def select_slots(q_fp8, w_out, kv_cache, page_table, req_ids, positions, block_table, *, k,
+                 max_pools, block_size, width, stride_rows=None, scale_format="fp32"):
+  """The select path to its sparse-MLA slots: select_pools, then expand_and_remap of its
+  pool ids (seq_offset 1: a decode row at position p holds p + 1 tokens; compact).
+
+  q_fp8, w_out, kv_cache, page_table, req_ids, positions, k, max_pools, scale_format: as
+  select_pools; block_table i32[R, MB], block_size (a positive multiple of 4), width
+  (>= 4k + 3), stride_rows (None: block_size): as expand_and_remap, the same req_ids
+  naming both tables' rows. Returns (slots i32[rows, width], counts i32[rows], logits
+  f32[rows, max_pools]); the logits are select_pools' (specified where it says).
+  """
+  ids, logits = select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=k,
+                             max_pools=max_pools, scale_format=scale_format)
+  slots, counts = expand_and_remap(ids, positions, req_ids, block_table,
+                                   block_size=block_size, width=width,
+                                   stride_rows=stride_rows)
+  return slots, counts, logits
