@@ -12,8 +12,7 @@
 // Every quad is written by exactly one thread with one 16-byte store (4 scalar stores when
 // the row is not 16-byte aligned), so a row is written completely and without overlap.
 //
-// Integer arithmetic is int32 with wraparound, as in the reference (pid * 4 of a huge pool
-// id, block_table * stride_rows): done on uint32 and converted back.
+// Integer arithmetic is int32 with wraparound, as in the reference (remap.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -21,6 +20,7 @@
 #include "common.h"
 #include "constants.h"
 #include "handlers.h"
+#include "remap.cuh"
 
 namespace glm5 {
 namespace {
@@ -28,57 +28,6 @@ namespace {
 constexpr int kExpandThreads = 128;   // expand_pools: quads per CTA
 constexpr int kMaxGridY = 65535;      // CUDA's limit on gridDim.y
 constexpr int kMaxGroups = 1024;      // expand_and_remap: one thread per pool, one CTA per row
-
-__host__ __device__ __forceinline__ int32_t wrap_add(int32_t a, int32_t b) {
-  return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
-}
-
-__host__ __device__ __forceinline__ int32_t wrap_mul(int32_t a, int32_t b) {
-  return static_cast<int32_t>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b));
-}
-
-__host__ __device__ __forceinline__ int4 none4() { return make_int4(-1, -1, -1, -1); }
-
-// v, v + 1, v + 2, v + 3 (int32, wrapping).
-__host__ __device__ __forceinline__ int4 run4(int32_t v) {
-  return make_int4(v, wrap_add(v, 1), wrap_add(v, 2), wrap_add(v, 3));
-}
-
-// The trailing incomplete pool of a row: tokens start .. start + count - 1, count in [0, 3].
-// n = pos + seq_offset (int32, wrapping); n <= 0 (padding) has no tail.
-struct Tail {
-  int32_t start;
-  int32_t count;
-};
-
-__host__ __device__ __forceinline__ Tail tail_of(int32_t pos, int32_t seq_offset) {
-  const int32_t n = wrap_add(pos, seq_offset);
-  if (n <= 0) return {0, 0};
-  const int32_t start = n & ~(kPool - 1);   // n // 4 * 4 for n > 0
-  return {start, n - start};
-}
-
-// The tail quad: first + j for j < count, then -1 (its last column is always -1).
-__host__ __device__ __forceinline__ int4 tail_quad(int32_t first, int32_t count) {
-  return make_int4(count > 0 ? first : -1, count > 1 ? wrap_add(first, 1) : -1,
-                   count > 2 ? wrap_add(first, 2) : -1, -1);
-}
-
-// Writes quad q of a row: one 16-byte store (kVector: width % 4 == 0, row 16-byte aligned,
-// and callers keep q < width / 4) or the quad's in-bounds columns one by one.
-template <bool kVector>
-__host__ __device__ __forceinline__ void store_quad(int32_t* row_out, int q, int width, int4 v) {
-  int32_t* p = row_out + static_cast<int64_t>(kPool) * q;
-  if constexpr (kVector) {
-    *reinterpret_cast<int4*>(p) = v;
-  } else {
-    const int c = kPool * q;
-    if (c < width) p[0] = v.x;
-    if (c + 1 < width) p[1] = v.y;
-    if (c + 2 < width) p[2] = v.z;
-    if (c + 3 < width) p[3] = v.w;
-  }
-}
 
 // ---------------------------------------------------------------------------------------
 // expand_pools: grid (rows, ctas), thread q of a row's quad range writes quad q. Any G.
@@ -120,26 +69,6 @@ __global__ void __launch_bounds__(kExpandThreads) expand_pools_kernel(const Expa
 
 // ---------------------------------------------------------------------------------------
 // expand_and_remap.
-
-// The block-table mapping of one request's tokens. `table` is the request's row; it is
-// only dereferenced for 0 <= block < max_blocks.
-struct Remap {
-  const int32_t* table;
-  int64_t max_blocks;
-  int32_t block_size;
-  int32_t stride_rows;
-
-  // Physical slot of the first of the 4 tokens first_token .. first_token + 3
-  // (first_token % 4 == 0, so all 4 share its block); false when they are dropped
-  // (a negative token id, or a block past the table).
-  __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
-    if (first_token < 0) return false;
-    const int32_t block = first_token / block_size;
-    if (block >= max_blocks) return false;
-    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows), first_token % block_size);
-    return true;
-  }
-};
 
 struct ExpandAndRemapArgs {
   const int32_t* pool_ids;      // s32[expanded, G]
@@ -294,16 +223,13 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
   if (groups % kWarp != 0 || groups < kWarp || groups > kMaxGroups)
     return check.fail("pool_ids has G = " + std::to_string(groups) +
                       " pools per row; the kernel needs G % 32 == 0 and 32 <= G <= 1024");
-  if (width < groups * kPool + kPool - 1) return check.fail("out width < 4 * G + 3");
-  if (requests <= 0 || max_blocks <= 0) return check.fail("block_table is empty");
-  if (block_size <= 0 || block_size % kPool != 0 || block_size > kI32Max)
-    return check.fail("block_size must be a positive multiple of 4 (int32)");
-  if (stride_rows <= 0 || stride_rows > kI32Max)
-    return check.fail("stride_rows must be in [1, 2^31)");
+  if (ffi::Error err = check_remap(check, requests, max_blocks, block_size, stride_rows,
+                                   groups, width);
+      err.failure())
+    return err;
   if (!fits_i32(seq_offset)) return check.fail("seq_offset does not fit int32");
   if (rows == 0) return ffi::Error::Success();
-  if (rows > kI32Max || expanded > kI32Max || width > kI32Max - kPool)
-    return check.fail("rows or width too large");
+  if (rows > kI32Max || expanded > kI32Max) return check.fail("rows too large");
 
   ExpandAndRemapArgs args;
   args.pool_ids = pool_ids.typed_data();

@@ -20,7 +20,8 @@
   X(glm5_upcast_logits, Glm5UpcastLogits)                                \
   X(glm5_mqa_logits, Glm5MqaLogits)                                      \
   X(glm5_pool_topk, Glm5PoolTopk)                                        \
-  X(glm5_select_pools, Glm5SelectPools)
+  X(glm5_select_pools, Glm5SelectPools)                                  \
+  X(glm5_select_slots, Glm5SelectSlots)
 
 #define GLM5_DECLARE_HANDLER(target, symbol) XLA_FFI_DECLARE_HANDLER_SYMBOL(symbol);
 GLM5_HANDLERS(GLM5_DECLARE_HANDLER)

@@ -3,9 +3,12 @@
 //
 //   glm5_mqa_logits    the logits kernel alone (op mqa_logits)
 //   glm5_pool_topk     the top-k kernel alone (op pool_topk)
-//   glm5_select_pools  both, back to back in one FFI call (op select_pools, what
-//                      indexer_stage runs): rows whose pools all fit in k skip the logits
-//                      and select every pool, so the stage needs no lax.cond.
+//   glm5_select_pools  both, back to back in one FFI call (op select_pools): rows whose
+//                      pools all fit in k skip the logits and select every pool, so the
+//                      stage needs no lax.cond.
+//   glm5_select_slots  the same, its top-k writing each selected pool's sparse-MLA slots
+//                      instead of its id (op select_slots, what indexer_stage runs: no
+//                      expand_and_remap launch).
 //
 // Logits: persistent CTAs of a consumer warpgroup and a producer warp; a work item is 64
 // pools of one row (the wgmma M side), its K tiles streamed by the TMA. Each CTA computes
@@ -33,6 +36,7 @@
 #include "common.h"
 #include "constants.h"
 #include "handlers.h"
+#include "remap.cuh"
 
 namespace glm5 {
 namespace {
@@ -446,10 +450,28 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
 
 // ------------------------------------------------------------------------------ top-k
 
+// select_slots: the top-k writes a selected pool's slots instead of its id, the pool's four
+// tokens remapped through the request's block table (SPEC §7: expand_and_remap with
+// seq_offset 1, compact), one quad at the pool's rank; the tail quad after the selected
+// pools, then -1 quads to the row's width. A pool's slots are kept or dropped as a whole
+// (block_size % 4 == 0), and the dropped ones (blocks past the table) are the row's largest
+// tokens (the ids ascend with the rank; the tail is above every pool), so a pool written at
+// its rank is already the compacted layout.
+struct SlotArgs {
+  const int32_t* req_ids;      // s32 [rows]
+  const int32_t* block_table;  // s32 [requests, max_blocks]
+  int32_t* out;                // s32 [rows, width]; nullptr: pool ids (TopkArgs::out)
+  int32_t* counts;             // s32 [rows]
+  int64_t requests, max_blocks;
+  int32_t block_size, stride_rows, width;
+  bool vector;                 // width % 4 == 0 and 16-byte aligned rows: one store a quad
+};
+
 struct TopkArgs {
   const float* logits;  // f32 [rows, width]
   const int32_t* lens;  // s32 [rows]: pool_lens, or positions when from_positions
-  int32_t* out;         // s32 [rows, k]
+  int32_t* out;         // s32 [rows, k]: pool ids (unless slots.out)
+  SlotArgs slots;
   int32_t rows, width, k;
   bool from_positions;
   // Select path: rows that keep every pool do not read the logits, so they write their
@@ -474,9 +496,92 @@ struct TopkShared {
   uint32_t warp_lo[kTopkMaxThreads / kWarp], warp_hi[kTopkMaxThreads / kWarp];
   uint32_t warp_bound[kTopkMaxThreads / kWarp];
   uint32_t digit, above, count;
+  uint32_t valid;  // select_slots: the selected pools the block table keeps (RowOut::valid)
   uint32_t cand_key[kTopkCandidates];  // the keys kept after the bound, gathered in id order
   int32_t cand_id[kTopkCandidates];
 };
+
+// Where the top-k of row r writes: its k pool ids, or its slots (SlotArgs). Only the row
+// and its request are held here; the rest is read from the kernel's parameters where it is
+// used (registers are short at 1024 threads: holding the pointers and sizes spilled).
+struct RowOut {
+  const TopkArgs& a;
+  int32_t r;
+  int32_t req;      // select_slots: the row's block-table row, -1 where the request has none
+  uint32_t* valid;  // counts the kept selected pools where the table may drop some, else null
+
+  __device__ __forceinline__ bool slots() const { return a.slots.out != nullptr; }
+  __device__ __forceinline__ Remap remap() const {
+    const SlotArgs& s = a.slots;
+    return Remap{s.block_table + (req >= 0 ? req * s.max_blocks : 0), s.max_blocks,
+                 s.block_size, s.stride_rows};
+  }
+  __device__ __forceinline__ void quad(int q, int4 v) const {
+    const SlotArgs& s = a.slots;
+    int32_t* row = s.out + static_cast<int64_t>(r) * s.width;
+    if (s.vector) store_quad<true>(row, q, s.width, v);
+    else store_quad<false>(row, q, s.width, v);
+  }
+  // The pool at rank `at` of the selection is `id`.
+  __device__ __forceinline__ void put(int32_t at, int32_t id) const {
+    if (!slots()) {
+      a.out[static_cast<int64_t>(r) * a.k + at] = id;
+      return;
+    }
+    int32_t first = 0;
+    const bool live = req >= 0 && remap().slot(wrap_mul(id, kPool), &first);
+    quad(at, live ? run4(first) : none4());
+    if (valid != nullptr && live) atomicAdd(valid, 1u);
+  }
+};
+
+__device__ __forceinline__ RowOut row_out(const TopkArgs& a, int r) {
+  int32_t req = -1;
+  if (a.slots.out != nullptr) {
+    req = __ldg(a.slots.req_ids + r);
+    if (req >= a.slots.requests) req = -1;
+  }
+  return RowOut{a, r, req < 0 ? -1 : req, nullptr};
+}
+
+// Row r's tail quad (its incomplete pool: positions + 1 tokens) into `quad`; its kept slots.
+__device__ __forceinline__ int32_t row_tail(const TopkArgs& a, int r, const RowOut& o,
+                                            int4* quad) {
+  const Tail t = tail_of(__ldg(a.lens + r), 1);
+  int32_t first = 0;
+  const bool kept = o.req >= 0 && t.count > 0 && o.remap().slot(t.start, &first);
+  *quad = kept ? tail_quad(first, t.count) : none4();
+  return kept ? t.count : 0;
+}
+
+// select_slots, by the CTA that writes row r: what lies outside the quads of the
+// `selected` pools (the tail quad, then -1 quads), and the count where it is known before
+// the selection (`kept` pools kept by the table; -1: counted while emitting, finish_count).
+template <int kThreads>
+__device__ __forceinline__ void write_row_rest(const TopkArgs& a, int r, const RowOut& o,
+                                               int32_t selected, int64_t kept) {
+  const int quads = (a.slots.width + kPool - 1) / kPool;  // > k >= selected: width >= 4k + 3
+  for (int q = selected + 1 + static_cast<int>(threadIdx.x); q < quads; q += kThreads)
+    o.quad(q, none4());
+  if (threadIdx.x == 0) {
+    int4 tail;
+    const int32_t tail_slots = row_tail(a, r, o, &tail);
+    o.quad(selected, tail);
+    if (kept >= 0) a.slots.counts[r] = kPool * static_cast<int32_t>(kept) + tail_slots;
+  }
+}
+
+// The count of a row whose pools the table may drop, once they are emitted (every thread
+// of the writing CTA calls it; the same branch in all).
+__device__ __forceinline__ void finish_count(const TopkArgs& a, int r, const RowOut& o) {
+  if (o.valid == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int4 tail;
+    const int32_t tail_slots = row_tail(a, r, o, &tail);
+    a.slots.counts[r] = kPool * static_cast<int32_t>(*o.valid) + tail_slots;
+  }
+}
 
 // Gathering the keys left after the bound pays where it cuts the keys per thread at least
 // 4-fold (launch_topk's 1024-thread shapes: 8-32 keys per thread become 2).
@@ -509,7 +614,7 @@ constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 template <int kThreads, int kSlots, typename IdOf>
 __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf id_of,
                                                   uint32_t lo, uint32_t hi, int32_t k,
-                                                  int32_t* out, TopkShared& sh) {
+                                                  const RowOut& out, TopkShared& sh) {
   constexpr int kBinsPerThread = kTopkBins / kThreads;
   static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
 #pragma unroll
@@ -581,7 +686,7 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     const uint32_t d = key[i] >> shift;
     if (d > top || (d == top && take > 0u)) {
       if (d == top) --take;
-      out[at++] = id_of(i);
+      out.put(at++, id_of(i));
     }
   }
 }
@@ -675,7 +780,8 @@ __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t
 // their smallest and largest. hist[0] is zero and a barrier separates that from here.
 template <int kThreads>
 __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uint32_t hi,
-                                                int32_t k, int32_t* out, TopkShared& sh) {
+                                                int32_t k, const RowOut& out,
+                                                TopkShared& sh) {
   constexpr int kCandidatePer = kTopkCandidates / kThreads;
   const uint32_t per = (total + kThreads - 1) / kThreads;  // <= kCandidatePer
   uint32_t ckey[kCandidatePer];
@@ -699,7 +805,7 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
 // (kCompact), they are gathered into shared memory and spread over the threads before the
 // radix select.
 template <int kThreads, int kPer>
-__device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, int32_t* out,
+__device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, const RowOut& out,
                                          TopkShared& sh) {
   constexpr int kWarps = kThreads / kWarp;
   static_assert(kPer % 4 == 0 && kThreads <= kTopkMaxThreads);
@@ -759,17 +865,36 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, in
 }
 
 // Row r's pool count, past the PDL wait the logits need; or -1 where every pool is selected
-// (n <= k): then the CTA has written ids 0..n-1 in order and -1 past them (where `writes`),
-// released its dependents, and returns at once. With early_rows such a row writes before
-// its wait.
+// (n <= k): then the CTA has written ids 0..n-1 in order and -1 past them, or their slots
+// (where `writes`), released its dependents, and returns at once. With early_rows such a
+// row writes before its wait. select_slots' rows get their tail and -1 quads here too.
 template <int kThreads>
-__device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, int32_t* out,
-                                                   bool writes) {
+__device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, RowOut& out,
+                                                   bool writes, uint32_t* valid) {
   if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+  if (writes && out.slots()) {
+    // The table keeps pools below table_pools (blocks ascend with the ids): all of a top-k
+    // from n <= table_pools pools; ids 0..min(n, table_pools)-1 of the causal fill.
+    const int64_t table_pools = a.slots.max_blocks * a.slots.block_size / kPool;
+    const int64_t kept = out.req < 0    ? 0
+                         : n <= a.k     ? (n < table_pools ? n : table_pools)
+                         : n <= table_pools ? a.k
+                                            : -1;
+    if (kept < 0) {
+      out.valid = valid;
+      if (threadIdx.x == 0) *valid = 0u;  // barriers of the selection come before its use
+    }
+    write_row_rest<kThreads>(a, r, out, min(n, a.k), kept);
+  }
   if (n <= a.k) {
-    if (writes)
-      for (int32_t i = threadIdx.x; i < a.k; i += kThreads) out[i] = i < n ? i : -1;
+    if (writes) {
+      if (!out.slots())
+        for (int32_t i = threadIdx.x; i < a.k; i += kThreads)
+          a.out[static_cast<int64_t>(r) * a.k + i] = i < n ? i : -1;
+      else
+        for (int32_t i = threadIdx.x; i < n; i += kThreads) out.put(i, i);
+    }
     if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
     pdl_launch_dependents();
     return -1;
@@ -783,10 +908,11 @@ template <int kThreads, int kPer>
 __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   __shared__ TopkShared sh;
   const int r = blockIdx.x;
-  int32_t* out = a.out + static_cast<int64_t>(r) * a.k;
-  const int32_t n = pools_to_select<kThreads>(a, r, out, true);
+  RowOut out = row_out(a, r);
+  const int32_t n = pools_to_select<kThreads>(a, r, out, true, &sh.valid);
   if (n < 0) return;
   topk_row<kThreads, kPer>(a, r, n, out, sh);
+  finish_count(a, r, out);
   pdl_launch_dependents();
 }
 
@@ -810,8 +936,8 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x / kParts;
   const int32_t k = a.k;
-  int32_t* out = a.out + static_cast<int64_t>(r) * k;
-  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0);
+  RowOut out = row_out(a, r);
+  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, &sh.valid);
   if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
 
   // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
@@ -899,6 +1025,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
       select_gathered<kThreads>(total, lo, hi, k, out, sh);
     else
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
+    finish_count(a, r, out);
   }
   pdl_launch_dependents();
 }
@@ -1114,21 +1241,21 @@ ffi::Error PoolTopkImpl(cudaStream_t stream, ffi::BufferR2<ffi::F32> logits,
                                                       ids->typed_data(), rows, width, k)));
 }
 
-ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
-                           ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
-                           ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
-                           ffi::ResultBufferR2<ffi::S32> ids,
-                           ffi::ResultBufferR2<ffi::F32> logits, bool ue8m0, bool pdl) {
-  const Check check{targets::glm5_select_pools};
+// The select path's two kernels back to back (select_pools, select_slots): the logits of
+// the rows with more than k pools, then the top-k writing pool ids (ids) or slots
+// (slots.out). Shapes of the logits side are checked here; the caller checks its results.
+ffi::Error launch_select(const Check& check, cudaStream_t stream, ffi::AnyBuffer& q,
+                         ffi::BufferR2<ffi::F32>& w_out, ffi::BufferR3<ffi::U8>& kv,
+                         ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& req_ids,
+                         ffi::BufferR1<ffi::S32>& positions, ffi::Result<ffi::BufferR2<ffi::F32>>& logits,
+                         int32_t* ids, const SlotArgs& slots, int64_t k, bool ue8m0, bool pdl) {
   const int64_t rows = logits->dimensions()[0], width = logits->dimensions()[1];
-  const int64_t k = ids->dimensions()[1];
   if (ffi::Error err = check_logits(check, q, w_out, kv, rows, width); err.failure()) return err;
-  if (req_ids.dimensions()[0] != rows || positions.dimensions()[0] != rows ||
-      ids->dimensions()[0] != rows)
-    return check.fail("req_ids, positions and the ids need `rows` rows");
+  if (req_ids.dimensions()[0] != rows || positions.dimensions()[0] != rows)
+    return check.fail("req_ids and positions need `rows` rows");
   if (width > kTopkMaxPools) return check.fail("max_pools above 32768");
-  if (k > kI32Max) return check.fail("k too large");
-  if (rows == 0 || k == 0) return ffi::Error::Success();
+  if (k <= 0 || k > kI32Max) return check.fail("k must be in [1, 2^31)");
+  if (rows == 0) return ffi::Error::Success();
   LogitsArgs a = logits_args(q, w_out, kv, page_table, logits->typed_data(), rows, width, ue8m0);
   a.req_ids = req_ids.typed_data();
   a.lens = positions.typed_data();
@@ -1136,12 +1263,57 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   a.skip_upto = static_cast<int32_t>(std::min<int64_t>(k, width));
   cudaError_t err = launch_logits(stream, pdl, a, q.dimensions()[1]);
   if (err != cudaSuccess) return check.cuda(err);
-  TopkArgs b = topk_args(logits->typed_data(), positions.typed_data(), ids->typed_data(), rows,
-                         width, k);
+  TopkArgs b = topk_args(logits->typed_data(), positions.typed_data(), ids, rows, width, k);
+  b.slots = slots;
   b.from_positions = true;
   b.early_rows = pdl;
   // Without PDL the top-k simply runs after the logits; with it, it overlaps their tail.
   return check.cuda(launch_topk(stream, pdl, b));
+}
+
+ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
+                           ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
+                           ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
+                           ffi::ResultBufferR2<ffi::S32> ids,
+                           ffi::ResultBufferR2<ffi::F32> logits, bool ue8m0, bool pdl) {
+  const Check check{targets::glm5_select_pools};
+  if (ids->dimensions()[0] != logits->dimensions()[0])
+    return check.fail("the ids need `rows` rows");
+  const int64_t k = ids->dimensions()[1];
+  if (k == 0) return ffi::Error::Success();
+  return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,
+                       ids->typed_data(), SlotArgs{}, k, ue8m0, pdl);
+}
+
+ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
+                           ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
+                           ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
+                           ffi::BufferR2<ffi::S32> block_table,
+                           ffi::ResultBufferR2<ffi::S32> slots,
+                           ffi::ResultBufferR1<ffi::S32> counts,
+                           ffi::ResultBufferR2<ffi::F32> logits, int64_t k, int64_t block_size,
+                           int64_t stride_rows, bool ue8m0, bool pdl) {
+  const Check check{targets::glm5_select_slots};
+  const int64_t rows = logits->dimensions()[0], width = slots->dimensions()[1];
+  if (slots->dimensions()[0] != rows || counts->dimensions()[0] != rows)
+    return check.fail("the slots and counts need `rows` rows");
+  SlotArgs s{};
+  s.requests = block_table.dimensions()[0];
+  s.max_blocks = block_table.dimensions()[1];
+  if (ffi::Error err = check_remap(check, s.requests, s.max_blocks, block_size, stride_rows, k,
+                                   width);
+      err.failure())
+    return err;
+  s.req_ids = req_ids.typed_data();
+  s.block_table = block_table.typed_data();
+  s.out = slots->typed_data();
+  s.counts = counts->typed_data();
+  s.block_size = static_cast<int32_t>(block_size);
+  s.stride_rows = static_cast<int32_t>(stride_rows);
+  s.width = static_cast<int32_t>(width);
+  s.vector = width % kPool == 0 && aligned(s.out, 16);
+  return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,
+                       nullptr, s, k, ue8m0, pdl);
 }
 
 }  // namespace
@@ -1180,6 +1352,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectPools, glm5::SelectPoolsImpl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()   // positions
                                   .Ret<ffi::BufferR2<ffi::S32>>()   // pool_ids
                                   .Ret<ffi::BufferR2<ffi::F32>>()   // logits
+                                  .Attr<bool>("ue8m0")              // ue8m0
+                                  .Attr<bool>("pdl"),               // pdl
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectSlots, glm5::SelectSlotsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // w_out
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // positions
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // block_table
+                                  .Ret<ffi::BufferR2<ffi::S32>>()   // slots
+                                  .Ret<ffi::BufferR1<ffi::S32>>()   // counts
+                                  .Ret<ffi::BufferR2<ffi::F32>>()   // logits
+                                  .Attr<int64_t>("k")               // k
+                                  .Attr<int64_t>("block_size")      // block_size
+                                  .Attr<int64_t>("stride_rows")     // stride_rows
                                   .Attr<bool>("ue8m0")              // ue8m0
                                   .Attr<bool>("pdl"),               // pdl
                               {ffi::Traits::kCmdBufferCompatible});
