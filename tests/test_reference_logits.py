@@ -174,6 +174,19 @@ def test_pool_topk_fewer_pools_is_the_causal_fill():
 
 # ----------------------------------------------------------------- select_pools
 
+def _cache_of(rng, data, scale_format):
+  """u8[pages, PAGE, 132]: the values data[pages, PAGE, 128] as fp8, each entry's scale a
+  random power of two (2^-8 .. 2^-3) in `scale_format`."""
+  pages, page = data.shape[:2]
+  codes = np.asarray(jnp.asarray(data, jnp.float8_e4m3fn)).view(np.uint8).reshape(pages, -1)
+  exps = rng.integers(-8, -2, (pages, page))
+  if scale_format == "fp32":
+    scales = np.exp2(exps).astype(F32).view(np.uint8).reshape(pages, page * 4)
+  else:
+    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
+  return np.concatenate([codes, scales], 1).reshape(pages, page, 132)
+
+
 def _select_case(rng, positions, req_ids, *, heads=32, page=16, requests=3, mp=4,
                  scale_format="fp32"):
   rows = len(positions)
@@ -181,15 +194,7 @@ def _select_case(rng, positions, req_ids, *, heads=32, page=16, requests=3, mp=4
   q = rng.integers(0, 256, (rows, heads, 128)).astype(np.uint8)
   q[(q & 0x7F) == 0x7F] = 0            # no NaN codes
   w = rng.standard_normal((rows, heads)).astype(F32)
-  data = np.asarray(jnp.asarray(rng.standard_normal((pages, page, 128)) * 8,
-                                jnp.float8_e4m3fn)).view(np.uint8)
-  exps = rng.integers(-8, -2, (pages, page))
-  if scale_format == "fp32":
-    scales = np.exp2(exps).astype(F32).view(np.uint8).reshape(pages, page * 4)
-  else:
-    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
-  kv = np.concatenate([data.reshape(pages, -1), scales.reshape(pages, -1)], 1)
-  kv = kv.reshape(pages, page, 132)
+  kv = _cache_of(rng, rng.standard_normal((pages, page, 128)) * 8, scale_format)
   table = rng.permutation(pages)[:requests * mp].reshape(requests, mp).astype(np.int32)
   table[-1, -1] = pages + 5            # out of range: never read (D4)
   return (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
@@ -259,14 +264,7 @@ def _exact_select_case(rng, contexts, next_n, *, requests, heads=32, page=16, mp
   rows, pages = positions.size, requests * mp + 2
   q = jnp.asarray(rng.integers(-2, 3, (rows, heads, 128)), jnp.float8_e4m3fn)
   w = (rng.integers(-4, 5, (rows, heads)) / 8).astype(F32)
-  data = np.asarray(jnp.asarray(rng.integers(-3, 4, (pages, page * 128)),
-                                jnp.float8_e4m3fn)).view(np.uint8)
-  exps = rng.integers(-8, -2, (pages, page))
-  if scale_format == "fp32":
-    scales = np.exp2(exps).astype(F32).view(np.uint8).reshape(pages, page * 4)
-  else:
-    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
-  kv = np.concatenate([data, scales], 1).reshape(pages, page, 132)
+  kv = _cache_of(rng, rng.integers(-3, 4, (pages, page, 128)), scale_format)
   table = rng.permutation(pages)[:requests * mp].reshape(requests, mp)
   return [q, jnp.asarray(w), jnp.asarray(kv), i32(table), req_ids, positions]
 

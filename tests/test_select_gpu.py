@@ -84,10 +84,12 @@ def test_topk_kernel_k_above_1024_and_wider_than_rows():
                                   np.asarray(_ref_topk(k)(logits, lens)))
 
 
-def _cache(rng, requests, pools, page, scale_format, spare=3):
+def _cache(rng, requests, pools, page, scale_format, spare=3,
+           values=lambda rng, shape: rng.standard_normal(shape) * 40):
+  """(K cache, page table of each request's pages); the fp8 data `values(rng, shape)`."""
   pages_per = -(-pools // page) + 1
   pages = requests * pages_per + spare
-  data = np.asarray(jnp.asarray(rng.standard_normal((pages, page * 128)) * 40,
+  data = np.asarray(jnp.asarray(values(rng, (pages, page * 128)),
                                 jnp.float8_e4m3fn)).view(np.uint8)
   exps = rng.integers(-12, -4, (pages, page))
   if scale_format == "fp32":
@@ -278,17 +280,8 @@ def _exact_inputs(rng, contexts, next_n, *, max_pools, page=64, heads=32, scale_
     positions[pad] = -1
   if rows >= 3:
     req[-1] = requests + 5
-  pages_per = -(-max_pools // page) + 1
-  pages = requests * pages_per + 3
-  data = np.asarray(jnp.asarray(rng.integers(-3, 4, (pages, page * 128)),
-                                jnp.float8_e4m3fn)).view(np.uint8)
-  exps = rng.integers(-12, -4, (pages, page))
-  if scale_format == "fp32":
-    scales = np.exp2(exps).astype(np.float32).view(np.uint8).reshape(pages, -1)
-  else:
-    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
-  kv = np.concatenate([data, scales], 1).reshape(pages, page, 132)
-  table = rng.permutation(pages)[:requests * pages_per].reshape(requests, pages_per)
+  kv, table = _cache(rng, requests, max_pools, page, scale_format,
+                     values=lambda rng, shape: rng.integers(-3, 4, shape))
   padded = max(heads, 32)
   q = rng.integers(-2, 3, (rows, padded, 128)).astype(np.float32)
   w = (rng.integers(-4, 5, (rows, padded)) / 8).astype(np.float32)
@@ -297,7 +290,7 @@ def _exact_inputs(rng, contexts, next_n, *, max_pools, page=64, heads=32, scale_
   if flat is not None:
     q[flat] = 0
   return (jnp.asarray(q, jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
-          jnp.asarray(table.astype(I32)), jnp.asarray(req), jnp.asarray(positions))
+          jnp.asarray(table), jnp.asarray(req), jnp.asarray(positions))
 
 
 def _block_table(rng, contexts, next_n, block_size):
