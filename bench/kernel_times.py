@@ -23,8 +23,9 @@ import jax
 from .sizes import Rand, sizes_for
 from .workloads import WORKLOADS
 
-OPS = ("mqa_logits", "pool_topk", "select_pools")
-KERNELS = {"mqa_logits": 1, "pool_topk": 1, "select_pools": 2}   # launches per call
+OPS = ("mqa_logits", "pool_topk", "select_pools", "select_slots")
+# Launches per call: select_pools and select_slots the logits kernel, then the top-k.
+KERNELS = {"mqa_logits": 1, "pool_topk": 1, "select_pools": 2, "select_slots": 2}
 
 
 def calls(sizes, ops=OPS):

@@ -12,9 +12,11 @@ reference (Routing(kernels=False)), in the same run; with --stage-update-fused a
 update as three ops" (update="ops"): the two sides of "auto"'s choice; with
 --stage-update-only also "kernel, update part only" = the stage's update part alone
 (stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
-selection), what issue 12's targets are about; with --stage-q-kernel also "kernel, q
-kernel" = the default with indexer_q's kernel on, and with --stage-pdl-off as well
-"kernel, q kernel, PDL off"."""
+selection), what issue 12's targets are about; with --stage-select-ops also "kernel,
+select as two ops" = the select path as select_pools + expand_and_remap
+(Routing(ops={"select_slots": False})) where the default runs select_slots' one call;
+with --stage-q-kernel also "kernel, q kernel" = the default with indexer_q's kernel on,
+and with --stage-pdl-off as well "kernel, q kernel, PDL off"."""
 import gc
 
 import numpy as np
@@ -33,6 +35,7 @@ from .variants import (
   Q_KERNEL,
   Q_KERNEL_NO_PDL,
   REFERENCE,
+  SELECT_OPS,
   UPDATE_FUSED,
   UPDATE_ONLY,
   UPDATE_OPS,
@@ -74,6 +77,10 @@ def add_arguments(parser):
   parser.add_argument("--stage-update-ops", action="store_true",
                       help="also time the stage with IndexerConfig(update='ops'): the "
                            "update part as the three ops at every M")
+  parser.add_argument("--stage-select-ops", action="store_true",
+                      help="also time the stage with Routing(ops={'select_slots': False}): "
+                           "the select path as select_pools + expand_and_remap (two FFI "
+                           "calls) instead of select_slots' one")
   parser.add_argument("--stage-q-kernel", action="store_true",
                       help="also time the stage with indexer_q's kernel on (off by "
                            "default: slower in the stage on the H200); with --stage-pdl-off "
@@ -87,6 +94,7 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             NO_PDL: glm5_jax.Routing(pdl=False),
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing(),
+            SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
@@ -153,6 +161,7 @@ def run(bench):
                         + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
                         + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
                         + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
+                        + ([SELECT_OPS] if bench.args.stage_select_ops else [])
                         + ([Q_KERNEL] if bench.args.stage_q_kernel else [])
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel
                            and bench.args.stage_pdl_off else [])

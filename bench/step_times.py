@@ -34,9 +34,17 @@ from . import stage
 from .harness import CACHE_DIR, compile_fn, use_cache
 from .kernel_times import durations
 from .sizes import sizes_for
-from .variants import KERNEL, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_FUSED, UPDATE_ONLY, UPDATE_OPS
+from .variants import (
+  KERNEL,
+  Q_KERNEL,
+  Q_KERNEL_NO_PDL,
+  SELECT_OPS,
+  UPDATE_FUSED,
+  UPDATE_ONLY,
+  UPDATE_OPS,
+)
 
-VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY, Q_KERNEL, Q_KERNEL_NO_PDL)
+VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL)
 # Runs before a section: XLA runs an executable's first runs thunk by thunk, then as its
 # command buffer (under ncu on the H200, after two warm-up runs the first timed run was
 # still thunk by thunk).

@@ -123,6 +123,16 @@ def bytes_select(pool_lens, k):
   return ENTRY * int(np.sum(pool_lens)) + 4 * pages + m * (HEADS * DIM + 4 * HEADS + 8 + 4 * k)
 
 
+def bytes_slots(pool_lens, k):
+  """select_pools' floor without its ids out; per row WIDTH slots and the count out and
+  the block-table entries of its selected tokens (best case: the fewest blocks, plus the
+  tail's)."""
+  n = np.minimum(np.asarray(pool_lens), k)
+  blocks = int(np.sum(-(-n * POOL // BLOCK) + 1))
+  return bytes_select(pool_lens, k) - 4 * k * len(pool_lens) + 4 * (
+      len(pool_lens) * (WIDTH + 1) + blocks)
+
+
 # -------------------------------------------------------------- workloads
 
 class Workload(NamedTuple):
@@ -357,6 +367,20 @@ def select(r, s, m, p):
                   np.mean([flops_mqa(n) for n in lens]), mask=_select_mask)
 
 
+def slots(r, s, m, p):
+  """select_slots as indexer_stage runs it: select_pools' workload, each request's blocks
+  (4p + 1 tokens, BLOCK each) at random physical blocks, the stage's width."""
+  work = select(r, s, m, p)
+  blocks = -(-(4 * p + 1) // BLOCK)
+  rot = [(*a, i32(r.np.permutation(m * blocks).reshape(m, blocks))) for a in work.rotated]
+  call = lambda st, f, a: (st, glm5_jax.select_slots(
+      a[0], a[1], f[0], a[2], f[1], a[3], a[4], k=GROUPS, max_pools=p, block_size=BLOCK,
+      width=WIDTH))
+  lens = [(np.asarray(a[3]) + 1) // POOL for a in work.rotated]
+  return work._replace(op="select_slots", call=call, rotated=rot, mask=None,
+                       nbytes=np.mean([bytes_slots(n, GROUPS) for n in lens]))
+
+
 def _select_shapes(s):
   return [(f"rows={m},P={p}", dict(m=m, p=p)) for p in s.select_pools for m in s.select_rows]
 
@@ -387,6 +411,7 @@ WORKLOADS = {
     "mqa_logits": (mqa, _select_shapes),
     "pool_topk": (topk, _select_shapes),
     "select_pools": (select, _select_shapes),
+    "select_slots": (slots, _select_shapes),
 }
 assert set(WORKLOADS) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench workload"
 

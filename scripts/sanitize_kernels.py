@@ -2,7 +2,7 @@
 
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
   compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
-  ... scripts/sanitize_kernels.py mqa_logits select_pools   (only the cases named so)
+  ... scripts/sanitize_kernels.py mqa_logits select_pools select_slots   (only those cases)
 
 The GPU runs only the kernels and the jit's glue (no reference programs there:
 compute-sanitizer crashes on some of XLA's own kernels inside the test suite);
@@ -68,6 +68,26 @@ def _variants():
     return jnp.asarray(logits), cases.i32([width, width, 20001][:rows])
   out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
               topk_parts_args, None, True))
+  # select_slots: the case's small shape (k 5, 48 pools, a narrow block table), and a
+  # cluster top-k per row (3 rows of 8192 pools, k 512) whose CTAs write the slots. Its
+  # logits exact in fp32 (small-integer fp8, weights in eighths, power-of-two scales): the
+  # kernel's equal the reference's, so do the slots.
+  def slots_wide_args(rng, rows=3, pools=8192):
+    page = cases.LOGITS_PAGE
+    pages = rows * pools // page
+    data = np.asarray(jnp.asarray(rng.integers(-3, 4, (pages, page * 128)),
+                                  jnp.float8_e4m3fn)).view(np.uint8)
+    scales = np.exp2(rng.integers(-10, -2, (pages, page))).astype(np.float32)
+    kv = np.concatenate([data, scales.view(np.uint8).reshape(pages, -1)], 1)
+    q = jnp.asarray(rng.integers(-2, 3, (rows, cases.LOGITS_HEADS, 128)), jnp.float8_e4m3fn)
+    w = jnp.asarray(rng.integers(-4, 5, (rows, cases.LOGITS_HEADS)) / 8, jnp.float32)
+    positions = cases.i32([4 * pools - 1, 4 * pools - 3000, 1000][:rows])
+    return (q, w, jnp.asarray(kv.reshape(pages, page, 132)),
+            cases.i32(rng.permutation(pages).reshape(rows, -1)), cases.i32(np.arange(rows)),
+            positions, cases.i32(rng.integers(0, 10 ** 5, (rows, 3 * pools // 128))))
+  out.append(("select_slots parts", functools.partial(
+      glm5_jax.select_slots, k=512, max_pools=8192, block_size=128, width=2053, stride_rows=160),
+      slots_wide_args, None, True))
   return out
 
 

@@ -262,6 +262,7 @@ IDS = {
     "expand_and_remap": {2: lambda a: a[3].shape[0]},                 # req_ids: requests
     "mqa_logits": {3: lambda a: a[2].shape[0]},                       # page ids: pages
     "select_pools": {3: lambda a: a[2].shape[0], 4: lambda a: a[3].shape[0]},
+    "select_slots": {3: lambda a: a[2].shape[0], 4: lambda a: a[3].shape[0]},
 }
 
 

@@ -190,3 +190,31 @@ def test_skip_variants_apply_to_the_whole_step_groups(tmp_path):
   stage.run(bench)
   prefill.run(bench)
   assert bench.rows == []
+
+
+def test_stage_select_ops_variant_routes_the_two_ops():
+  """--stage-select-ops adds "kernel, select as two ops": its stage step lowers (CUDA) to
+  select_pools + expand_and_remap where the default step calls select_slots once."""
+  import re
+
+  import jax
+  from jax import export
+
+  import glm5_jax
+  from bench import __main__ as cli
+  from bench import stage, step_times
+  from bench.variants import KERNEL, SELECT_OPS, VARIANTS
+
+  assert SELECT_OPS in VARIANTS and SELECT_OPS in step_times.VARIANTS
+  assert cli.parser().parse_args(["--stage-select-ops"]).stage_select_ops
+  weights, caches, xs, qrs, batch = stage._state(2, 1024, 1, seed=0)
+  select = ("glm5_select_slots", "glm5_select_pools", "glm5_expand_and_remap")
+  calls = {}
+  for variant in (KERNEL, SELECT_OPS):
+    step = stage._step(stage._config(1024, stage.ROUTINGS[variant]))
+    text = export.export(jax.jit(lambda c, *a, step=step: step(c, 0, *a)), platforms=["cuda"],
+                         disabled_checks=glm5_jax.export_checks())(
+        caches, weights, xs, qrs, batch).mlir_module()
+    calls[variant] = [c for c in re.findall(r"custom_call @(glm5_\w+)", text) if c in select]
+  assert calls == {KERNEL: ["glm5_select_slots"],
+                   SELECT_OPS: ["glm5_select_pools", "glm5_expand_and_remap"]}

@@ -15,7 +15,8 @@ import glm5_jax
 from glm5_jax import Routing
 from glm5_jax._primitive import Op
 from glm5_jax.indexer import PROJECTION_KERNEL_ROWS, fused_warps, projection_tactic
-from glm5_jax.testing.cases import CASES
+from glm5_jax.logits import TOPK_MAX_POOLS
+from glm5_jax.testing.cases import CASES, stage_state
 
 from graphs import cuda_module, glm5_calls
 
@@ -332,6 +333,50 @@ def test_remap_attributes(compact, stride_rows, want):
   assert attrs == {"block_size": ("16", "i64"), "stride_rows": (str(want), "i64"),
                    "seq_offset": ("3", "i64"), "compact": (str(compact).lower(), None),
                    "pdl": ("true", None)}
+
+
+@pytest.mark.parametrize("scale_format,stride_rows,want", [("fp32", None, 16),
+                                                            ("ue8m0", 48, 48)])
+def test_slots_attributes(scale_format, stride_rows, want):
+  """select_slots' params reach its one kernel as i64 (stride_rows None = block_size) and
+  the scale format as the bool ue8m0; width and max_pools only in the result types. No
+  expand_and_remap call: the top-k writes the slots."""
+  case = CASES["select_slots"]
+  fn = functools.partial(case.fn, stride_rows=stride_rows, scale_format=scale_format,
+                         routing=Routing(kernels=True))
+  text = cuda_module(fn, case.make(np.random.default_rng(0)))
+  assert glm5_calls(text) == ["glm5_select_slots"]
+  assert call_attributes(text, "glm5_select_slots") == {
+      "k": ("5", "i64"), "block_size": ("16", "i64"), "stride_rows": (str(want), "i64"),
+      "ue8m0": (str(scale_format == "ue8m0").lower(), None), "pdl": ("true", None)}
+  call = text[text.index("stablehlo.custom_call @glm5_select_slots"):].split("\n")[0]
+  assert "tensor<4x24xi32>, tensor<4xi32>, tensor<4x48xf32>" in call, call
+
+
+@pytest.mark.parametrize("routing,max_pools,want", [
+    (Routing(), 1024, ["glm5_select_slots"]),
+    (Routing(ops={"select_slots": False}), 1024, ["glm5_select_pools", "glm5_expand_and_remap"]),
+    # Past the top-k kernel's limit neither select kernel runs: the remap's kernel still does.
+    (Routing(), TOPK_MAX_POOLS + 64, ["glm5_expand_and_remap"])])
+def test_stage_select_path_calls(routing, max_pools, want, monkeypatch):
+  """indexer_stage's select path: select_slots' one call where its kernel is chosen
+  (select_slots_kernel_chosen), select_pools + expand_and_remap where the routing turns it
+  off, and each part's own choice past its limits."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  config = glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing)
+  weights, cache, x, qr, batch = stage_state([10, 1500, 3001], config=config, hidden=512,
+                                             q_lora=256)
+  fn = lambda *a: glm5_jax.indexer_stage(*a, config=config)
+  calls = [c for c in glm5_calls(cuda_module(fn, (weights, cache, x, qr, batch)))
+           if c in ("glm5_select_slots", "glm5_select_pools", "glm5_expand_and_remap")]
+  assert calls == want
+  rows = batch.positions.size
+  args = (jnp.zeros((rows, config.padded, 128), jnp.float8_e4m3fn),
+          jnp.zeros((rows, config.padded), jnp.float32), cache.kv_cache, batch.page_table,
+          batch.req_ids, batch.positions.reshape(rows), batch.block_table)
+  assert glm5_jax.logits.select_slots_kernel_chosen(
+      *args, k=config.topk_tokens // 4, max_pools=max_pools, block_size=config.block_size,
+      width=config.width, routing=routing) is (want == ["glm5_select_slots"])
 
 
 @pytest.mark.parametrize("op", ["indexer_query", "indexer_projection_fused"])

@@ -174,6 +174,19 @@ def test_pool_topk_fewer_pools_is_the_causal_fill():
 
 # ----------------------------------------------------------------- select_pools
 
+def _cache_of(rng, data, scale_format):
+  """u8[pages, PAGE, 132]: the values data[pages, PAGE, 128] as fp8, each entry's scale a
+  random power of two (2^-8 .. 2^-3) in `scale_format`."""
+  pages, page = data.shape[:2]
+  codes = np.asarray(jnp.asarray(data, jnp.float8_e4m3fn)).view(np.uint8).reshape(pages, -1)
+  exps = rng.integers(-8, -2, (pages, page))
+  if scale_format == "fp32":
+    scales = np.exp2(exps).astype(F32).view(np.uint8).reshape(pages, page * 4)
+  else:
+    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
+  return np.concatenate([codes, scales], 1).reshape(pages, page, 132)
+
+
 def _select_case(rng, positions, req_ids, *, heads=32, page=16, requests=3, mp=4,
                  scale_format="fp32"):
   rows = len(positions)
@@ -181,15 +194,7 @@ def _select_case(rng, positions, req_ids, *, heads=32, page=16, requests=3, mp=4
   q = rng.integers(0, 256, (rows, heads, 128)).astype(np.uint8)
   q[(q & 0x7F) == 0x7F] = 0            # no NaN codes
   w = rng.standard_normal((rows, heads)).astype(F32)
-  data = np.asarray(jnp.asarray(rng.standard_normal((pages, page, 128)) * 8,
-                                jnp.float8_e4m3fn)).view(np.uint8)
-  exps = rng.integers(-8, -2, (pages, page))
-  if scale_format == "fp32":
-    scales = np.exp2(exps).astype(F32).view(np.uint8).reshape(pages, page * 4)
-  else:
-    scales = np.repeat((exps + 127).astype(np.uint8), 4, axis=1)
-  kv = np.concatenate([data.reshape(pages, -1), scales.reshape(pages, -1)], 1)
-  kv = kv.reshape(pages, page, 132)
+  kv = _cache_of(rng, rng.standard_normal((pages, page, 128)) * 8, scale_format)
   table = rng.permutation(pages)[:requests * mp].reshape(requests, mp).astype(np.int32)
   table[-1, -1] = pages + 5            # out of range: never read (D4)
   return (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
@@ -243,3 +248,94 @@ def test_vectorized_oracle_equals_loop_oracle():
   got = O.mqa_logits_vectorized(q, w, kv, rows, lens, max_pools=20)
   for g, x in zip(got, want):
     np.testing.assert_allclose(g, x, rtol=1e-12)
+
+
+# ----------------------------------------------------------------- select_slots
+
+def _exact_select_case(rng, contexts, next_n, *, requests, heads=32, page=16, mp=4,
+                       scale_format="fp32"):
+  """select_slots' operands whose logits are exact in fp32 (small-integer fp8 values,
+  weights in eighths, power-of-two scales: every sum of products is exact in any order),
+  so the float64 oracle's selection is the reference's bit for bit; few distinct values,
+  so the top-k ties at its threshold. Rows = len(contexts) requests x next_n,
+  request-major, request r's rows at positions contexts[r] + 0..next_n-1."""
+  positions = (np.asarray(contexts)[:, None] + np.arange(next_n)).reshape(-1)
+  req_ids = np.repeat(np.arange(len(contexts)), next_n)
+  rows, pages = positions.size, requests * mp + 2
+  q = jnp.asarray(rng.integers(-2, 3, (rows, heads, 128)), jnp.float8_e4m3fn)
+  w = (rng.integers(-4, 5, (rows, heads)) / 8).astype(F32)
+  kv = _cache_of(rng, rng.integers(-3, 4, (pages, page, 128)), scale_format)
+  table = rng.permutation(pages)[:requests * mp].reshape(requests, mp)
+  return [q, jnp.asarray(w), jnp.asarray(kv), i32(table), req_ids, positions]
+
+
+def _slots_fn(**static):
+  return jax.jit(functools.partial(R.select_slots, **static))
+
+
+# (contexts, next_n, k, block_size, MB, stride_rows, width past 4k + 3, scale_format):
+# contexts of up to 4 * max_pools (64 pools) tokens; MB * block_size below the longest
+# contexts (their tokens from there on dropped).
+SLOTS_CASES = [
+    ([3, 20, 40, 150, 255, 100], 1, 8, 16, 10, None, 0, "fp32"),
+    ([3, 20, 40, 150, 255, 100], 1, 8, 16, 10, 48, 5, "ue8m0"),
+    ([30, 130, 200], 2, 12, 32, 3, 40, 1, "fp32"),
+    ([7, 90, 240], 4, 5, 8, 8, 12, 9, "fp32"),
+    ([60, 250, 30], 4, 16, 64, 3, None, 2, "ue8m0"),
+]
+
+
+@pytest.mark.parametrize("contexts,next_n,k,block_size,mb,stride_rows,extra,scale_format",
+                         SLOTS_CASES)
+def test_select_slots_against_oracle(contexts, next_n, k, block_size, mb, stride_rows, extra,
+                                     scale_format):
+  """select_slots' reference equals the oracle's select_pools then expand_and_remap (seq
+  offset 1, compact) bit for bit: rows that fit (causal fill) and rows that select, pads,
+  a request outside the tables, tokens past the block table (dropped: fewer slots)."""
+  rng = np.random.default_rng(sum(contexts) + k)
+  requests = len(contexts) - 1       # the last request's rows name no table row
+  args = _exact_select_case(rng, contexts, next_n, requests=requests,
+                            scale_format=scale_format)
+  req_ids, positions = args[4], args[5]
+  req_ids[-next_n:] = requests + 3
+  positions[1] = -1                  # a pad
+  if next_n > 1:
+    req_ids[next_n] = -1             # an unknown request among known ones' rows
+  block_table = rng.integers(0, 100, (requests, mb))
+  max_pools, width = 64, 4 * k + 3 + extra
+  static = dict(k=k, max_pools=max_pools, block_size=block_size, width=width,
+                stride_rows=stride_rows, scale_format=scale_format)
+  args = args[:4] + [i32(req_ids), i32(positions), i32(block_table)]
+  slots, counts, _ = (np.asarray(a) for a in _slots_fn(**static)(*args))
+  ids, _, _, n = O.select_pools(*args[:6], k=k, max_pools=max_pools, scale_format=scale_format)
+  want_slots, want_counts = O.expand_and_remap(ids, positions, req_ids, block_table,
+                                               block_size=block_size, width=width,
+                                               stride_rows=stride_rows)
+  np.testing.assert_array_equal(slots, want_slots)
+  np.testing.assert_array_equal(counts, want_counts)
+  # The cases cover what they claim: both kinds of rows, and dropped tokens.
+  known = (req_ids >= 0) & (req_ids < requests)
+  assert np.any(known & (n > 0) & (n <= k)) and np.any(known & (n > k))
+  tokens = np.minimum(4 * np.minimum(n, k) + np.where(positions >= 0, (positions + 1) % 4, 0),
+                      4 * k + 3)
+  assert np.any(known & (counts < tokens)), "no row lost tokens past the block table"
+  assert np.all(counts[~known] == 0) and np.all(slots[~known] == -1)
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_select_slots_is_the_two_references(scale_format):
+  """On logits that round (random fp8 and weights): select_slots' reference is
+  select_pools' then expand_and_remap's, all three results bit for bit."""
+  rng = np.random.default_rng(12)
+  positions = [-1, 5, 31, 32, 120, 250, 255, 2 ** 31 - 1, 60, 61]
+  req_ids = [0, 1, 2, 0, 1, 2, 0, 1, 7, 2]
+  args = _select_case(rng, positions, req_ids, scale_format=scale_format)
+  block_table = i32(rng.integers(0, 1000, (3, 12)))
+  select = dict(k=8, max_pools=60, scale_format=scale_format)
+  remap = dict(block_size=16, width=40, stride_rows=20)
+  got = _slots_fn(**select, **remap)(*args, block_table)
+  ids, logits = jax.jit(functools.partial(R.select_pools, **select))(*args)
+  want = jax.jit(functools.partial(R.expand_and_remap, **remap))(ids, args[5], args[4],
+                                                                 block_table)
+  for g, w in zip(got, (*want, logits)):
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))

@@ -1,7 +1,9 @@
 """The select-path kernels (cc/select.cu) on the GPU: pool_topk equal to the reference
 top-k exactly on the same logits, mqa_logits within a documented fp32 bound of a float64
 evaluation, select_pools = logits + top-k with the causal fill decided per row, vmap,
-out-of-range page/request ids (SPEC D4), and a stage with no conditional."""
+out-of-range page/request ids (SPEC D4), select_slots equal to the reference bit for bit
+(on logits exact in fp32) and to select_pools + expand_and_remap's kernels, and a stage
+with no conditional."""
 import functools
 
 import numpy as np
@@ -82,10 +84,12 @@ def test_topk_kernel_k_above_1024_and_wider_than_rows():
                                   np.asarray(_ref_topk(k)(logits, lens)))
 
 
-def _cache(rng, requests, pools, page, scale_format, spare=3):
+def _cache(rng, requests, pools, page, scale_format, spare=3,
+           values=lambda rng, shape: rng.standard_normal(shape) * 40):
+  """(K cache, page table of each request's pages); the fp8 data `values(rng, shape)`."""
   pages_per = -(-pools // page) + 1
   pages = requests * pages_per + spare
-  data = np.asarray(jnp.asarray(rng.standard_normal((pages, page * 128)) * 40,
+  data = np.asarray(jnp.asarray(values(rng, (pages, page * 128)),
                                 jnp.float8_e4m3fn)).view(np.uint8)
   exps = rng.integers(-12, -4, (pages, page))
   if scale_format == "fp32":
@@ -248,8 +252,151 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
   # M = 2 rows: the update part is indexer_update's one call (UPDATE_KERNEL_ROWS)
   lo, hi = update.UPDATE_KERNEL_ROWS
   assert lo <= 2 <= hi
-  out = run_and_check_graphed(script, ["glm5_select_pools",
+  # The select path is select_slots' one call (its kernel chosen at these shapes).
+  out = run_and_check_graphed(script, [glm5_jax.KERNEL_TARGETS["select_slots"],
                                        glm5_jax.KERNEL_TARGETS["indexer_update"]], tmp_path)
   assert out.split() == ["2049", "301"]   # 512 pools + the 1-token tail; causal
   hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
   assert " conditional(" not in hlo and " while(" not in hlo
+
+
+# ---------------------------------------------------------------- select_slots
+
+def _exact_inputs(rng, contexts, next_n, *, max_pools, page=64, heads=32, scale_format):
+  """select_slots' select operands whose logits are exact in fp32 in any summation order
+  (small-integer fp8 q and K, weights in eighths, power-of-two scales: every partial sum
+  a multiple of the smallest term below 2^24 of it), so the kernel's logits are the CPU
+  reference's and its slots must be too; few distinct values: ties at the threshold.
+  Rows = requests x next_n, request-major, at contexts[r] + 0..next_n-1. Besides: the last
+  row of >= 3 rows names an unknown request; a pad (request 0's last row, or row 2 of
+  >= 4 rows of one token each); a row scoring every pool 0 (q = 0: ties everywhere, the
+  lowest ids win): request 1's second row, or row 3."""
+  requests = len(contexts)
+  positions = (np.asarray(contexts)[:, None] + np.arange(next_n)).reshape(-1).astype(I32)
+  req = np.repeat(np.arange(requests), next_n).astype(I32)
+  rows = positions.size
+  pad = next_n - 1 if next_n > 1 else 2 if rows >= 4 else None
+  if pad is not None:
+    positions[pad] = -1
+  if rows >= 3:
+    req[-1] = requests + 5
+  kv, table = _cache(rng, requests, max_pools, page, scale_format,
+                     values=lambda rng, shape: rng.integers(-3, 4, shape))
+  padded = max(heads, 32)
+  q = rng.integers(-2, 3, (rows, padded, 128)).astype(np.float32)
+  w = (rng.integers(-4, 5, (rows, padded)) / 8).astype(np.float32)
+  q[:, heads:], w[:, heads:] = 0, 0
+  flat = next_n + 1 if next_n > 1 and requests > 1 else 3 if rows >= 4 else None
+  if flat is not None:
+    q[flat] = 0
+  return (jnp.asarray(q, jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
+          jnp.asarray(table), jnp.asarray(req), jnp.asarray(positions))
+
+
+def _block_table(rng, contexts, next_n, block_size):
+  """Every request's blocks at random physical blocks, the table a quarter narrower than
+  the longest context: the tokens of the longest rows past it are dropped (fewer slots)."""
+  longest = max(contexts) + next_n
+  blocks = max(1, -(-longest * 3 // 4 // block_size))
+  return jnp.asarray(rng.integers(0, 50000, (len(contexts), blocks)).astype(I32))
+
+
+def _slots_params(k, max_pools, block_size, stride_rows, extra, scale_format):
+  return dict(k=k, max_pools=max_pools, block_size=block_size, width=4 * k + 3 + extra,
+              stride_rows=stride_rows, scale_format=scale_format)
+
+
+def _contexts(rng, requests, k, max_pools):
+  """Random contexts up to max_pools pools, the first one fitting in k pools (the causal
+  fill), the second one the longest (every pool); one request: the longest."""
+  ctx = rng.integers(min(4 * k + 8, 4 * max_pools - 1), 4 * max_pools, requests)
+  ctx[0] = min(4 * k - 9, 4 * max_pools - 1) if k > 3 else 2
+  ctx[min(1, requests - 1)] = 4 * max_pools - 1
+  return [int(c) for c in ctx]
+
+
+# (requests, next_n, k, max_pools, block_size, stride_rows, width past 4k + 3, scale
+# format): rows 1, 3, 4, 16, 64 and 130; 512 to 32768 pools (few rows of >= 8192: the
+# top-k's cluster per row); k 512 and small; width odd, a multiple of 4 and neither.
+SLOTS_CASES = [
+    (1, 1, 512, 512, 64, None, 0, "fp32"),          # one row, causal fill
+    (1, 1, 512, 8192, 128, None, 1, "ue8m0"),
+    (3, 1, 512, 32768, 128, 96, 5, "fp32"),
+    (3, 1, 5, 4096, 16, None, 2, "fp32"),
+    (2, 2, 64, 32768, 64, 80, 3, "ue8m0"),
+    (16, 1, 512, 8192, 64, 80, 3, "ue8m0"),
+    (8, 2, 64, 2048, 32, None, 0, "fp32"),
+    (16, 4, 512, 8192, 128, None, 4, "fp32"),
+    (64, 1, 512, 2048, 128, 256, 1, "ue8m0"),
+    (65, 2, 512, 2048, 64, None, 7, "fp32"),
+    (5, 4, 37, 1024, 16, 20, 6, "ue8m0"),
+]
+
+
+@pytest.mark.parametrize("requests,next_n,k,max_pools,block_size,stride_rows,extra,scale_format",
+                         SLOTS_CASES)
+def test_slots_kernel_equals_reference(requests, next_n, k, max_pools, block_size,
+                                       stride_rows, extra, scale_format):
+  """select_slots' kernel (the default routing: its one FFI call) gives the CPU
+  reference's slots and counts bit for bit."""
+  rng = np.random.default_rng(requests * 1000 + max_pools + k)
+  contexts = _contexts(rng, requests, k, max_pools)
+  args = _exact_inputs(rng, contexts, next_n, max_pools=max_pools, scale_format=scale_format)
+  args += (_block_table(rng, contexts, next_n, block_size),)
+  params = _slots_params(k, max_pools, block_size, stride_rows, extra, scale_format)
+  assert glm5_jax.logits.select_slots_kernel_chosen(*args, **params)
+  fn = jax.jit(functools.partial(glm5_jax.select_slots, **params))
+  got = [np.asarray(a) for a in fn(*args)]
+  want = jax.jit(functools.partial(ref.select_slots, **params), backend="cpu")(
+      *(np.asarray(a) for a in args))
+  np.testing.assert_array_equal(got[1], np.asarray(want[1]), err_msg="counts")
+  np.testing.assert_array_equal(got[0], np.asarray(want[0]), err_msg="slots")
+  # What the case claims to cover: a row selecting, a row dropping tokens past the table.
+  pos = np.asarray(args[5]).astype(np.int64)
+  n = np.minimum(np.where(pos >= 0, (pos + 1) // 4, 0), max_pools)
+  tokens = np.minimum(4 * np.minimum(n, k) + np.where(pos >= 0, (pos + 1) % 4, 0), 4 * k + 3)
+  known = np.asarray(args[4]) < requests
+  assert np.any(n > k) or max_pools <= k
+  assert requests * next_n < 3 or np.any(known & (got[1] < tokens))
+
+
+@pytest.mark.parametrize("contexts,next_n,scale_format", [
+    ([30000], 1, "fp32"), ([8000] * 16, 1, "ue8m0"), ([100, 3000, 2047, 9000, 20000, 5], 2, "fp32"),
+    ([2100, 400, 7000], 4, "ue8m0"), ([500, 1000] * 32, 1, "fp32")])
+def test_slots_kernel_equals_two_kernels(contexts, next_n, scale_format):
+  """On logits that round (random fp8), select_slots' kernel equals select_pools' and
+  expand_and_remap's kernels (Routing(ops={"select_slots": False}) at GLM5_JAX_KERNELS=1)
+  bit for bit: the same logits kernel, then a top-k that writes the remap's slots."""
+  rng = np.random.default_rng(len(contexts) * 10 + next_n)
+  args, max_pools = _select_inputs(rng, contexts, next_n, scale_format=scale_format)
+  bt = _block_table(rng, contexts, next_n, 64)
+  params = _slots_params(512, max_pools, 64, None, 1, scale_format)
+  one = jax.jit(functools.partial(glm5_jax.select_slots, **params))(*args, bt)
+  two = jax.jit(functools.partial(glm5_jax.select_slots, **params,
+                                  routing=glm5_jax.Routing(ops={"select_slots": False})))
+  text = two.lower(*args, bt).as_text()
+  assert "glm5_select_pools" in text and "glm5_expand_and_remap" in text
+  for g, w in zip(one, two(*args, bt)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_slots_is_one_custom_call():
+  """select_slots under jit compiles to exactly one glm5_select_slots call: no
+  glm5_expand_and_remap (nor select_pools') launch; under vmap the rows fold."""
+  rng = np.random.default_rng(2)
+  contexts = [9000, 300, 5000]
+  args, max_pools = _select_inputs(rng, contexts, 2)
+  args += (_block_table(rng, contexts, 2, 64),)
+  fn = functools.partial(glm5_jax.select_slots, k=512, max_pools=max_pools, block_size=64,
+                         width=2052)
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  assert hlo.count('custom_call_target="glm5_select_slots"') == 1, hlo[:2000]
+  assert "glm5_expand_and_remap" not in hlo and "glm5_select_pools" not in hlo
+  stacked = tuple(jnp.stack([a, a]) if i in (0, 1, 4, 5) else a for i, a in enumerate(args))
+  axes = (0, 0, None, None, 0, 0, None)
+  batched = jax.jit(jax.vmap(fn, in_axes=axes))
+  text = batched.lower(*stacked).compile().as_text()
+  assert text.count('custom_call_target="glm5_select_slots"') == 1 and " while(" not in text
+  single = jax.jit(fn)(*args)
+  for b, s in zip(batched(*stacked), single):
+    np.testing.assert_array_equal(np.asarray(b[1]), np.asarray(s))

@@ -142,3 +142,19 @@ def test_topk_branch_selects_topk_pools_plus_tail():
   for r in range(2):
     valid = slots[r, :out.counts[r]]
     assert len(set(valid.tolist())) == len(valid)
+
+
+@pytest.mark.parametrize("contexts,next_n,scale_format", [([10, 1500, 3001, 77], 1, "fp32"),
+                                                          ([40, 2999, 514], 4, "ue8m0"),
+                                                          ([3900, 13], 2, "fp32")])
+def test_select_switch_is_bit_equal(contexts, next_n, scale_format):
+  """The default routing (the select path as select_slots' one call where its kernel is
+  chosen) gives every output byte and both caches as Routing(ops={"select_slots": False})
+  (select_pools + expand_and_remap): on a GPU the same logits kernel, and a top-k writing
+  the slots the remap would."""
+  base = dict(max_pools=1024, scale_format=scale_format)
+  args = state(contexts, next_n)
+  outs = [gemm_pinned(STEP, *args, config=glm5_jax.IndexerConfig(routing=routing, **base))
+          for routing in (glm5_jax.Routing(ops={"select_slots": False}), glm5_jax.Routing())]
+  for g, w in zip(tree_bytes(outs[1]), tree_bytes(outs[0]), strict=True):
+    np.testing.assert_array_equal(g, w)

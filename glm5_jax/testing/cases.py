@@ -162,6 +162,18 @@ def _select_valid(args, outs):
   return np.asarray(ids), np.where(keep, np.asarray(logits), 0)
 
 
+def _slots_args(rng):
+  """select_pools' case (the same draws: the same pools selected) and a block table of
+  its 3 requests: 8 blocks of 16 tokens, so position 150's tokens past 128 are dropped."""
+  return _select_args(rng) + (i32(rng.integers(0, 50, (3, 8))),)
+
+
+def _slots_valid(args, outs):
+  """The slots and counts: the reference's third result (select_pools' logits) is
+  workspace that the public op drops."""
+  return outs[:2]
+
+
 def _topk_args(rng):
   return jnp.asarray(rng.standard_normal((3, 12)), jnp.float32), i32([12, 3, 0])
 
@@ -242,6 +254,9 @@ CASES = {
     "pool_topk": Case(P(glm5_jax.pool_topk, k=5), _topk_args),
     "select_pools": Case(P(glm5_jax.select_pools, k=5, max_pools=48), _select_args,
                          exact=False, valid=_select_valid),
+    # width 24 > 4k + 3 = 23: a column past the tail's (compact: -1).
+    "select_slots": Case(P(glm5_jax.select_slots, k=5, max_pools=48, block_size=16, width=24),
+                         _slots_args, valid=_slots_valid),
     "indexer_projection": Case(P(glm5_jax.indexer_projection, heads=PROJECTION_HEADS),
                                _projection_args, exact=False),
     "indexer_q": Case(glm5_jax.indexer_q, _q_args, exact=False),
