@@ -129,13 +129,18 @@ def test_projection(heads, M, K):
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 1536), (17, 256, 1536), (0, 128, 512)])
 def test_indexer_q(M, N, K):
   """q = qr wq_b^T within SPEC D2's GEMM bound of the float64 product; eager and jitted
-  the same bits (one dot_general either way)."""
+  the same bits (one dot_general either way) on the CPU backend. On a GPU XLA autotunes
+  each program's GEMM on its own: the H200 summed the eager and jitted 1 x 4096 GEMV in
+  other orders (1 ulp in 3 of 4096 values, 2026-11-30), which SPEC D2 allows."""
   rng = np.random.default_rng(70 + M)
   qr = O.random_bf16(rng, (M, K))
   wq_b = O.random_bf16(rng, (N, K), 0.02)
   got = jax.jit(R.indexer_q)(jnp.asarray(qr), jnp.asarray(wq_b))
   O.check_q(qr, wq_b, got, f"indexer_q M{M} N{N} K{K}")
-  O.assert_same_bits([R.indexer_q(jnp.asarray(qr), jnp.asarray(wq_b))], [got], ["q"], "eager")
+  with jax.default_device(jax.devices("cpu")[0]):
+    eager = R.indexer_q(jnp.asarray(qr), jnp.asarray(wq_b))
+    jitted = jax.jit(R.indexer_q)(jnp.asarray(qr), jnp.asarray(wq_b))
+  O.assert_same_bits([eager], [jitted], ["q"], "eager")
 
 
 def test_projection_fused():

@@ -364,16 +364,22 @@ def test_slots_kernel_equals_reference(requests, next_n, k, max_pools, block_siz
     ([30000], 1, "fp32"), ([8000] * 16, 1, "ue8m0"), ([100, 3000, 2047, 9000, 20000, 5], 2, "fp32"),
     ([2100, 400, 7000], 4, "ue8m0"), ([500, 1000] * 32, 1, "fp32")])
 def test_slots_kernel_equals_two_kernels(contexts, next_n, scale_format):
-  """On logits that round (random fp8), select_slots' kernel equals select_pools' and
-  expand_and_remap's kernels (Routing(ops={"select_slots": False}) at GLM5_JAX_KERNELS=1)
-  bit for bit: the same logits kernel, then a top-k that writes the remap's slots."""
+  """On logits that round (random fp8), select_slots' kernel equals select_pools' kernel
+  then expand_and_remap's (the two ops indexer_stage runs with select_slots off) bit for
+  bit: the same logits kernel, then a top-k that writes the remap's slots."""
   rng = np.random.default_rng(len(contexts) * 10 + next_n)
   args, max_pools = _select_inputs(rng, contexts, next_n, scale_format=scale_format)
   bt = _block_table(rng, contexts, next_n, 64)
   params = _slots_params(512, max_pools, 64, None, 1, scale_format)
   one = jax.jit(functools.partial(glm5_jax.select_slots, **params))(*args, bt)
-  two = jax.jit(functools.partial(glm5_jax.select_slots, **params,
-                                  routing=glm5_jax.Routing(ops={"select_slots": False})))
+
+  @jax.jit
+  def two(*a):
+    ids, _ = glm5_jax.select_pools(*a[:6], k=params["k"], max_pools=max_pools,
+                                   scale_format=scale_format)
+    return glm5_jax.expand_and_remap(ids, a[5], a[4], a[6], block_size=64,
+                                     width=params["width"])
+
   text = two.lower(*args, bt).as_text()
   assert "glm5_select_pools" in text and "glm5_expand_and_remap" in text
   for g, w in zip(one, two(*args, bt)):
