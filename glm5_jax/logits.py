@@ -163,12 +163,13 @@ def _localize_select(index, q_fp8, w_out, kv_cache, page_table, req_ids, *rest):
 
 
 _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
+_SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}"
 _select = Op(
     "select_pools", ref.select_pools, _select_shapes,
     rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
     attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
     kernel_supports=_select_kernel_supports,
-    kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}",
+    kernel_limits=_SELECT_LIMITS,
     split=Split(_SELECT_OPERANDS, ("rows", "rows"), _localize_select))
 
 
@@ -201,7 +202,7 @@ _slots = Op(
     rows=((0, 0, None, None, 0, 0, None), (0, 0, 0)), kernel="glm5_select_slots",
     attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64),
     attribute_values=_ue8m0, kernel_supports=_select_kernel_supports,
-    kernel_limits=f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}",
+    kernel_limits=_SELECT_LIMITS,
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
 
 
