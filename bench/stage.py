@@ -85,6 +85,9 @@ def add_arguments(parser):
                       help="also time the stage with indexer_q's kernel on (off by "
                            "default: slower in the stage on the H200); with --stage-pdl-off "
                            "also with PDL off")
+  parser.add_argument("--stage-steps", type=int, default=STEPS,
+                      help=f"decode steps per timed run (default {STEPS}); each step its own "
+                           "inputs, so a run's dispatch grows with them too")
   parser.add_argument("--stage-update-only", action="store_true",
                       help="also time the stage's update part alone (q, projection, "
                            "query epilogue, kpool_update; no selection)")
@@ -122,15 +125,15 @@ def layers_state(rng, m, max_context, layers):
   return weights, caches, pt, bt
 
 
-def _state(m, ctx, layers, seed):
+def _state(m, ctx, layers, seed, steps=STEPS):
   rng = np.random.default_rng(seed)
   weights, caches, pt, bt = layers_state(rng, m, ctx, layers)
   cache = caches[0]
   # Every request at ctx tokens with this step's token (position ctx - 1): ctx / 4 pools.
   batch = synthetic.decode_batch(np.full((m, 1), ctx - 1), cache, pt, bt)
-  # Every layer of each of the STEPS steps of a run gets its own x and qr (no work shared
+  # Every layer of each of the steps of a run gets its own x and qr (no work shared
   # between layers or steps; synthetic.layer_inputs says why).
-  xs, qrs = map(list, zip(*(synthetic.layer_inputs(rng, m, layers) for _ in range(STEPS))))
+  xs, qrs = map(list, zip(*(synthetic.layer_inputs(rng, m, layers) for _ in range(steps))))
   return weights, caches, xs, qrs, batch
 
 
@@ -166,7 +169,9 @@ def run(bench):
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel
                            and bench.args.stage_pdl_off else [])
                         if bench.module else [REFERENCE])
-  build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx)  # noqa: E731
+  steps = bench.args.stage_steps
+  build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731
+                                steps=steps)
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
     weights, caches, xs, qrs, batch = state
     del state
@@ -176,11 +181,11 @@ def run(bench):
         config = _config(ctx, routing, UPDATES.get(variant))
         sec, caches, info = time_step(_step(config, variant == UPDATE_ONLY), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,
-                                      steps=STEPS)
+                                      steps=steps)
         bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
-                  notes=f"{s.stage_layers} layers per decode step, {STEPS} steps per "
+                  notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
                         "timed run, µs per layer")
         bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
                   f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")

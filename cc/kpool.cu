@@ -35,6 +35,7 @@
 #include "hadamard_quant.cuh"
 #include "handlers.h"
 #include "kpool.cuh"
+#include "query.cuh"
 
 namespace glm5 {
 namespace {
@@ -171,23 +172,25 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
   pool_and_write<kMode>(a.cache, a.page, k, z, bias, loc, lane);
 }
 
-// Block `req` = request req; tokens in t order.
-template <ScaleMode kMode>
-__global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a) {
-  const int lane = threadIdx.x;
-  const int dim = kPerLane * lane;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * a.next_n;  // [B, N] row of req
-  // Unlike the seed (APE read before the wait, as a model weight), APE here is an ordinary
-  // operand that the previous kernel may have produced, so every input is read after the wait.
-  pdl_wait();
-  pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
+// Dynamic shared memory of a request's warp: the key/gate quads of up to 32 of its tokens.
+__host__ __device__ constexpr size_t stage_bytes(int64_t next_n) {
+  return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
+}
 
+// Request `req`'s tokens in t order, by one warp (`staged`: its stage_bytes(next_n) of shared
+// memory). The key quads come from the key operand (kpool_update), or with kNorm from the key
+// LayerNorm of `norm`'s key_raw rows, also written to its key result (indexer_update's
+// epilogue: query.cuh's key_norm, the bits indexer_query writes).
+template <ScaleMode kMode, bool kNorm>
+__device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryArgs* norm,
+                                               int64_t req, int lane, uint2* staged) {
+  const int dim = kPerLane * lane;
+  const int64_t first = req * a.next_n;  // [B, N] row of req
   float bias[kPool][kPerLane];
   load_bias(a.ape, dim, bias);
   const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
   const int64_t half = static_cast<int64_t>(a.ring) * kDim;
   // [key | gate][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
-  extern __shared__ uint2 staged[];
   const int chunk = min(kWarp, a.next_n);
 
   for (int32_t t0 = 0; t0 < a.next_n; t0 += kWarp) {
@@ -201,13 +204,28 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
     const int count = min(kWarp, a.next_n - t0);
     // Stage the chunk's key/gate quads in shared memory with all loads in flight at once;
     // the token loop then waits on global memory only for the ring rows of completions.
-    // Each lane reads back only its own slots (program order; no barrier needed).
 #pragma unroll 4
     for (int u = 0; u < count; ++u) {
       const int64_t tok = (first + t0 + u) * kDim + dim;
-      staged[u * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+      if constexpr (!kNorm)
+        staged[u * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
       staged[(chunk + u) * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
     }
+    if constexpr (kNorm) {
+      // Two tokens a step, a half-warp each: group g (dims 8g .. 8g + 7) is the quads of
+      // lanes 2g and 2g + 1, so other lanes read them back: __syncwarp orders the writes.
+      const int g = lane % kHalf;
+      for (int u = 0; u < count; u += 2) {
+        const int v = u + lane / kHalf;
+        const uint4 y = key_norm(*norm, first + t0 + v, v < count, lane);
+        if (v < count) {
+          staged[v * kWarp + 2 * g] = make_uint2(y.x, y.y);
+          staged[v * kWarp + 2 * g + 1] = make_uint2(y.z, y.w);
+        }
+      }
+      __syncwarp();
+    }
+    // Without kNorm each lane reads back only its own slots (program order; no barrier).
 #pragma unroll 1
     for (int u = 0; u < count; ++u) {
       const int32_t pos = __shfl_sync(kFullMask, my_pos, u);
@@ -225,18 +243,48 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
         *reinterpret_cast<uint2*>(block + row) = kw;
         *reinterpret_cast<uint2*>(block + half + row) = gw;
       }
-      // Each lane reads back only its own words, so program order already orders this
+      // Each lane reads back only its own tail words, so program order already orders this
       // token's stash before the next token's ring reads; the barrier keeps the warp's
-      // memory operations of consecutive tokens ordered as a whole.
+      // memory operations of consecutive tokens ordered as a whole (and, with kNorm, the
+      // next chunk's staging after this chunk's reads).
       __syncwarp();
     }
   }
 }
 
-// Dynamic shared memory of the kernel: the key/gate quads of up to 32 tokens of a request.
-size_t stage_bytes(int64_t next_n) {
-  return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
+// Block `req` = request req.
+template <ScaleMode kMode>
+__global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a) {
+  // Unlike the seed (APE read before the wait, as a model weight), APE here is an ordinary
+  // operand that the previous kernel may have produced, so every input is read after the wait.
+  pdl_wait();
+  pdl_launch_dependents();  // dependents still wait for this grid's completion before reading
+  extern __shared__ uint2 staged[];
+  update_request<kMode, false>(a, nullptr, blockIdx.x, threadIdx.x, staged);
 }
+
+// indexer_update's epilogue (after its projection): warp w < `requests` runs request w's
+// kpool update with its key LayerNorm (kNorm), the warps after it the q rows of indexer_query
+// (query.cuh's head_row). Both only read the projection's results and their own operands, so
+// one launch does what indexer_query's and kpool_update's kernels do one after the other, with
+// the same bits. Request warps come first: theirs is the longest dependent chain.
+constexpr int kEpilogueWarps = 4;
+
+template <ScaleMode kMode, bool kBf16>
+__global__ void __launch_bounds__(kEpilogueWarps * kWarp)
+    update_epilogue_kernel(const UpdateArgs a, const QueryArgs q, const int64_t requests) {
+  const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kEpilogueWarps + w;
+  pdl_wait();  // every input may be the projection's
+  pdl_launch_dependents();
+  extern __shared__ uint2 staged[];
+  if (warp < requests)
+    update_request<kMode, true>(a, &q, warp, lane,
+                                staged + w * (stage_bytes(a.next_n) / sizeof(uint2)));
+  else if (warp - requests < q.q_rows)
+    head_row<kBf16>(q, warp - requests, lane);
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // kpool_compress.
@@ -360,6 +408,8 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   });
   plan.requests = static_cast<unsigned>(requests);
   plan.smem = stage_bytes(next_n);
+  plan.ue8m0 = ue8m0;
+  plan.round_scale = round_scale;
   return plan;
 }
 
@@ -372,6 +422,31 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
   if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
   return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
                 plan.args);
+}
+
+cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
+                                   const UpdateLaunch& update) {
+  bool copied = false;
+  for (const UpdateLaunch::Copy& copy : update.copies) {
+    const cudaError_t err = copy_unaliased(copy.dst, copy.src, copy.bytes, stream, copied);
+    if (err != cudaSuccess) return err;
+  }
+  // No request rows means M = 0: the query has no rows either.
+  if (update.kernel == nullptr || query.kernel == nullptr) return cudaSuccess;
+  const int64_t warps = static_cast<int64_t>(update.requests) + query.args.q_rows;
+  const int64_t blocks = (warps + kEpilogueWarps - 1) / kEpilogueWarps;
+  if (blocks > kI32Max) return cudaErrorInvalidConfiguration;
+  const size_t smem = kEpilogueWarps * update.smem;
+  void (*const kernel)(UpdateArgs, QueryArgs, int64_t) =
+      by_scale_mode(update.round_scale, update.ue8m0, [&](auto mode) {
+        constexpr ScaleMode kMode = decltype(mode)::value;
+        return query.bf16_w_out ? update_epilogue_kernel<kMode, true>
+                                : update_epilogue_kernel<kMode, false>;
+      });
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
+  return launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kEpilogueWarps * kWarp), smem,
+                stream, pdl && !copied, update.args, query.args,
+                static_cast<int64_t>(update.requests));
 }
 
 namespace {

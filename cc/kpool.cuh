@@ -36,9 +36,12 @@ struct UpdateLaunch {
   UpdateArgs args;
   void (*kernel)(UpdateArgs) = nullptr;  // null: no rows, only the copies (if any) to do
   unsigned requests = 0;
-  size_t smem = 0;
+  size_t smem = 0;                       // per request warp
+  bool ue8m0 = false, round_scale = true;  // the scale format (the kernel's instantiation)
   Copy copies[2];
 };
+
+struct QueryLaunch;  // query.cuh
 
 // Validates the buffers; no stream work.
 ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
@@ -50,5 +53,12 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
 
 // The copies of unaliased caches, then the kernel (with PDL only where nothing was copied).
 cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan);
+
+// indexer_update's epilogue: launch_kpool_update's copies, then one kernel that does what
+// indexer_query's kernel and kpool_update's do one after the other (the same bits), the key
+// LayerNorm folded into the request warps: `query` and `update` as prepare_query and
+// prepare_kpool_update planned them (update's key is the query's key result).
+cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
+                                   const UpdateLaunch& update);
 
 }  // namespace glm5

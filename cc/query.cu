@@ -22,32 +22,6 @@ namespace {
 
 constexpr int kWarps = 4;                       // warps per CTA
 
-// q_fp8 / w_out of q row `q_row` = (token t, head h).
-template <bool kBf16>
-__device__ __forceinline__ void head_row(const QueryArgs& a, int64_t q_row, int lane) {
-  const int64_t t = q_row / a.padded;
-  const int32_t h = static_cast<int32_t>(q_row - t * a.padded);
-  if (h >= a.heads) {  // padding head
-    zero_row<kBf16>(a.q_out, a.w_out, q_row, lane);
-    return;
-  }
-  const int64_t src = t * a.heads + h;
-  const float w = lane == 0 ? __ldg(a.head_w + src) : 0.0f;
-  query_row<kBf16>(load_query(a.q + src * kDim, lane), w, a.q_out, a.w_out, q_row, a.scale, lane);
-}
-
-// Key LayerNorm of token 2 pair + (lane / 16); a half past the last token loads and stores
-// nothing.
-__device__ __forceinline__ void key_norm(const QueryArgs& a, int64_t pair, int lane) {
-  const int g = lane % kHalf;
-  const int64_t t = 2 * pair + lane / kHalf;
-  const bool live = t < a.rows;
-  const uint4 raw = live ? __ldg(reinterpret_cast<const uint4*>(a.key_raw + t * kDim) + g)
-                         : make_uint4(0u, 0u, 0u, 0u);
-  const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
-  if (live) *(reinterpret_cast<uint4*>(a.key_out + t * kDim) + g) = y;
-}
-
 template <bool kBf16>
 __global__ void __launch_bounds__(kWarps * kWarp) indexer_query_kernel(const QueryArgs a) {
   const int lane = threadIdx.x % kWarp;
@@ -57,8 +31,8 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_query_kernel(const Que
   if (warp < a.q_rows) {
     head_row<kBf16>(a, warp, lane);
   } else {
-    const int64_t pair = warp - a.q_rows;
-    if (2 * pair < a.rows) key_norm(a, pair, lane);
+    const int64_t t = 2 * (warp - a.q_rows) + lane / kHalf;  // two tokens per warp
+    if (t - lane / kHalf < a.rows) key_norm(a, t, t < a.rows, lane);
   }
 }
 
@@ -118,6 +92,7 @@ ffi::ErrorOr<QueryLaunch> prepare_query(const Check& check, ffi::BufferR3<ffi::B
   args.eps = eps;
   plan.kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;
   plan.blocks = static_cast<unsigned>(blocks);
+  plan.bf16_w_out = bf16_w_out;
   return plan;
 }
 

@@ -184,7 +184,37 @@ struct QueryLaunch {
   QueryArgs args;
   void (*kernel)(QueryArgs) = nullptr;  // null: no rows, nothing to launch
   unsigned blocks = 0;
+  bool bf16_w_out = false;              // w_out is bf16 (else f32)
 };
+
+// The kernels' work items over QueryArgs, shared by indexer_query's kernel (query.cu) and
+// indexer_update's epilogue (kpool.cu), so that both write the same bits.
+
+// q_fp8 / w_out of q row `q_row` = (token t, head h).
+template <bool kBf16>
+__device__ __forceinline__ void head_row(const QueryArgs& a, int64_t q_row, int lane) {
+  const int64_t t = q_row / a.padded;
+  const int32_t h = static_cast<int32_t>(q_row - t * a.padded);
+  if (h >= a.heads) {  // padding head
+    zero_row<kBf16>(a.q_out, a.w_out, q_row, lane);
+    return;
+  }
+  const int64_t src = t * a.heads + h;
+  const float w = lane == 0 ? __ldg(a.head_w + src) : 0.0f;
+  query_row<kBf16>(load_query(a.q + src * kDim, lane), w, a.q_out, a.w_out, q_row, a.scale, lane);
+}
+
+// Key LayerNorm of token row t by a half-warp (lane % 16 = group g; the whole warp calls it,
+// one token per half): writes the group's 8 outputs to the key result and returns them. A half
+// that is not `live` loads and stores nothing (its result is meaningless).
+__device__ __forceinline__ uint4 key_norm(const QueryArgs& a, int64_t t, bool live, int lane) {
+  const int g = lane % kHalf;
+  const uint4 raw = live ? __ldg(reinterpret_cast<const uint4*>(a.key_raw + t * kDim) + g)
+                         : make_uint4(0u, 0u, 0u, 0u);
+  const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
+  if (live) *(reinterpret_cast<uint4*>(a.key_out + t * kDim) + g) = y;
+  return y;
+}
 
 // Validates the buffers; no stream work.
 ffi::ErrorOr<QueryLaunch> prepare_query(const Check& check, ffi::BufferR3<ffi::BF16> q,

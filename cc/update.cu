@@ -1,16 +1,20 @@
-// indexer_update (issue 12, first step): the update part of a decode step after the q GEMM,
-// as one FFI call launching three kernels back to back on the stream:
+// indexer_update (issue 12): the update part of a decode step after the q GEMM, as one FFI
+// call launching two kernels back to back on the stream:
 //
 //   indexer_projection   x @ w_cat^T -> key_raw, head_w, gate       (projection.cu)
-//   indexer_query        key LayerNorm, q Hadamard + FP8, w_out      (query.cu)
-//   kpool_update         tail stash + pool compression, in place     (kpool.cu)
+//   the epilogue         one warp per request: key LayerNorm, tail stash + pool compression
+//                        in place (kpool_update with indexer_query's key part folded in);
+//                        one warp per q row: Hadamard + FP8 and w_out (indexer_query's q part)
+//                                                                    (kpool.cu, query.cuh)
 //
-// Each kernel is launched by its op's own plan (prepare_* checks every buffer before the first
-// launch; launch_* is the same stream work as the op's handler), so the results are bit for
-// bit those of the three FFI calls with the same tactic and attributes. With PDL each later
-// kernel may start while the one before finishes: the query and kpool kernels read nothing
-// before their griddepcontrol.wait (which waits for the whole previous grid), the projection
-// only its weights. The intermediates key_raw, head_w, gate and key are results XLA allocates.
+// Each part is planned by its op's own rule (prepare_* checks every buffer before the first
+// launch), and the epilogue runs the two ops' own device code on the same arguments, so the
+// results are bit for bit those of the three FFI calls with the same tactic and attributes;
+// the epilogue saves the query kernel's launch and the key's round trip before kpool_update.
+// With PDL the epilogue may start while the projection finishes: it reads nothing before its
+// griddepcontrol.wait (which waits for the whole previous grid); the projection reads only its
+// weights before its own. The intermediates key_raw, head_w, gate and key are results XLA
+// allocates.
 #include <array>
 #include <cstdint>
 
@@ -81,9 +85,7 @@ ffi::Error IndexerUpdateImpl(
 
   if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
     return check.cuda(err);
-  if (cudaError_t err = launch_query(stream, pdl, *query); err != cudaSuccess)
-    return check.cuda(err);
-  return check.cuda(launch_kpool_update(stream, pdl, *update));
+  return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
 }
 
 }  // namespace

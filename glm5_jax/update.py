@@ -1,6 +1,7 @@
 """indexer_update: indexer_projection, indexer_query and kpool_update as one op, one FFI
-call launching their three kernels back to back (issue 12, the update path at the launch
-floor). Shapes and dtypes: see glm5_jax.reference.update."""
+call launching two kernels back to back: the projection, then one epilogue running the query
+epilogue's and kpool_update's device code (issue 12, the update path at the launch floor).
+Shapes and dtypes: see glm5_jax.reference.update."""
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -13,7 +14,7 @@ from .reference.numerics import DIM
 
 I32, BF16 = indexer.I32, indexer.BF16
 OP = "indexer_update"
-# The ops whose kernels glm5_indexer_update launches, in launch order.
+# The ops whose work glm5_indexer_update does, in order (the last two in one launch).
 PARTS = (indexer._projection, indexer._query, kpool._update)
 # M where the kernel runs by default: where indexer_stage measured it faster than the three
 # ops (H200, 11 layers, 1K context, µs per layer, one FFI call vs three: M=1 17.94 vs
@@ -58,12 +59,12 @@ def _shapes(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc
 
 
 def _kernel_supports(*avals, **params):
-  """Where each of the three kernels supports its part (their own rules)."""
+  """Where each of the three ops' kernels supports its part (their own rules)."""
   return all(op.kernel_supports(*a, **p) for op, a, p in _parts(*avals, **params))
 
 
 def _attribute_values(*avals, **params):
-  """The three kernels' attribute values (projection tactic, scale format flags)."""
+  """The three ops' kernel attribute values (projection tactic, scale format flags)."""
   values = {}
   for op, a, p in _parts(*avals, **params):
     values.update(p, **op.attribute_values(*a, **p))
@@ -85,7 +86,7 @@ def _localize(index, x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot,
   return x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
 
 
-# Every attribute of the three kernels (their names do not collide), pdl implicit.
+# Every attribute of the three ops' kernels (their names do not collide), pdl implicit.
 _ATTRIBUTES = {name: typ for op in PARTS for name, typ in op.attributes.items() if name != "pdl"}
 
 _update = Op(
@@ -116,14 +117,15 @@ def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: ja
   glm5_jax.reference.indexer_update.
 
   The CUDA kernel (glm5_indexer_update; by default at M in UPDATE_KERNEL_ROWS) launches
-  the three ops' kernels back to back in one FFI call with PDL between them, at the
-  shapes all three support (others run the reference; kernel_chosen says which). Its
-  outputs are bit-identical to indexer_projection(tactic=projection_tactic(M, K,
-  tactic)), indexer_query and kpool_update each run as its kernel: the same kernels with
-  the same arguments. The caches are updated in place (donate them), as by kpool_update;
-  w_cat is read before the preceding kernel has finished (PDL), as by
-  indexer_projection. tactic: the projection's (None: the table by M). routing: None =
-  Routing.from_env().
+  the projection's kernel and one epilogue (a warp per request: the key LayerNorm and
+  kpool_update; a warp per q row: the query epilogue) in one FFI call with PDL between
+  them, at the shapes all three ops' kernels support (others run the reference;
+  kernel_chosen says which). Its outputs are bit-identical to
+  indexer_projection(tactic=projection_tactic(M, K, tactic)), indexer_query and
+  kpool_update each run as its kernel: the same device code with the same arguments.
+  The caches are updated in place (donate them), as by kpool_update; w_cat is read
+  before the preceding kernel has finished (PDL), as by indexer_projection. tactic: the
+  projection's (None: the table by M). routing: None = Routing.from_env().
   """
   params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
   return tuple(_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
