@@ -13,7 +13,8 @@ reference (Routing(kernels=False)), in the same run; with --stage-update-fused a
 update as three ops" (update="ops"): the two sides of "auto"'s choice; with
 --stage-update-only also "kernel, update part only" = the stage's update part alone
 (stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
-selection), what issue 12's targets are about; with --stage-select-ops also "kernel,
+selection), what issue 12's targets are about, and with --stage-update-ops as well "kernel,
+update part only, three ops" (update="ops"); with --stage-select-ops also "kernel,
 select as two ops" = the select path as select_pools + expand_and_remap
 (Routing(ops={"select_slots": False})) where the default runs select_slots' one call;
 with --stage-q-kernel also "kernel, q kernel" = the default with indexer_q's kernel on,
@@ -39,6 +40,7 @@ from .variants import (
   SELECT_OPS,
   UPDATE_FUSED,
   UPDATE_ONLY,
+  UPDATE_ONLY_OPS,
   UPDATE_OPS,
 )
 
@@ -98,11 +100,14 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             NO_PDL: glm5_jax.Routing(pdl=False),
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing(),
+            UPDATE_ONLY_OPS: glm5_jax.Routing(),
             SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
-UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops"}
+UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops"}
+# The variants that time the update part alone.
+UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS)
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
@@ -138,10 +143,11 @@ def _state(m, ctx, layers, seed, steps=STEPS):
   return weights, caches, xs, qrs, batch
 
 
-def _step(config, update_only=False):
+def _step(config, update_only=False, consume=True):
   """step(caches, k, weights, xs, qrs, batch) -> (caches, out): decode step k of every
   layer (layer l on xs[k][l], qrs[k][l]): indexer_stage (out reads every layer's counts),
-  or with update_only its update part alone (out reads every layer's w_out): consumed()."""
+  or with update_only its update part alone (out reads every layer's w_out): consumed(),
+  or without consume the list of those outputs."""
   ops = glm5_stage._ops(config, use_reference=False)
 
   def step(caches, k, weights, xs, qrs, batch):
@@ -155,7 +161,7 @@ def _step(config, update_only=False):
         out = out.counts
       outs.append(out)
       new.append(c)
-    return new, consumed(outs)
+    return new, consumed(outs) if consume else outs
   return step
 
 
@@ -174,6 +180,8 @@ def run(bench):
                         + ([UPDATE_FUSED] if bench.args.stage_update_fused else [])
                         + ([UPDATE_OPS] if bench.args.stage_update_ops else [])
                         + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
+                        + ([UPDATE_ONLY_OPS] if bench.args.stage_update_only
+                           and bench.args.stage_update_ops else [])
                         + ([SELECT_OPS] if bench.args.stage_select_ops else [])
                         + ([Q_KERNEL] if bench.args.stage_q_kernel else [])
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel
@@ -189,7 +197,7 @@ def run(bench):
       routing = ROUTINGS[variant]
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
-        sec, caches, info = time_step(_step(config, variant == UPDATE_ONLY), caches,
+        sec, caches, info = time_step(_step(config, variant in UPDATE_PART), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,
                                       steps=steps)
         bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,

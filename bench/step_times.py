@@ -75,7 +75,7 @@ def run(sizes, contexts, rows, variants, runs, layers):
       steps = {}
       for v in variants:   # every compile (and its autotuning) before the first marker
         config = stage._config(ctx, stage.ROUTINGS[v], stage.UPDATES.get(v))
-        step = stage._step(config, v == UPDATE_ONLY)
+        step = stage._step(config, v in stage.UPDATE_PART)
         fn = lambda c, *a, step=step: step(c, 0, *a)   # noqa: E731
         steps[v], _, _ = compile_fn(fn, caches, weights, xs, qrs, batch,
                                     options=sizes.compiler_options)

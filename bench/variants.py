@@ -22,14 +22,16 @@ GEMM_QUERY = "XLA GEMM + query kernel"
 UPDATE_FUSED = "kernel, update fused"    # the stage with IndexerConfig(update="fused")
 UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(update="ops")
 UPDATE_ONLY = "kernel, update part only"      # the stage's update part alone (issue 12)
+# The update part alone with IndexerConfig(update="ops").
+UPDATE_ONLY_OPS = "kernel, update part only, three ops"
 # The stage with Routing(ops={"select_slots": False}): select_pools + expand_and_remap.
 SELECT_OPS = "kernel, select as two ops"
 Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
 Q_KERNEL_NO_PDL = "kernel, q kernel, PDL off"  # the same without PDL (does it cost there?)
 THREE_KERNELS = "three kernels"   # indexer_update as its three ops' kernels, three FFI calls
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            THREE_KERNELS, UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, SELECT_OPS, Q_KERNEL,
-            Q_KERNEL_NO_PDL)
+            THREE_KERNELS, UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, SELECT_OPS,
+            Q_KERNEL, Q_KERNEL_NO_PDL)
 
 
 def three_dots(x, w_cat):

@@ -75,13 +75,19 @@ def test_stage_update_only_step_is_the_stages_update_part():
   config = stage._config(1024, glm5_jax.Routing())
   weights, caches, xs, qrs, batch = stage._state(2, 1024, 2, seed=3)
   copy = lambda: [jax.tree.map(jnp.copy, c) for c in caches]  # noqa: E731
-  got_caches, got = jax.jit(stage._step(config, update_only=True), static_argnums=1)(
+  got_caches, got = jax.jit(stage._step(config, update_only=True, consume=False),
+                            static_argnums=1)(copy(), 1, weights, xs, qrs, batch)
+  _, scalar = jax.jit(stage._step(config, update_only=True), static_argnums=1)(
       copy(), 1, weights, xs, qrs, batch)
+  firsts = []
   for layer, (w, c) in enumerate(zip(weights, copy())):
     out, c = glm5_jax.indexer_stage(w, c, xs[1][layer], qrs[1][layer], batch, config=config)
     np.testing.assert_array_equal(np.asarray(got[layer]), np.asarray(out.w_out))
     for g, want in zip(jax.tree.leaves(got_caches[layer]), jax.tree.leaves(c)):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+    firsts.append(float(np.asarray(out.w_out, np.float32).reshape(-1)[0]))
+  # The timed step returns one scalar that reads every layer's output (stage.consumed).
+  assert float(scalar) == np.float32(firsts[0]) + np.float32(firsts[1]) != 0
 
 
 @pytest.mark.slow
