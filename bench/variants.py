@@ -28,9 +28,8 @@ UPDATE_ONLY_OPS = "kernel, update part only, three ops"
 SELECT_OPS = "kernel, select as two ops"
 Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
 Q_KERNEL_NO_PDL = "kernel, q kernel, PDL off"  # the same without PDL (does it cost there?)
-THREE_KERNELS = "three kernels"   # indexer_update as its three ops' kernels, three FFI calls
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            THREE_KERNELS, UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, SELECT_OPS,
+            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, SELECT_OPS,
             Q_KERNEL, Q_KERNEL_NO_PDL)
 
 
@@ -50,20 +49,6 @@ def unfused(x, w_cat, q, norm_weight, norm_bias, projection=None, query=None):
   key_raw, head_w, gate = projection(x, w_cat)
   return (*query(q, key_raw, head_w, norm_weight, norm_bias, scale=CONFIG.scale,
                  padded=PADDED), gate)
-
-
-def three_kernels(st, f, a):
-  """indexer_update's workload call (bench/workloads.py) as its three public ops, each its own
-  FFI call: what the fused call replaces."""
-  x, w_cat, q, tslot, loc, pos = a
-  norm_weight, norm_bias, ape = f
-  key_raw, head_w, gate = glm5_jax.indexer_projection(x, w_cat, heads=HEADS)
-  q_fp8, w_out, key = glm5_jax.indexer_query(q, key_raw, head_w, norm_weight, norm_bias,
-                                             scale=CONFIG.scale, padded=PADDED)
-  grid = tslot.shape + (DIM,)
-  kv, tail = glm5_jax.kpool_update(st[0], st[1], tslot, key.reshape(grid), gate.reshape(grid),
-                                   ape, loc, pos)
-  return (kv, tail), (key_raw, head_w, gate, q_fp8, w_out, key)
 
 
 class Alternative(NamedTuple):
@@ -91,12 +76,6 @@ ALTERNATIVES = {
             lambda st, f, a: (st, unfused(*a, *f))),
         GEMM_QUERY: Alternative("0,indexer_query=1", (_QUERY,),
                                 lambda st, f, a: (st, unfused(*a, *f)))},
-    "indexer_update": {
-        THREE_KERNELS: Alternative(
-            "0,indexer_projection=1,indexer_query=1,kpool_update=1",
-            tuple(glm5_jax.KERNEL_TARGETS[op]
-                  for op in ("indexer_projection", "indexer_query", "kpool_update")),
-            three_kernels)},
 }
 
 
