@@ -16,10 +16,11 @@ I32, BF16 = indexer.I32, indexer.BF16
 OP = "indexer_update"
 # The ops whose work glm5_indexer_update does, in order (the last two in one launch).
 PARTS = (indexer._projection, indexer._query, kpool._update)
-# M where the kernel runs by default: where indexer_stage measured it faster than the three
-# ops (H200, 11 layers, 1K context, µs per layer, one FFI call vs three: M=1 17.94 vs
-# 20.56, M=16 21.33 vs 23.69; slower at M=64, 25.40 vs 23.19, where the three ops run
-# XLA's GEMM for the projection; bench/NOTES.md).
+# M where the kernel runs by default: where indexer_stage measured it no slower than the
+# three ops (H200, 2026-12-01, 11 layers, 1K context, µs per layer, the update part alone,
+# 16 steps a run, one FFI call vs three: M=1 8.23 vs 8.08, M=16 9.05 vs 10.95; the whole
+# stage: M=1 12.8 vs 12.6, M=16 15.7 vs 17.4). Slower at M=64 (the whole stage 21.3 vs
+# 18.3), where the three ops run XLA's GEMM for the projection (bench/NOTES.md).
 UPDATE_KERNEL_ROWS = (1, 16)
 
 
