@@ -61,6 +61,17 @@ def parser():
   return p
 
 
+def _option_value(text):
+  """An --xla-option value as XLA's option setter takes it: true / false as a bool (it
+  rejects the strings), an integer as an int, anything else (enum names) as given."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  try:
+    return int(text)
+  except ValueError:
+    return text
+
+
 def main():
   p = parser()
   args = p.parse_args()
@@ -82,6 +93,7 @@ def main():
   options = tuple(tuple(o.split("=", 1)) for o in args.xla_option)
   if any(len(o) != 2 for o in options):
     p.error("--xla-option takes NAME=VALUE")
+  options = tuple((name, _option_value(value)) for name, value in options)
   sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep,
                               compiler_options=options)
   if args.rows:
