@@ -224,3 +224,13 @@ def test_stage_select_ops_variant_routes_the_two_ops():
     calls[variant] = [c for c in re.findall(r"custom_call @(glm5_\w+)", text) if c in select]
   assert calls == {KERNEL: ["glm5_select_slots"],
                    SELECT_OPS: ["glm5_select_pools", "glm5_expand_and_remap"]}
+
+
+def test_xla_option_values_are_typed_as_xla_takes_them():
+  """--xla-option NAME=VALUE: XLA's option setter rejects "false" as a string (H200,
+  jaxlib 0.11.2), so booleans and integers are converted; enum names stay strings."""
+  from bench.__main__ import _option_value
+
+  assert _option_value("false") is False and _option_value("True") is True
+  assert _option_value("16") == 16 and isinstance(_option_value("16"), int)
+  assert _option_value("SKIP_TEMP") == "SKIP_TEMP"
