@@ -14,7 +14,9 @@ update as three ops" (update="ops"): the two sides of "auto"'s choice; with
 --stage-update-only also "kernel, update part only" = the stage's update part alone
 (stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
 selection), what issue 12's targets are about, and with --stage-update-ops as well "kernel,
-update part only, three ops" (update="ops"); with --stage-select-ops also "kernel,
+update part only, three ops" (update="ops"); with --stage-update-epilogue also "kernel,
+update epilogue" (update_epilogue's kernel on) and with --stage-update-only as well "kernel,
+update part only, epilogue"; with --stage-select-ops also "kernel,
 select as two ops" = the select path as select_pools + expand_and_remap
 (Routing(ops={"select_slots": False})) where the default runs select_slots' one call;
 with --stage-q-kernel also "kernel, q kernel" = the default with indexer_q's kernel on,
@@ -38,8 +40,10 @@ from .variants import (
   Q_KERNEL_NO_PDL,
   REFERENCE,
   SELECT_OPS,
+  UPDATE_EPILOGUE,
   UPDATE_FUSED,
   UPDATE_ONLY,
+  UPDATE_ONLY_EPILOGUE,
   UPDATE_ONLY_OPS,
   UPDATE_OPS,
 )
@@ -80,6 +84,11 @@ def add_arguments(parser):
   parser.add_argument("--stage-update-ops", action="store_true",
                       help="also time the stage with IndexerConfig(update='ops'): the "
                            "update part as the three ops at every M")
+  parser.add_argument("--stage-update-epilogue", action="store_true",
+                      help="also time the stage with update_epilogue's kernel on (off by "
+                           "default until measured): XLA's projection GEMM and one epilogue "
+                           "call where indexer_update's kernel is not chosen; with "
+                           "--stage-update-only also its update part alone")
   parser.add_argument("--stage-select-ops", action="store_true",
                       help="also time the stage with Routing(ops={'select_slots': False}): "
                            "the select path as select_pools + expand_and_remap (two FFI "
@@ -101,13 +110,15 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing(),
             UPDATE_ONLY_OPS: glm5_jax.Routing(),
+            UPDATE_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue": True}),
+            UPDATE_ONLY_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue": True}),
             SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops"}
 # The variants that time the update part alone.
-UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS)
+UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_EPILOGUE)
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
@@ -182,6 +193,9 @@ def run(bench):
                         + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
                         + ([UPDATE_ONLY_OPS] if bench.args.stage_update_only
                            and bench.args.stage_update_ops else [])
+                        + ([UPDATE_EPILOGUE] if bench.args.stage_update_epilogue else [])
+                        + ([UPDATE_ONLY_EPILOGUE] if bench.args.stage_update_only
+                           and bench.args.stage_update_epilogue else [])
                         + ([SELECT_OPS] if bench.args.stage_select_ops else [])
                         + ([Q_KERNEL] if bench.args.stage_q_kernel else [])
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel

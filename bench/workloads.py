@@ -243,6 +243,25 @@ def indexer_update(r, s, b, next_n):
                   r_min=W_CAT_COPIES)
 
 
+def update_epilogue(r, s, b, next_n):
+  """kpool_update's workload (B requests, next_n each) with the query inputs and the
+  projection's f32 sums of its M = B * next_n rows (what XLA's GEMM hands the op). Floor:
+  the sums read once, the query's and kpool_update's other bytes."""
+  upd = update(r, s, b, next_n)
+  m = b * next_n
+  rot = [(r.normal((m, W_ROWS), F32), r.normal((m, HEADS, DIM)), tslot, loc, pos)
+         for tslot, _, _, loc, pos in upd.rotated]
+
+  def call(st, f, a):
+    raw, q, tslot, loc, pos = a
+    outs = glm5_jax.update_epilogue(raw, q, f[0], f[1], st[0], st[1], tslot, f[2], loc, pos,
+                                    scale=CONFIG.scale, padded=PADDED)
+    return outs[3:], outs[:3]
+
+  return Workload("update_epilogue", "", call, upd.state, _norm(r) + upd.fixed, rot, None,
+                  m * W_ROWS * 4 + bytes_query(m) + upd.nbytes)
+
+
 def compress(r, s, n):
   """n pools to slots on distinct random pages of a >= 1 GB cache, 7/8 written."""
   kv = r.kv_cache(s.cache_bytes)
@@ -401,6 +420,7 @@ WORKLOADS = {
     "indexer_projection_fused": (fused, _rows),
     "kpool_update": (update, _requests),
     "indexer_update": (indexer_update, _requests),
+    "update_epilogue": (update_epilogue, _requests),
     "kpool_compress": (compress, lambda s: _rows(s, "n", "n={}") + [
         (f"n={n}", {"n": n}) for n in s.compress_rows]),
     "kpool_seed_tail": (seed, lambda s: _rows(s, "n", "n={}")),

@@ -180,8 +180,9 @@ __host__ __device__ constexpr size_t stage_bytes(int64_t next_n) {
 // Request `req`'s tokens in t order, by one warp (`staged`: its stage_bytes(next_n) of shared
 // memory). The key quads come from the key operand (kpool_update), or with kNorm from the key
 // LayerNorm of `norm`'s key_raw rows, also written to its key result (indexer_update's
-// epilogue: query.cuh's key_norm, the bits indexer_query writes).
-template <ScaleMode kMode, bool kNorm>
+// epilogue: query.cuh's key_norm, the bits indexer_query writes). With kRaw (update_epilogue,
+// kNorm too) key_raw and the gate are rounded from `norm`'s projection sums (QueryArgs::raw).
+template <ScaleMode kMode, bool kNorm, bool kRaw = false>
 __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryArgs* norm,
                                                int64_t req, int lane, uint2* staged) {
   const int dim = kPerLane * lane;
@@ -209,7 +210,11 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
       const int64_t tok = (first + t0 + u) * kDim + dim;
       if constexpr (!kNorm)
         staged[u * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-      staged[(chunk + u) * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
+      if constexpr (kRaw)
+        staged[(chunk + u) * kWarp + lane] =
+            bf16_quad(raw_row(*norm, first + t0 + u) + kDim + norm->heads + dim);
+      else
+        staged[(chunk + u) * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
     }
     if constexpr (kNorm) {
       // Two tokens a step, a half-warp each: group g (dims 8g .. 8g + 7) is the quads of
@@ -217,7 +222,7 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
       const int g = lane % kHalf;
       for (int u = 0; u < count; u += 2) {
         const int v = u + lane / kHalf;
-        const uint4 y = key_norm(*norm, first + t0 + v, v < count, lane);
+        const uint4 y = key_norm<kRaw>(*norm, first + t0 + v, v < count, lane);
         if (v < count) {
           staged[v * kWarp + 2 * g] = make_uint2(y.x, y.y);
           staged[v * kWarp + 2 * g + 1] = make_uint2(y.z, y.w);
@@ -270,7 +275,7 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
 // the same bits. Request warps come first: theirs is the longest dependent chain.
 constexpr int kEpilogueWarps = 4;
 
-template <ScaleMode kMode, bool kBf16>
+template <ScaleMode kMode, bool kBf16, bool kRaw>
 __global__ void __launch_bounds__(kEpilogueWarps * kWarp)
     update_epilogue_kernel(const UpdateArgs a, const QueryArgs q, const int64_t requests) {
   const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
@@ -279,10 +284,10 @@ __global__ void __launch_bounds__(kEpilogueWarps * kWarp)
   pdl_launch_dependents();
   extern __shared__ uint2 staged[];
   if (warp < requests)
-    update_request<kMode, true>(a, &q, warp, lane,
-                                staged + w * (stage_bytes(a.next_n) / sizeof(uint2)));
+    update_request<kMode, true, kRaw>(a, &q, warp, lane,
+                                      staged + w * (stage_bytes(a.next_n) / sizeof(uint2)));
   else if (warp - requests < q.q_rows)
-    head_row<kBf16>(q, warp - requests, lane);
+    head_row<kBf16, kRaw>(q, warp - requests, lane);
 }
 
 
@@ -440,8 +445,11 @@ cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLau
   void (*const kernel)(UpdateArgs, QueryArgs, int64_t) =
       by_scale_mode(update.round_scale, update.ue8m0, [&](auto mode) {
         constexpr ScaleMode kMode = decltype(mode)::value;
-        return query.bf16_w_out ? update_epilogue_kernel<kMode, true>
-                                : update_epilogue_kernel<kMode, false>;
+        if (query.args.raw != nullptr)
+          return query.bf16_w_out ? update_epilogue_kernel<kMode, true, true>
+                                  : update_epilogue_kernel<kMode, false, true>;
+        return query.bf16_w_out ? update_epilogue_kernel<kMode, true, false>
+                                : update_epilogue_kernel<kMode, false, false>;
       });
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   return launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kEpilogueWarps * kWarp), smem,

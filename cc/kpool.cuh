@@ -57,7 +57,8 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
 // indexer_update's epilogue: launch_kpool_update's copies, then one kernel that does what
 // indexer_query's kernel and kpool_update's do one after the other (the same bits), the key
 // LayerNorm folded into the request warps: `query` and `update` as prepare_query and
-// prepare_kpool_update planned them (update's key is the query's key result).
+// prepare_kpool_update planned them (update's key is the query's key result). Where the query
+// plan's args.raw is set (update_epilogue), key_raw, head_w and the gate are read from it.
 cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
                                    const UpdateLaunch& update);
 

@@ -169,6 +169,10 @@ struct QueryArgs {
   const float* head_w;          // f32[M, H]
   const float* norm_weight;     // f32[128]
   const float* norm_bias;       // f32[128]
+  // update_epilogue: the projection's f32 sums [M, 256 + H] (key | head_w | gate columns),
+  // read in place of key_raw, head_w and gate (null then), rounded to bf16 on load as XLA's
+  // convert rounds them (RNE). Null everywhere else.
+  const float* raw = nullptr;
   uint32_t* q_out;              // e4m3[M, padded, 128] as 32 words per row
   void* w_out;                  // f32 | bf16 [M, padded]
   uint16_t* key_out;            // bf16[M, 128]
@@ -190,8 +194,27 @@ struct QueryLaunch {
 // The kernels' work items over QueryArgs, shared by indexer_query's kernel (query.cu) and
 // indexer_update's epilogue (kpool.cu), so that both write the same bits.
 
-// q_fp8 / w_out of q row `q_row` = (token t, head h).
-template <bool kBf16>
+// Row t of the projection's sums (QueryArgs::raw): 256 + H floats.
+__device__ __forceinline__ const float* raw_row(const QueryArgs& a, int64_t t) {
+  return a.raw + t * (2 * kDim + a.heads);
+}
+
+// Four / eight f32 sums as bf16 words (element i in the low half of word i / 2), RNE: the
+// bits of XLA's convert of the sums (indexer_projection's reference), which the kernels
+// that read bf16 results see.
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x = lo, low half
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+__device__ __forceinline__ uint2 bf16_quad(const float* p) {
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  return make_uint2(bf16_pair(v.x, v.y), bf16_pair(v.z, v.w));
+}
+
+// q_fp8 / w_out of q row `q_row` = (token t, head h). kRaw: the head weight from the
+// projection's sums (QueryArgs::raw).
+template <bool kBf16, bool kRaw = false>
 __device__ __forceinline__ void head_row(const QueryArgs& a, int64_t q_row, int lane) {
   const int64_t t = q_row / a.padded;
   const int32_t h = static_cast<int32_t>(q_row - t * a.padded);
@@ -200,17 +223,26 @@ __device__ __forceinline__ void head_row(const QueryArgs& a, int64_t q_row, int 
     return;
   }
   const int64_t src = t * a.heads + h;
-  const float w = lane == 0 ? __ldg(a.head_w + src) : 0.0f;
+  float w = 0.0f;
+  if (lane == 0) w = kRaw ? __ldg(raw_row(a, t) + kDim + h) : __ldg(a.head_w + src);
   query_row<kBf16>(load_query(a.q + src * kDim, lane), w, a.q_out, a.w_out, q_row, a.scale, lane);
 }
 
 // Key LayerNorm of token row t by a half-warp (lane % 16 = group g; the whole warp calls it,
 // one token per half): writes the group's 8 outputs to the key result and returns them. A half
 // that is not `live` loads and stores nothing (its result is meaningless).
+// kRaw: key_raw rounded from the projection's sums (QueryArgs::raw).
+template <bool kRaw = false>
 __device__ __forceinline__ uint4 key_norm(const QueryArgs& a, int64_t t, bool live, int lane) {
   const int g = lane % kHalf;
-  const uint4 raw = live ? __ldg(reinterpret_cast<const uint4*>(a.key_raw + t * kDim) + g)
-                         : make_uint4(0u, 0u, 0u, 0u);
+  uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+  if (live && kRaw) {
+    const float* p = raw_row(a, t) + kGroupDims * g;
+    const uint2 lo = bf16_quad(p), hi = bf16_quad(p + kPerLane);
+    raw = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  } else if (live) {
+    raw = __ldg(reinterpret_cast<const uint4*>(a.key_raw + t * kDim) + g);
+  }
   const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
   if (live) *(reinterpret_cast<uint4*>(a.key_out + t * kDim) + g) = y;
   return y;

@@ -88,8 +88,79 @@ ffi::Error IndexerUpdateImpl(
   return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
 }
 
+// update_epilogue: indexer_update's epilogue alone, after a projection GEMM of XLA's (the
+// stage's update part at the M where XLA's GEMM beats the projection kernel). It reads the
+// GEMM's f32 sums raw[M, 256 + H] in place of key_raw, head_w and gate, so that XLA does not
+// copy the three slices out before the kernels; rounded to bf16 on load as XLA's convert
+// rounds them, so the results are bit for bit indexer_query's and kpool_update's on the
+// reference projection's results.
+ffi::Error UpdateEpilogueImpl(
+    cudaStream_t stream, ffi::BufferR2<ffi::F32> raw, ffi::BufferR3<ffi::BF16> q,
+    ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+    ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, float scale, float eps, bool ue8m0, bool round_scale,
+    bool pdl) {
+  const Check check{targets::glm5_update_epilogue};
+  const auto td = tslot.dimensions(), qd = q.dimensions(), rd = raw.dimensions();
+  const int64_t requests = td[0], next_n = td[1], rows = qd[0], heads = qd[1];
+  if (rows != requests * next_n)
+    return check.fail("q must have requests x next_n rows (tslot is s32[B, N])");
+  if (rd[0] != rows || rd[1] != 2 * kDim + heads)
+    return check.fail("raw must be f32[M, 256 + H] (q is bf16[M, H, 128])");
+  // 16-byte loads at every row's key, head and gate columns.
+  if (heads % 4 != 0 || !aligned(raw.untyped_data(), 16))
+    return check.fail("raw needs H % 4 == 0 and a 16 B aligned buffer");
+  // The plans check every other buffer by their ops' rules. Their key_raw, head_w and gate
+  // operands are views that only carry the shapes (over the key result and raw); the kernel
+  // reads raw instead, and the views' pointers are cleared below so that nothing reads them.
+  const Reshaped<ffi::DataType::BF16, 2> key_raw(key->untyped_data(), {rows, kDim});
+  const Reshaped<ffi::DataType::F32, 2> head_w(raw.untyped_data(), {rows, heads});
+  ffi::ErrorOr<QueryLaunch> query =
+      prepare_query(check, q, key_raw.buffer(), head_w.buffer(), norm_weight, norm_bias, q_out,
+                    w_out, key, scale, eps);
+  if (query.has_error()) return query.error();
+  const Reshaped<ffi::DataType::BF16, 3> key3(key->untyped_data(), {requests, next_n, kDim});
+  ffi::ErrorOr<UpdateLaunch> update =
+      prepare_kpool_update(check, kv_cache, tail, tslot, key3.buffer(), key3.buffer(), ape, loc,
+                           pos, kv_out, tail_out, ue8m0, round_scale);
+  if (update.has_error()) return update.error();
+  query->args.key_raw = nullptr;
+  query->args.head_w = nullptr;
+  query->args.raw = raw.typed_data();
+  update->args.gate = nullptr;
+  return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
+}
+
 }  // namespace
 }  // namespace glm5
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5UpdateEpilogue, glm5::UpdateEpilogueImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // raw
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // q
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_weight
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_bias
+                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+                                  .Arg<ffi::BufferR4<ffi::BF16>>()  // tail
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // tslot
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // ape
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // loc
+                                  .Arg<ffi::BufferR2<ffi::S32>>()   // pos
+                                  .Ret<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+                                  .Ret<ffi::AnyBuffer>()            // w_out (f32 | bf16)
+                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // key
+                                  .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
+                                  .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
+                                  .Attr<float>("scale")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("ue8m0")
+                                  .Attr<bool>("round_scale")
+                                  .Attr<bool>("pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerUpdate, glm5::IndexerUpdateImpl,
                               ffi::Ffi::Bind()

@@ -21,11 +21,12 @@ from .indexer import (
   indexer_projection_fused,
   indexer_q,
   indexer_query,
+  projection_kernel_chosen,
 )
 from .kpool import kpool_update
 from .logits import select_pools, select_slots, select_slots_kernel_chosen
 from .reference.numerics import DIM, POOL
-from .update import indexer_update
+from .update import indexer_update, update_epilogue
 
 MQA_MIN_HEADS = 32
 # IndexerConfig.update: the stage's update part as indexer_update where its kernel is
@@ -51,7 +52,9 @@ class IndexerConfig:
   the three kernels at the same projection tactic), "auto" (the default) as
   indexer_update where the routing chooses its kernel at the stage's shapes (by default
   the rows of glm5_jax.update.UPDATE_KERNEL_ROWS, where the H200 measured it faster) and
-  as the three ops elsewhere; "fused" not with fused=True ("auto" then means "ops").
+  as the three ops elsewhere, except where the routing chooses update_epilogue's kernel
+  (off by default) and not the projection's: there XLA's GEMM and update_epilogue; "fused"
+  not with fused=True ("auto" then means "ops").
   rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
@@ -240,7 +243,7 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         indexer_update, select_pools, select_slots, expand_and_remap)
+         indexer_update, update_epilogue, select_pools, select_slots, expand_and_remap)
   # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
   # routing; the reference composition runs the three ops).
   if use_reference:
@@ -356,11 +359,24 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
                  cache.kv_cache, cache.tail, batch.tslot, weights.ape, batch.loc,
                  batch.positions)
   update = dict(heads=config.heads, scale_format=config.scale_format, **query)
+  auto = config.update == "auto" and ops.kernels and not config.fused
   one_op = config.update == "fused" or (
-      config.update == "auto" and ops.kernels and not config.fused
-      and _update_op.kernel_chosen(*update_args, routing=config.routing, **update))
+      auto and _update_op.kernel_chosen(*update_args, routing=config.routing, **update))
+  # Where XLA's GEMM runs the projection: its f32 sums straight into update_epilogue's
+  # kernel where the routing chooses it (no slice copies, one launch for the query
+  # epilogue and kpool_update). The sums are dead code where it does not.
+  raw = None
+  if auto and not one_op and not projection_kernel_chosen(
+      x, weights.w_cat, heads=config.heads, routing=config.routing):
+    sums = reference.projection_sums(x, weights.w_cat)
+    epilogue_args = (sums, q) + update_args[3:]
+    epilogue = dict(scale_format=config.scale_format, **query)
+    if _update_op.epilogue_kernel_chosen(*epilogue_args, routing=config.routing, **epilogue):
+      raw = sums
   if one_op:
     *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(*update_args, **update)
+  elif raw is not None:
+    q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue(*epilogue_args, **epilogue)
   elif config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
@@ -369,7 +385,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
-  if not one_op:
+  if not one_op and raw is None:
     kv_cache, tail = ops.kpool_update(
         cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
         gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,

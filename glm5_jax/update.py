@@ -153,3 +153,122 @@ def kernel_chosen(*args: jax.Array, heads: int, scale: float, eps: float = 1e-6,
   params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
   return _update.kernel_chosen(Routing.resolve(routing, OP), [jax.typeof(a) for a in args],
                                params)
+
+
+# update_epilogue: indexer_update's epilogue alone, on the f32 sums of a projection GEMM of
+# XLA's (reference.projection_sums): where XLA's GEMM beats the projection kernel (M = 1 and
+# M >= 32), the stage's update path otherwise runs XLA's GEMM, three slice copies of its
+# output, the query kernel and kpool_update (issue 12's M = 64 row).
+EPILOGUE_OP = "update_epilogue"
+# The epilogue kernel's 16-byte loads of raw's columns: H % RAW_HEADS_MULTIPLE == 0.
+RAW_HEADS_MULTIPLE = 4
+
+
+def _epilogue_parts(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+                    scale, eps, padded, w_out_dtype, scale_format, round_scale):
+  """[(Op, operand avals, params)] of the two ops whose work one call does, their projection
+  operands as split_projection gives them."""
+  aval = lambda shape, dtype: jax.core.ShapedArray(shape, dtype)
+  m, heads = q.shape[:2]
+  key_raw, head_w = aval((m, DIM), BF16), aval((m, heads), indexer.F32)
+  grid = aval(tuple(tslot.shape) + (DIM,), BF16)
+  query = dict(scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype)
+  update = dict(scale_format=scale_format, round_scale=round_scale)
+  return [(indexer._query, (q, key_raw, head_w, norm_weight, norm_bias), query),
+          (kpool._update, (kv_cache, tail, tslot, grid, grid, ape, loc, pos), update)]
+
+
+def _epilogue_shapes(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+                     scale, eps, padded, w_out_dtype, scale_format, round_scale):
+  """(q_fp8, w_out, key, kv_cache, tail): the query's and kpool_update's result shapes by
+  their rules (errors name update_epilogue), raw f32[M, 256 + H] and M = B * N."""
+  op = EPILOGUE_OP
+  expect(op, "q", q, BF16, (None, None, DIM))
+  m, heads = q.shape[:2]
+  expect(op, "tslot", tslot, I32, (None, None))
+  b, n = tslot.shape
+  if m != b * n:
+    fail(op, "q", f"must have requests x next_n = {b} x {n} rows (tslot's shape), "
+         f"got {tuple(q.shape)}")
+  expect(op, "raw", raw, indexer.F32, (m, 2 * DIM + heads))
+  out = indexer._query_shapes(op, q, None, norm_weight, norm_bias, m, heads, scale, eps,
+                              padded, w_out_dtype)
+  grid = jax.core.ShapedArray((b, n, DIM), BF16)
+  return out + kpool._update_shapes(kv_cache, tail, tslot, grid, grid, ape, loc, pos,
+                                    scale_format=scale_format, round_scale=round_scale,
+                                    op=op)
+
+
+def _epilogue_kernel_supports(raw, q, *avals, **params):
+  """H % RAW_HEADS_MULTIPLE == 0, and the query's and kpool_update's kernels' own rules."""
+  return q.shape[1] % RAW_HEADS_MULTIPLE == 0 and all(
+      op.kernel_supports(*a, **p) for op, a, p in _epilogue_parts(raw, q, *avals, **params))
+
+
+def _epilogue_attribute_values(*avals, **params):
+  """The two kernels' attribute values (the scale format flags)."""
+  values = {}
+  for op, a, p in _epilogue_parts(*avals, **params):
+    values.update(op.attribute_values(*a, **p))
+  return values
+
+
+def _epilogue_localize(index, raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                       pos):
+  """kpool_update's ids (tslot, loc) made device-local by its own rule."""
+  kv_cache, tail, tslot, _, _, ape, loc, pos = kpool._update_localize(
+      index, kv_cache, tail, tslot, None, None, ape, loc, pos)
+  return raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
+
+
+_epilogue = Op(
+    EPILOGUE_OP, ref.update_epilogue, _epilogue_shapes, aliases={4: 3, 5: 4},
+    kernel="glm5_update_epilogue",
+    attributes={name: typ for op in PARTS[1:] for name, typ in op.attributes.items()
+                if name != "pdl"},
+    attribute_values=_epilogue_attribute_values, kernel_supports=_epilogue_kernel_supports,
+    kernel_limits=(f"heads % {RAW_HEADS_MULTIPLE} == 0 and those of indexer_query and "
+                   "kpool_update"),
+    kernel_off="not yet measured on the H200 (issue 12's M = 64 update path)",
+    split=Split(("rows", "rows", None, None, "pages", "blocks", "requests", None, "requests",
+                 "requests"), ("rows",) * 3 + ("pages", "blocks"), _epilogue_localize))
+
+
+def update_epilogue(raw: jax.Array, q: jax.Array, norm_weight: jax.Array,
+                    norm_bias: jax.Array, kv_cache: jax.Array, tail: jax.Array,
+                    tslot: jax.Array, ape: jax.Array, loc: jax.Array, pos: jax.Array, *,
+                    scale: float, eps: float = 1e-6, padded: int | None = None,
+                    w_out_dtype: DTypeLike = jnp.float32, scale_format: str = "fp32",
+                    round_scale: bool = True,
+                    routing: Routing | None = None) -> tuple[jax.Array, ...]:
+  """indexer_query -> kpool_update on the projection's f32 sums raw f32[M, 256 + H]
+  (glm5_jax.reference.projection_sums: key, head-weight and gate columns): (q_fp8
+  e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128], kv_cache, tail); q bf16[M, H,
+  128], the rest as indexer_update. See glm5_jax.reference.update_epilogue.
+
+  The CUDA kernel (glm5_update_epilogue; off unless the routing names it) is
+  indexer_update's epilogue reading raw in place of the three projection results, so no
+  slice of raw is copied out; its results are bit-identical to indexer_query's and
+  kpool_update's kernels on reference.split_projection(raw). The caches are updated in
+  place (donate them). routing: None = Routing.from_env().
+  """
+  params = dict(indexer._query_params(EPILOGUE_OP, scale, eps, padded, q.shape[1],
+                                      w_out_dtype),
+                scale_format=scale_format, round_scale=bool(round_scale))
+  return tuple(_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos,
+                         routing=routing, **params))
+
+
+def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
+                           padded: int | None = None, w_out_dtype: DTypeLike = jnp.float32,
+                           scale_format: str = "fp32", round_scale: bool = True,
+                           routing: Routing | None = None) -> bool:
+  """Whether update_epilogue(*args, ...) would call its kernel on a GPU (the routing, its
+  limits), decided from shapes at trace time: indexer_stage's update path runs XLA's GEMM
+  and this op where it would and indexer_update's kernel is not chosen."""
+  q = args[1]
+  params = dict(indexer._query_params(EPILOGUE_OP, scale, eps, padded, q.shape[1],
+                                      w_out_dtype),
+                scale_format=scale_format, round_scale=bool(round_scale))
+  return _epilogue.kernel_chosen(Routing.resolve(routing, EPILOGUE_OP),
+                                 [jax.typeof(a) for a in args], params)

@@ -98,6 +98,15 @@ BAD_ARGS = [
     ("indexer_update", _replace(8, _cut(0)), ValueError, "ape must have shape"),
     ("indexer_update", _replace(9, _cut(1)), ValueError, "loc must have shape"),
     ("indexer_update", _replace(10, _cast(jnp.float32)), TypeError, "pos must be int32"),
+    # update_epilogue: raw against q, each part by its op's rule, named as update_epilogue.
+    ("update_epilogue", _replace(0, _cut(1)), ValueError, r"raw must have shape \(6, 272\)"),
+    ("update_epilogue", _replace(0, _cast(jnp.bfloat16)), TypeError, "raw must be float32"),
+    ("update_epilogue", _replace(1, _cut(0)), ValueError,
+     r"q must have requests x next_n = 3 x 2 rows \(tslot's shape\), got \(5, 16, 128\)"),
+    ("update_epilogue", _replace(2, _cast(jnp.bfloat16)), TypeError, "norm_weight must be float32"),
+    ("update_epilogue", _replace(4, _cut(2)), ValueError, r"kv_cache must have shape \(\*, \*,"),
+    ("update_epilogue", _replace(6, _cast(jnp.int16)), TypeError, "tslot must be int32"),
+    ("update_epilogue", _replace(9, _cast(jnp.float32)), TypeError, "pos must be int32"),
 ]
 
 

@@ -23,7 +23,7 @@ from graphs import cuda_module, glm5_calls
 OPS = sorted(CASES)
 # In-place ops: operand -> result aliasing their FFI calls must declare.
 ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0},
-           "indexer_update": {5: 6, 6: 7}}
+           "indexer_update": {5: 6, 6: 7}, "update_epilogue": {4: 3, 5: 4}}
 
 
 def custom_calls(text):

@@ -131,3 +131,64 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   reference = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
       **config), use_reference=True)
   assert cuda_calls(reference, state, donate=(1,)) == []
+
+
+EPILOGUE = {k: v for k, v in PARAMS.items() if k != "heads"}
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (3, 2), (2, 4)])
+@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype", [
+    ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16), ("fp32", False, jnp.float32)])
+def test_epilogue_reference_is_the_two_references_on_the_gemm_sums(b, n, scale_format,
+                                                                   round_scale, w_out_dtype):
+  """update_epilogue (reference and op) on projection_sums(x, w_cat) gives every byte of
+  indexer_update's last five results (the three references composed); on the CPU
+  backend, as the test above."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    args = update_args(b, n, seed=b * 10 + n)
+    params = dict(EPILOGUE, w_out_dtype=w_out_dtype, scale_format=scale_format,
+                  round_scale=round_scale)
+    want = three_references(*args, heads=HEADS, **params)[3:]
+    raw = jax.jit(ref.projection_sums)(args[0], args[1])
+    assert raw.shape == (b * n, 256 + HEADS) and raw.dtype == jnp.float32
+    for fn in (ref.update_epilogue, glm5_jax.update_epilogue):
+      got = jax.jit(functools.partial(fn, **params))(raw, *args[2:])
+      for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_epilogue_is_off_by_default_and_the_stage_runs_it_where_routed(monkeypatch):
+  """update_epilogue's kernel runs only where the routing names it (not yet measured on
+  the H200); the stage's "auto" update path then runs XLA's GEMM and that one call where
+  neither indexer_update's nor the projection's kernel is chosen (M past
+  UPDATE_KERNEL_ROWS), instead of indexer_query and kpool_update, with the same results
+  (the CPU backend: both are references there)."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  on = Routing(ops={"update_epilogue": True})
+  rows = update.UPDATE_KERNEL_ROWS[1] + 1
+  x, w_cat, *rest = update_args(rows, 1)
+  epilogue_args = (ref.projection_sums(x, w_cat), *rest)
+  fn = functools.partial(glm5_jax.update_epilogue, **EPILOGUE)
+  assert cuda_calls(fn, epilogue_args) == []
+  assert cuda_calls(functools.partial(fn, routing=on), epilogue_args) == [
+      "glm5_update_epilogue"]
+  assert not update.epilogue_kernel_chosen(*epilogue_args, **EPILOGUE)
+  assert update.epilogue_kernel_chosen(*epilogue_args, routing=on, **EPILOGUE)
+  config = dict(heads=HEADS, max_pools=1024)
+  kernels = ("glm5_indexer_update", "glm5_update_epilogue", "glm5_indexer_query",
+             "glm5_kpool_update")
+  outs = {}
+  for b, routing, want in ((rows, on, ["glm5_update_epilogue"]),
+                           (rows, Routing(), ["glm5_indexer_query", "glm5_kpool_update"]),
+                           (3, on, ["glm5_indexer_update"])):
+    state = stage_state(([10, 1500, 77] * b)[:b], 1, 0,
+                        config=glm5_jax.IndexerConfig(**config), hidden=HIDDEN, q_lora=256)
+    step = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
+        routing=routing, **config))
+    calls = cuda_calls(step, state, donate=(1,))
+    assert [c for c in calls if c in kernels] == want, (b, routing, calls)
+    if b == rows:
+      with jax.default_device(jax.devices("cpu")[0]):
+        outs[routing] = jax.jit(step)(*state)
+  for g, w in zip(tree_bytes(outs[on]), tree_bytes(outs[Routing()]), strict=True):
+    np.testing.assert_array_equal(g, w)

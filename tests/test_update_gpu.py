@@ -8,6 +8,9 @@
     tactic and explicit ones.
 (b) Donated, the caches are updated in place and a second step continues from them; the
     FFI call runs inside a command buffer.
+(c) update_epilogue's kernel (glm5_update_epilogue: the same epilogue reading a GEMM's f32
+    sums) is bit-identical to indexer_query's and kpool_update's kernels on the reference's
+    split of those sums (XLA's slices and bf16 converts).
 Its kernels against the reference: tests/test_primitives.py (CASES["indexer_update"],
 inputs whose GEMM is exact in any order) and tests/test_stage.py.
 """
@@ -168,3 +171,44 @@ def test_kernel_runs_inside_a_command_buffer(tmp_path):
       "print(int((kv != 0).any()))\n")
   out = run_and_check_graphed(script, [TARGET], tmp_path)
   assert out.split()[-1] == "1", out
+
+
+def two_ops(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *, scale,
+            padded, w_out_dtype, scale_format, round_scale, routing):
+  """update_epilogue as the stage's update path ran it before: the projection sums split
+  (XLA's slices and converts), then indexer_query and kpool_update, each its own FFI call."""
+  key_raw, head_w, gate = glm5_jax.reference.split_projection(raw, q.shape[1])
+  q_fp8, w_out, key = glm5_jax.indexer_query(q, key_raw, head_w, norm_weight, norm_bias,
+                                             scale=scale, padded=padded,
+                                             w_out_dtype=w_out_dtype, routing=routing)
+  grid = tslot.shape + (128,)
+  kv_cache, tail = glm5_jax.kpool_update(kv_cache, tail, tslot, key.reshape(grid),
+                                         gate.reshape(grid), ape, loc, pos,
+                                         scale_format=scale_format, round_scale=round_scale,
+                                         routing=routing)
+  return q_fp8, w_out, key, kv_cache, tail
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("w_out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale_format,round_scale", SCALES)
+@pytest.mark.parametrize("b,n", [(1, 1), (2, 1), (1, 4), (16, 1), (4, 4), (64, 1), (16, 4)])
+def test_epilogue_bit_identical_to_the_two_kernels(b, n, scale_format, round_scale,
+                                                   w_out_dtype, pdl):
+  args = update_args(b, n, seed=31 * b + n)
+  raw = jax.jit(glm5_jax.reference.projection_sums)(args[0], args[1])
+  rest = args[2:]
+  routing = Routing(kernels=True, pdl=pdl)
+  params = dict(scale=PARAMS["scale"], padded=PADDED, w_out_dtype=w_out_dtype,
+                scale_format=scale_format, round_scale=round_scale, routing=routing)
+  fused = functools.partial(glm5_jax.update_epilogue, **params)
+  parts = functools.partial(two_ops, **params)
+  assert targets(fused, (raw,) + rest) == ["glm5_update_epilogue"]
+  assert targets(parts, (raw,) + rest) == ["glm5_indexer_query", "glm5_kpool_update"]
+  copies = lambda: [raw] + [jnp.copy(a) for a in rest]
+  got, want = jax.jit(fused)(*copies()), jax.jit(parts)(*copies())
+  names = ["q_fp8", "w_out", "key", "kv_cache", "tail"]
+  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
+    diff = g != w
+    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
+  assert np.asarray(got[3] != rest[3]).any() or b * n < 4, "some pool must complete"

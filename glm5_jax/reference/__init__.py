@@ -11,14 +11,17 @@ from .indexer import (
     indexer_q,
     indexer_query,
     key_layernorm,
+    projection_sums,
+    split_projection,
 )
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update, prefill_windows
 from .logits import mqa_logits, pool_counts, pool_topk, select_pools, select_slots, upcast_logits
-from .update import indexer_update
+from .update import indexer_update, update_epilogue
 
 __all__ = [
     "expand_and_remap", "expand_pools", "indexer_projection",
     "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update", "key_layernorm",
     "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
-    "pool_counts", "pool_topk", "prefill_windows", "select_pools", "select_slots", "upcast_logits",
+    "pool_counts", "pool_topk", "prefill_windows", "projection_sums", "select_pools",
+    "select_slots", "split_projection", "update_epilogue", "upcast_logits",
 ]

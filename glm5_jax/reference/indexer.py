@@ -26,6 +26,21 @@ def indexer_q(qr, wq_b):
   return acc.astype(jnp.bfloat16)
 
 
+def projection_sums(x, w_cat):
+  """The projection's GEMM (SPEC §1): x bf16[M, K] against w_cat bf16[256 + heads, K],
+  f32[M, 256 + heads] fp32 sums of exact products (columns: key, head weights, gate)."""
+  return lax.dot_general(x, w_cat, (((1,), (1,)), ((), ())),
+                         precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+
+
+def split_projection(acc, heads):
+  """projection_sums' f32[M, 256 + heads] as indexer_projection's results: (key bf16[M,
+  128], head_w f32[M, heads], gate bf16[M, 128]), the bf16 ones rounded to nearest even."""
+  key, head_w, gate = acc[:, :DIM], acc[:, DIM:DIM + heads], acc[:, DIM + heads:]
+  return key.astype(jnp.bfloat16), head_w, gate.astype(jnp.bfloat16)
+
+
 def indexer_projection(x, w_cat, *, heads):
   """One GEMM against [wk; weights_proj; gate] (SPEC §1).
 
@@ -33,11 +48,7 @@ def indexer_projection(x, w_cat, *, heads):
   head_w f32[M, heads] (per-token head weights), gate bf16[M, 128]); fp32 sums of
   exact products.
   """
-  acc = lax.dot_general(x, w_cat, (((1,), (1,)), ((), ())),
-                        precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-  key, head_w, gate = acc[:, :DIM], acc[:, DIM:DIM + heads], acc[:, DIM + heads:]
-  return key.astype(jnp.bfloat16), head_w, gate.astype(jnp.bfloat16)
+  return split_projection(projection_sums(x, w_cat), heads)
 
 
 def _sum_in_order(x):

@@ -2,7 +2,7 @@
 indexer_query and kpool_update composed, as indexer_stage composes them."""
 import jax.numpy as jnp
 
-from .indexer import indexer_projection, indexer_query
+from .indexer import indexer_projection, indexer_query, split_projection
 from .kpool import kpool_update
 from .numerics import DIM
 
@@ -27,3 +27,23 @@ def indexer_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, a
                                 ape, loc, pos, scale_format=scale_format,
                                 round_scale=round_scale)
   return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
+
+
+def update_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+                    scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                    scale_format="fp32", round_scale=True):
+  """indexer_query -> kpool_update on the projection's f32 sums (SPEC §1 rounding, §2, §3):
+  indexer_update after its GEMM.
+
+  raw f32[M, 256 + heads] (projection_sums: key, head-weight and gate columns); q bf16[M,
+  heads, 128]; the rest as indexer_update. Returns (q_fp8 e4m3[M, padded, 128],
+  w_out w_out_dtype[M, padded], key bf16[M, 128], kv_cache, tail).
+  """
+  key_raw, head_w, gate = split_projection(raw, q.shape[1])
+  q_fp8, w_out, key = indexer_query(q, key_raw, head_w, norm_weight, norm_bias, scale=scale,
+                                    eps=eps, padded=padded, w_out_dtype=w_out_dtype)
+  grid = tslot.shape + (DIM,)
+  kv_cache, tail = kpool_update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid),
+                                ape, loc, pos, scale_format=scale_format,
+                                round_scale=round_scale)
+  return q_fp8, w_out, key, kv_cache, tail

@@ -221,6 +221,15 @@ def _indexer_update_args(rng):
            bf16(rng, rows, heads, 128)) + _norm(rng) + (kv, tail, tslot, ape, loc, pos))
 
 
+def _epilogue_args(rng):
+  """update_epilogue's operands: indexer_update's, with f32 projection sums for x and w_cat
+  (any values: the kernel rounds them to bf16 as the reference does)."""
+  (_, _, q, norm_weight, norm_bias, kv, tail, tslot, ape, loc, pos) = _indexer_update_args(rng)
+  rows, heads = q.shape[:2]
+  raw = jnp.asarray(rng.standard_normal((rows, 256 + heads)), jnp.float32)
+  return (raw, q, norm_weight, norm_bias, kv, tail, tslot, ape, loc, pos)
+
+
 # Tolerance of the non-exact cases against the reference (the GEMM and einsum sum in
 # another order than XLA: SPEC D2).
 TOLERANCE = dict(rtol=2e-2, atol=1e-3)
@@ -264,6 +273,8 @@ CASES = {
     # Exact: its GEMM's inputs make every summation order give the same sums.
     "indexer_update": Case(P(glm5_jax.indexer_update, heads=PROJECTION_HEADS, scale=2.0 ** -6,
                              padded=32), _indexer_update_args),
+    "update_epilogue": Case(P(glm5_jax.update_epilogue, scale=2.0 ** -6, padded=32),
+                            _epilogue_args),
     "indexer_projection_fused": Case(
         P(glm5_jax.indexer_projection_fused, heads=PROJECTION_HEADS, scale=2.0 ** -6,
           padded=32), _fused_args,
