@@ -49,6 +49,16 @@ def three_ops(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, l
   """The three public ops, each its own FFI call, as indexer_stage composes them."""
   key_raw, head_w, gate = glm5_jax.indexer_projection(x, w_cat, heads=heads, tactic=tactic,
                                                       routing=routing)
+  return (key_raw, head_w, gate) + query_then_update(
+      q, key_raw, head_w, gate, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos,
+      scale=scale, padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
+      round_scale=round_scale, routing=routing)
+
+
+def query_then_update(q, key_raw, head_w, gate, norm_weight, norm_bias, kv_cache, tail, tslot,
+                      ape, loc, pos, *, scale, padded, w_out_dtype, scale_format, round_scale,
+                      routing):
+  """indexer_query, then kpool_update on its key: (q_fp8, w_out, key, kv_cache, tail)."""
   q_fp8, w_out, key = glm5_jax.indexer_query(q, key_raw, head_w, norm_weight, norm_bias,
                                              scale=scale, padded=padded,
                                              w_out_dtype=w_out_dtype, routing=routing)
@@ -57,7 +67,7 @@ def three_ops(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, l
                                          gate.reshape(grid), ape, loc, pos,
                                          scale_format=scale_format, round_scale=round_scale,
                                          routing=routing)
-  return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
+  return q_fp8, w_out, key, kv_cache, tail
 
 
 def targets(fn, args):
@@ -178,15 +188,10 @@ def two_ops(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
   """update_epilogue as the stage's update path ran it before: the projection sums split
   (XLA's slices and converts), then indexer_query and kpool_update, each its own FFI call."""
   key_raw, head_w, gate = glm5_jax.reference.split_projection(raw, q.shape[1])
-  q_fp8, w_out, key = glm5_jax.indexer_query(q, key_raw, head_w, norm_weight, norm_bias,
-                                             scale=scale, padded=padded,
-                                             w_out_dtype=w_out_dtype, routing=routing)
-  grid = tslot.shape + (128,)
-  kv_cache, tail = glm5_jax.kpool_update(kv_cache, tail, tslot, key.reshape(grid),
-                                         gate.reshape(grid), ape, loc, pos,
-                                         scale_format=scale_format, round_scale=round_scale,
-                                         routing=routing)
-  return q_fp8, w_out, key, kv_cache, tail
+  return query_then_update(q, key_raw, head_w, gate, norm_weight, norm_bias, kv_cache, tail,
+                           tslot, ape, loc, pos, scale=scale, padded=padded,
+                           w_out_dtype=w_out_dtype, scale_format=scale_format,
+                           round_scale=round_scale, routing=routing)
 
 
 @pytest.mark.parametrize("pdl", [True, False])

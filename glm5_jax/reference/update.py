@@ -1,8 +1,10 @@
 """The update part of a decode step after the q GEMM (issue 12): indexer_projection,
-indexer_query and kpool_update composed, as indexer_stage composes them."""
+indexer_query and kpool_update composed, as indexer_stage composes them; update_epilogue
+the last two on the projection's GEMM sums (indexer_update = the GEMM, its split, then
+update_epilogue)."""
 import jax.numpy as jnp
 
-from .indexer import indexer_projection, indexer_query, split_projection
+from .indexer import indexer_query, projection_sums, split_projection
 from .kpool import kpool_update
 from .numerics import DIM
 
@@ -19,14 +21,11 @@ def indexer_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, a
   gate bf16[M, 128], q_fp8 e4m3[M, padded, 128], w_out w_out_dtype[M, padded],
   key bf16[M, 128], kv_cache, tail); kpool_update sees key and gate as [B, N, 128].
   """
-  key_raw, head_w, gate = indexer_projection(x, w_cat, heads=heads)
-  q_fp8, w_out, key = indexer_query(q, key_raw, head_w, norm_weight, norm_bias, scale=scale,
-                                    eps=eps, padded=padded, w_out_dtype=w_out_dtype)
-  grid = tslot.shape + (DIM,)
-  kv_cache, tail = kpool_update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid),
-                                ape, loc, pos, scale_format=scale_format,
-                                round_scale=round_scale)
-  return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
+  raw = projection_sums(x, w_cat)
+  return split_projection(raw, heads) + update_epilogue(
+      raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, scale=scale,
+      eps=eps, padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
+      round_scale=round_scale)
 
 
 def update_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
