@@ -15,7 +15,7 @@ update as three ops" (update="ops"): the two sides of "auto"'s choice; with
 (stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
 selection), what issue 12's targets are about, and with --stage-update-ops as well "kernel,
 update part only, three ops" (update="ops"); with --stage-update-epilogue also "kernel,
-update epilogue" (update_epilogue's kernel on) and with --stage-update-only as well "kernel,
+update epilogue" (EPILOGUE_ROUTING) and with --stage-update-only as well "kernel,
 update part only, epilogue"; with --stage-select-ops also "kernel,
 select as two ops" = the select path as select_pools + expand_and_remap
 (Routing(ops={"select_slots": False})) where the default runs select_slots' one call;
@@ -85,9 +85,9 @@ def add_arguments(parser):
                       help="also time the stage with IndexerConfig(update='ops'): the "
                            "update part as the three ops at every M")
   parser.add_argument("--stage-update-epilogue", action="store_true",
-                      help="also time the stage with update_epilogue's kernel on (off by "
-                           "default until measured): XLA's projection GEMM and one epilogue "
-                           "call where indexer_update's kernel is not chosen; with "
+                      help="also time the stage with update_epilogue's kernel on and "
+                           "indexer_update's off (EPILOGUE_ROUTING): XLA's projection GEMM "
+                           "and one epilogue call at M = 1 and past 16; with "
                            "--stage-update-only also its update part alone")
   parser.add_argument("--stage-select-ops", action="store_true",
                       help="also time the stage with Routing(ops={'select_slots': False}): "
@@ -105,13 +105,16 @@ def add_arguments(parser):
                            "query epilogue, kpool_update; no selection)")
 
 
+# update_epilogue's kernel on and indexer_update's off: XLA's GEMM and the epilogue wherever
+# the projection kernel is not chosen (M = 1 and past PROJECTION_KERNEL_ROWS), the projection
+# kernel and the two ops elsewhere (M 2-16, where the default's one call is known faster).
+EPILOGUE_ROUTING = glm5_jax.Routing(ops={"update_epilogue": True, "indexer_update": False})
 ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=False),
             NO_PDL: glm5_jax.Routing(pdl=False),
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing(),
             UPDATE_ONLY_OPS: glm5_jax.Routing(),
-            UPDATE_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue": True}),
-            UPDATE_ONLY_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue": True}),
+            UPDATE_EPILOGUE: EPILOGUE_ROUTING, UPDATE_ONLY_EPILOGUE: EPILOGUE_ROUTING,
             SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True})}

@@ -24,8 +24,8 @@ UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(upd
 UPDATE_ONLY = "kernel, update part only"      # the stage's update part alone (issue 12)
 # The update part alone with IndexerConfig(update="ops").
 UPDATE_ONLY_OPS = "kernel, update part only, three ops"
-# The stage (and its update part alone) with update_epilogue's kernel on: XLA's projection
-# GEMM and one epilogue call where indexer_update's kernel is not chosen.
+# The stage (and its update part alone) with update_epilogue's kernel on and indexer_update's
+# off (bench.stage.EPILOGUE_ROUTING).
 UPDATE_EPILOGUE = "kernel, update epilogue"
 UPDATE_ONLY_EPILOGUE = "kernel, update part only, epilogue"
 # The stage with Routing(ops={"select_slots": False}): select_pools + expand_and_remap.

@@ -161,8 +161,8 @@ def test_epilogue_is_off_by_default_and_the_stage_runs_it_where_routed(monkeypat
   """update_epilogue's kernel runs only where the routing names it (not yet measured on
   the H200); the stage's "auto" update path then runs XLA's GEMM and that one call where
   neither indexer_update's nor the projection's kernel is chosen (M past
-  UPDATE_KERNEL_ROWS), instead of indexer_query and kpool_update, with the same results
-  (the CPU backend: both are references there)."""
+  UPDATE_KERNEL_ROWS; M = 1 with indexer_update off), instead of indexer_query and
+  kpool_update, with the same results (the CPU backend: both are references there)."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   on = Routing(ops={"update_epilogue": True})
   rows = update.UPDATE_KERNEL_ROWS[1] + 1
@@ -178,9 +178,13 @@ def test_epilogue_is_off_by_default_and_the_stage_runs_it_where_routed(monkeypat
   kernels = ("glm5_indexer_update", "glm5_update_epilogue", "glm5_indexer_query",
              "glm5_kpool_update")
   outs = {}
+  only = Routing(ops={"update_epilogue": True, "indexer_update": False})
   for b, routing, want in ((rows, on, ["glm5_update_epilogue"]),
                            (rows, Routing(), ["glm5_indexer_query", "glm5_kpool_update"]),
-                           (3, on, ["glm5_indexer_update"])):
+                           (3, on, ["glm5_indexer_update"]),
+                           # M = 1: XLA's GEMV (no projection kernel there by default).
+                           (1, only, ["glm5_update_epilogue"]),
+                           (3, only, ["glm5_indexer_query", "glm5_kpool_update"])):
     state = stage_state(([10, 1500, 77] * b)[:b], 1, 0,
                         config=glm5_jax.IndexerConfig(**config), hidden=HIDDEN, q_lora=256)
     step = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
