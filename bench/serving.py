@@ -43,7 +43,7 @@ import glm5_jax
 from glm5_jax import serving, synthetic
 
 from .harness import compile_fn, time_runs
-from .stage import _config, layers_state, shape_arguments, shapes
+from .stage import _config, consumed, layers_state, shape_arguments, shapes
 
 NAME = "serving"
 DEVICE, PACKED, FIELDS = "device metadata", "host metadata, packed", "host metadata, fields"
@@ -61,9 +61,11 @@ def add_arguments(parser):
 
 def _step(config, packed, to_device=None):
   """fn(caches, flag, weights, xs, qrs, meta, page_table, block_table) -> (caches,
-  (done, counts)): one decode step of every layer (layer l on xs[l], qrs[l]: inputs of
-  its own, synthetic.layer_inputs); meta is the packed array or the four fields;
-  to_device: a sharding the (pinned host) packed array moves to first."""
+  (done, out)): one decode step of every layer (layer l on xs[l], qrs[l]: inputs of
+  its own, synthetic.layer_inputs); out is one scalar that reads every layer's counts
+  (stage.consumed: a model's step consumes them inside the jit; returned, each would make
+  XLA re-trace the FFI call writing it on every step); meta is the packed array or the
+  four fields; to_device: a sharding the (pinned host) packed array moves to first."""
   def fn(caches, flag, weights, xs, qrs, meta, page_table, block_table):
     if to_device is not None:
       meta = jax.device_put(meta, to_device)
@@ -76,7 +78,7 @@ def _step(config, packed, to_device=None):
       out, c = glm5_jax.indexer_stage(w, c, x, qr, batch, config=config)
       new.append(c)
       counts.append(out.counts)
-    return new, (~flag, counts)
+    return new, (~flag, consumed(counts))
   return fn
 
 

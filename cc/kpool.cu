@@ -418,12 +418,24 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   return plan;
 }
 
-cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan) {
-  bool copied = false;
+namespace {
+
+// The plan's cache copies where XLA did not alias a cache result with its operand
+// (copy_unaliased each); `copied` is set when one ran.
+cudaError_t copy_unaliased_caches(const UpdateLaunch& plan, cudaStream_t stream, bool& copied) {
   for (const UpdateLaunch::Copy& copy : plan.copies) {
     const cudaError_t err = copy_unaliased(copy.dst, copy.src, copy.bytes, stream, copied);
     if (err != cudaSuccess) return err;
   }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunch& plan) {
+  bool copied = false;
+  if (cudaError_t err = copy_unaliased_caches(plan, stream, copied); err != cudaSuccess)
+    return err;
   if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
   return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
                 plan.args);
@@ -432,10 +444,8 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
 cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
                                    const UpdateLaunch& update) {
   bool copied = false;
-  for (const UpdateLaunch::Copy& copy : update.copies) {
-    const cudaError_t err = copy_unaliased(copy.dst, copy.src, copy.bytes, stream, copied);
-    if (err != cudaSuccess) return err;
-  }
+  if (cudaError_t err = copy_unaliased_caches(update, stream, copied); err != cudaSuccess)
+    return err;
   // No request rows means M = 0: the query has no rows either.
   if (update.kernel == nullptr || query.kernel == nullptr) return cudaSuccess;
   const int64_t warps = static_cast<int64_t>(update.requests) + query.args.q_rows;

@@ -1316,6 +1316,18 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
                        nullptr, s, k, ue8m0, pdl);
 }
 
+// The stream and the operands both select handlers take first, in launch_select's order.
+auto bind_select() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+      .Arg<ffi::BufferR2<ffi::F32>>()   // w_out
+      .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+      .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
+      .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
+      .Arg<ffi::BufferR1<ffi::S32>>();  // positions
+}
+
 }  // namespace
 }  // namespace glm5
 
@@ -1342,14 +1354,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5PoolTopk, glm5::PoolTopkImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectPools, glm5::SelectPoolsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()            // q_fp8 (e4m3)
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // w_out
-                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
-                                  .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
-                                  .Arg<ffi::BufferR1<ffi::S32>>()   // positions
+                              glm5::bind_select()
                                   .Ret<ffi::BufferR2<ffi::S32>>()   // pool_ids
                                   .Ret<ffi::BufferR2<ffi::F32>>()   // logits
                                   .Attr<bool>("ue8m0")              // ue8m0
@@ -1357,14 +1362,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectPools, glm5::SelectPoolsImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectSlots, glm5::SelectSlotsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()            // q_fp8 (e4m3)
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // w_out
-                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
-                                  .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
-                                  .Arg<ffi::BufferR1<ffi::S32>>()   // positions
+                              glm5::bind_select()
                                   .Arg<ffi::BufferR2<ffi::S32>>()   // block_table
                                   .Ret<ffi::BufferR2<ffi::S32>>()   // slots
                                   .Ret<ffi::BufferR1<ffi::S32>>()   // counts
