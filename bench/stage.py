@@ -20,7 +20,8 @@ update part only, epilogue"; with --stage-select-ops also "kernel,
 select as two ops" = the select path as select_pools + expand_and_remap
 (Routing(ops={"select_slots": False})) where the default runs select_slots' one call;
 with --stage-q-kernel also "kernel, q kernel" = the default with indexer_q's kernel on,
-and with --stage-pdl-off as well "kernel, q kernel, PDL off"."""
+with --stage-pdl-off as well "kernel, q kernel, PDL off", with --stage-update-only as well
+"kernel, update part only, q kernel"."""
 import gc
 
 import numpy as np
@@ -45,6 +46,7 @@ from .variants import (
   UPDATE_ONLY,
   UPDATE_ONLY_EPILOGUE,
   UPDATE_ONLY_OPS,
+  UPDATE_ONLY_Q_KERNEL,
   UPDATE_OPS,
 )
 
@@ -117,11 +119,12 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             UPDATE_EPILOGUE: EPILOGUE_ROUTING, UPDATE_ONLY_EPILOGUE: EPILOGUE_ROUTING,
             SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
-            Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True})}
+            Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True}),
+            UPDATE_ONLY_Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops"}
 # The variants that time the update part alone.
-UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_EPILOGUE)
+UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_EPILOGUE, UPDATE_ONLY_Q_KERNEL)
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
@@ -203,6 +206,8 @@ def run(bench):
                         + ([Q_KERNEL] if bench.args.stage_q_kernel else [])
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel
                            and bench.args.stage_pdl_off else [])
+                        + ([UPDATE_ONLY_Q_KERNEL] if bench.args.stage_q_kernel
+                           and bench.args.stage_update_only else [])
                         if bench.module else [REFERENCE])
   steps = bench.args.stage_steps
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731

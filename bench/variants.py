@@ -32,9 +32,10 @@ UPDATE_ONLY_EPILOGUE = "kernel, update part only, epilogue"
 SELECT_OPS = "kernel, select as two ops"
 Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
 Q_KERNEL_NO_PDL = "kernel, q kernel, PDL off"  # the same without PDL (does it cost there?)
+UPDATE_ONLY_Q_KERNEL = "kernel, update part only, q kernel"   # the update part, indexer_q on
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
             UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_EPILOGUE,
-            UPDATE_ONLY_EPILOGUE, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL)
+            UPDATE_ONLY_EPILOGUE, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL)
 
 
 def three_dots(x, w_cat):
