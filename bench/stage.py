@@ -10,18 +10,17 @@ as IndexerConfig(update="auto") chooses), "reference" = every op on its pure-JAX
 reference (Routing(kernels=False)), in the same run; with --stage-update-fused also
 "kernel, update fused" = the update part as indexer_update's one FFI call at every M
 (update="fused", its kernel named in the routing), with --stage-update-ops also "kernel,
-update as three ops" (update="ops"): the two sides of "auto"'s choice; with
+update as three ops" (update="ops"): the alternatives to "auto"'s choice; with
 --stage-update-only also "kernel, update part only" = the stage's update part alone
 (stage.update_path: q, projection, query epilogue, kpool_update as "auto" chooses; no
 selection), what issue 12's targets are about, and with --stage-update-ops as well "kernel,
-update part only, three ops" (update="ops"); with --stage-update-epilogue also "kernel,
-update epilogue" (EPILOGUE_ROUTING) and with --stage-update-only as well "kernel,
-update part only, epilogue"; with --stage-select-ops also "kernel,
-select as two ops" = the select path as select_pools + expand_and_remap
-(Routing(ops={"select_slots": False})) where the default runs select_slots' one call;
-with --stage-q-kernel also "kernel, q kernel" = the default with indexer_q's kernel on,
-with --stage-pdl-off as well "kernel, q kernel, PDL off", with --stage-update-only as well
-"kernel, update part only, q kernel"."""
+update part only, three ops" (update="ops") and with --stage-update-fused as well "kernel,
+update part only, indexer_update" (update="fused", its kernel routed on); with
+--stage-select-ops also "kernel, select as two ops" = the select path as select_pools +
+expand_and_remap (Routing(ops={"select_slots": False})) where the default runs
+select_slots' one call; with --stage-q-kernel also "kernel, q kernel" = the default with
+indexer_q's kernel on, with --stage-pdl-off as well "kernel, q kernel, PDL off", with
+--stage-update-only as well "kernel, update part only, q kernel"."""
 import gc
 
 import numpy as np
@@ -41,10 +40,9 @@ from .variants import (
   Q_KERNEL_NO_PDL,
   REFERENCE,
   SELECT_OPS,
-  UPDATE_EPILOGUE,
   UPDATE_FUSED,
   UPDATE_ONLY,
-  UPDATE_ONLY_EPILOGUE,
+  UPDATE_ONLY_FUSED,
   UPDATE_ONLY_OPS,
   UPDATE_ONLY_Q_KERNEL,
   UPDATE_OPS,
@@ -86,11 +84,6 @@ def add_arguments(parser):
   parser.add_argument("--stage-update-ops", action="store_true",
                       help="also time the stage with IndexerConfig(update='ops'): the "
                            "update part as the three ops at every M")
-  parser.add_argument("--stage-update-epilogue", action="store_true",
-                      help="also time the stage with update_epilogue's kernel on and "
-                           "indexer_update's off (EPILOGUE_ROUTING): XLA's projection GEMM "
-                           "and one epilogue call at M = 1 and past 16; with "
-                           "--stage-update-only also its update part alone")
   parser.add_argument("--stage-select-ops", action="store_true",
                       help="also time the stage with Routing(ops={'select_slots': False}): "
                            "the select path as select_pools + expand_and_remap (two FFI "
@@ -107,24 +100,21 @@ def add_arguments(parser):
                            "query epilogue, kpool_update; no selection)")
 
 
-# update_epilogue's kernel on and indexer_update's off: XLA's GEMM and the epilogue wherever
-# the projection kernel is not chosen (M = 1 and past PROJECTION_KERNEL_ROWS), the projection
-# kernel and the two ops elsewhere (M 2-16, where the default's one call is known faster).
-EPILOGUE_ROUTING = glm5_jax.Routing(ops={"update_epilogue": True, "indexer_update": False})
 ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=False),
             NO_PDL: glm5_jax.Routing(pdl=False),
             UPDATE_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             UPDATE_OPS: glm5_jax.Routing(), UPDATE_ONLY: glm5_jax.Routing(),
             UPDATE_ONLY_OPS: glm5_jax.Routing(),
-            UPDATE_EPILOGUE: EPILOGUE_ROUTING, UPDATE_ONLY_EPILOGUE: EPILOGUE_ROUTING,
+            UPDATE_ONLY_FUSED: glm5_jax.Routing(ops={"indexer_update": True}),
             SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True}),
             UPDATE_ONLY_Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
-UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops"}
+UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops",
+           UPDATE_ONLY_FUSED: "fused"}
 # The variants that time the update part alone.
-UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_EPILOGUE, UPDATE_ONLY_Q_KERNEL)
+UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KERNEL)
 
 
 STEPS = 4   # decode steps per timed run (one executable): hides the host's dispatch
@@ -199,9 +189,8 @@ def run(bench):
                         + ([UPDATE_ONLY] if bench.args.stage_update_only else [])
                         + ([UPDATE_ONLY_OPS] if bench.args.stage_update_only
                            and bench.args.stage_update_ops else [])
-                        + ([UPDATE_EPILOGUE] if bench.args.stage_update_epilogue else [])
-                        + ([UPDATE_ONLY_EPILOGUE] if bench.args.stage_update_only
-                           and bench.args.stage_update_epilogue else [])
+                        + ([UPDATE_ONLY_FUSED] if bench.args.stage_update_only
+                           and bench.args.stage_update_fused else [])
                         + ([SELECT_OPS] if bench.args.stage_select_ops else [])
                         + ([Q_KERNEL] if bench.args.stage_q_kernel else [])
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel

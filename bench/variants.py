@@ -24,18 +24,16 @@ UPDATE_OPS = "kernel, update as three ops"    # the stage with IndexerConfig(upd
 UPDATE_ONLY = "kernel, update part only"      # the stage's update part alone (issue 12)
 # The update part alone with IndexerConfig(update="ops").
 UPDATE_ONLY_OPS = "kernel, update part only, three ops"
-# The stage (and its update part alone) with update_epilogue's kernel on and indexer_update's
-# off (bench.stage.EPILOGUE_ROUTING).
-UPDATE_EPILOGUE = "kernel, update epilogue"
-UPDATE_ONLY_EPILOGUE = "kernel, update part only, epilogue"
+# The update part alone as indexer_update's one FFI call (update="fused", its kernel routed on).
+UPDATE_ONLY_FUSED = "kernel, update part only, indexer_update"
 # The stage with Routing(ops={"select_slots": False}): select_pools + expand_and_remap.
 SELECT_OPS = "kernel, select as two ops"
 Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
 Q_KERNEL_NO_PDL = "kernel, q kernel, PDL off"  # the same without PDL (does it cost there?)
 UPDATE_ONLY_Q_KERNEL = "kernel, update part only, q kernel"   # the update part, indexer_q on
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
-            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_EPILOGUE,
-            UPDATE_ONLY_EPILOGUE, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL)
+            UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED,
+            SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL)
 
 
 def three_dots(x, w_cat):

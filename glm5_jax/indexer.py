@@ -299,14 +299,3 @@ def indexer_projection_fused(x: jax.Array, w_cat: jax.Array, q: jax.Array,
   return tuple(_fused(x, w_cat, q, norm_weight, norm_bias, heads=int(heads), tactic=tactic,
                       routing=routing, **params))
 
-
-def projection_kernel_chosen(x: jax.Array, w_cat: jax.Array, *, heads: int,
-                             tactic: tuple[int, int] | None = None,
-                             routing: Routing | None = None) -> bool:
-  """Whether indexer_projection(x, w_cat, ...) would call its kernel on a GPU (the routing,
-  its limits, PROJECTION_KERNEL_ROWS), decided from shapes at trace time: where it would
-  not, indexer_stage's update path may run XLA's GEMM and update_epilogue instead."""
-  tactic = None if tactic is None else tuple(int(v) for v in tactic)
-  return _projection.kernel_chosen(Routing.resolve(routing, "indexer_projection"),
-                                   [jax.typeof(x), jax.typeof(w_cat)],
-                                   dict(heads=int(heads), tactic=tactic))

@@ -21,7 +21,6 @@ from .indexer import (
   indexer_projection_fused,
   indexer_q,
   indexer_query,
-  projection_kernel_chosen,
 )
 from .kpool import kpool_update
 from .logits import select_pools, select_slots, select_slots_kernel_chosen
@@ -48,13 +47,13 @@ class IndexerConfig:
   when the config is built). The config is a static argument of the jitted stage, so a
   config with another routing (or fused) compiles anew instead of reusing a stale
   executable. update: "ops" runs indexer_projection, indexer_query and kpool_update as
-  three ops, "fused" as indexer_update, their kernels in one FFI call (bit-identical to
-  the three kernels at the same projection tactic), "auto" (the default) as
-  indexer_update where the routing chooses its kernel at the stage's shapes (by default
-  the rows of glm5_jax.update.UPDATE_KERNEL_ROWS, where the H200 measured it faster) and
-  as the three ops elsewhere, except where the routing chooses update_epilogue's kernel
-  (off by default) and not the projection's: there XLA's GEMM and update_epilogue; "fused"
-  not with fused=True ("auto" then means "ops").
+  three ops; "fused" as indexer_update (its kernel, the three kernels' work in one FFI
+  call, where the routing names it; else XLA's GEMM and update_epilogue); "auto" (the
+  default) as indexer_update's one FFI call where the routing chooses its kernel (off by
+  default), else as XLA's projection GEMM and update_epilogue where the routing chooses
+  update_epilogue's kernel (the default: faster at every M measured on the H200,
+  glm5_jax.update.EPILOGUE_MEASURED), else as the three ops; "fused" not with fused=True
+  ("auto" then means "ops").
   rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
@@ -340,9 +339,9 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
 
 def update_path(ops, config, weights, cache, x, qr, batch, rows):
   """The stage up to the cache update (inputs already checked): q, the projection, the
-  query epilogue and kpool_update, as three ops or as indexer_update (config.update,
-  decided here so that every composition of update_path honours it). Returns
-  (q_fp8, w_out, IndexerCache)."""
+  query epilogue and kpool_update, as indexer_update, as XLA's GEMM and update_epilogue,
+  or as three ops (config.update, decided here so that every composition of update_path
+  honours it). Returns (q_fp8, w_out, IndexerCache)."""
   b, n = batch.positions.shape
   # q = qr wq_b^T (indexer_q; its reference is one dot_general, the same HLO eagerly and
   # under jit, see reference.indexer_q).
@@ -362,20 +361,16 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   auto = config.update == "auto" and ops.kernels and not config.fused
   one_op = config.update == "fused" or (
       auto and _update_op.kernel_chosen(*update_args, routing=config.routing, **update))
-  # Where XLA's GEMM runs the projection: its f32 sums straight into update_epilogue's
-  # kernel where the routing chooses it (no slice copies, one launch for the query
-  # epilogue and kpool_update). The sums are dead code where it does not.
-  raw = None
-  if auto and not one_op and not projection_kernel_chosen(
-      x, weights.w_cat, heads=config.heads, routing=config.routing):
-    sums = reference.projection_sums(x, weights.w_cat)
-    epilogue_args = (sums, q) + update_args[3:]
-    epilogue = dict(scale_format=config.scale_format, **query)
-    if _update_op.epilogue_kernel_chosen(*epilogue_args, routing=config.routing, **epilogue):
-      raw = sums
+  # XLA's GEMM for the projection, its f32 sums straight into update_epilogue's kernel
+  # where the routing chooses it (no slice copies, one launch for the query epilogue and
+  # kpool_update; EPILOGUE_MEASURED). The sums are dead code where it does not.
+  epilogue_args = (reference.projection_sums(x, weights.w_cat), q) + update_args[3:]
+  epilogue = dict(scale_format=config.scale_format, **query)
+  two_ops = auto and not one_op and _update_op.epilogue_kernel_chosen(
+      *epilogue_args, routing=config.routing, **epilogue)
   if one_op:
     *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(*update_args, **update)
-  elif raw is not None:
+  elif two_ops:
     q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue(*epilogue_args, **epilogue)
   elif config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
@@ -385,7 +380,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
-  if not one_op and raw is None:
+  if not (one_op or two_ops):
     kv_cache, tail = ops.kpool_update(
         cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
         gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,

@@ -1,7 +1,9 @@
-"""indexer_update: indexer_projection, indexer_query and kpool_update as one op, one FFI
-call launching two kernels back to back: the projection, then one epilogue running the query
-epilogue's and kpool_update's device code (issue 12, the update path at the launch floor).
-Shapes and dtypes: see glm5_jax.reference.update."""
+"""indexer_update: indexer_projection, indexer_query and kpool_update as one op; and
+update_epilogue, its last two on the f32 sums of XLA's projection GEMM in one FFI call (issue
+12, the update path at the launch floor). By default indexer_update runs XLA's GEMM and
+update_epilogue's kernel (EPILOGUE_MEASURED says why); its own kernel, the projection's and
+the epilogue in one FFI call, runs where the routing names it. Shapes and dtypes: see
+glm5_jax.reference.update."""
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -16,12 +18,16 @@ I32, BF16 = indexer.I32, indexer.BF16
 OP = "indexer_update"
 # The ops whose work glm5_indexer_update does, in order (the last two in one launch).
 PARTS = (indexer._projection, indexer._query, kpool._update)
-# M where the kernel runs by default: where indexer_stage measured it no slower than the
-# three ops (H200, 2026-12-01, 11 layers, 1K context, µs per layer, the update part alone,
-# 16 steps a run, one FFI call vs three: M=1 8.23 vs 8.08, M=16 9.05 vs 10.95; the whole
-# stage: M=1 12.8 vs 12.6, M=16 15.7 vs 17.4). Slower at M=64 (the whole stage 21.3 vs
-# 18.3), where the three ops run XLA's GEMM for the projection (bench/NOTES.md).
-UPDATE_KERNEL_ROWS = (1, 16)
+# Why XLA's projection GEMM + update_epilogue's kernel is the default update path, and
+# indexer_update's kernel (the projection kernel + the same epilogue) is off: the update part
+# alone in indexer_stage (H200, 2026-12-01, 11 layers, 1K context, 16 steps a run, µs per
+# layer, both in one run; rows whose host dispatch filled the run are upper bounds), the
+# default of the time (indexer_update's kernel at M <= 16, the three ops past it) vs XLA's
+# GEMM + update_epilogue: M=1 8.49 vs 5.63, M=2 8.22 vs 5.05, M=4 8.65 vs 7.94, M=8 8.80 vs
+# 5.71, M=16 9.94 vs 7.45, M=32 10.10 vs 7.35, M=64 14.72 vs 9.68, M=128 18.51 vs 12.90
+# (bench/NOTES.md, thirteenth session). XLA's GEMV / GEMM reads W_cat faster than the
+# projection kernel, and the epilogue reads its f32 sums in place (no slice copies).
+EPILOGUE_MEASURED = "XLA's GEMM + update_epilogue faster at every M measured (1-128)"
 
 
 def _parts(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
@@ -95,10 +101,7 @@ _update = Op(
     aliases={5: 6, 6: 7}, kernel="glm5_indexer_update", attributes=_ATTRIBUTES,
     attribute_values=_attribute_values, kernel_supports=_kernel_supports,
     kernel_limits="those of indexer_projection, indexer_query and kpool_update",
-    kernel_default=lambda x, *avals, **params: (
-        UPDATE_KERNEL_ROWS[0] <= x.shape[0] <= UPDATE_KERNEL_ROWS[1]),
-    kernel_default_note=("M {} to {}, where the stage measured it faster than the three "
-                         "ops".format(*UPDATE_KERNEL_ROWS)),
+    kernel_off=f"slower than the default composition: {EPILOGUE_MEASURED}",
     kernel_params=_kernel_params,
     split=Split(("rows", None, "rows", None, None, "pages", "blocks", "requests", None,
                  "requests", "requests"), ("rows",) * 6 + ("pages", "blocks"), _localize))
@@ -117,20 +120,41 @@ def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: ja
   M = B * N rows of tslot, loc, pos i32[B, N] (request-major). See
   glm5_jax.reference.indexer_update.
 
-  The CUDA kernel (glm5_indexer_update; by default at M in UPDATE_KERNEL_ROWS) launches
-  the projection's kernel and one epilogue (a warp per request: the key LayerNorm and
-  kpool_update; a warp per q row: the query epilogue) in one FFI call with PDL between
-  them, at the shapes all three ops' kernels support (others run the reference;
-  kernel_chosen says which). Its outputs are bit-identical to
+  By default: XLA's GEMM for the projection and update_epilogue on its f32 sums (its
+  kernel where chosen), the composition the reference spells out, faster than this op's
+  own kernel at every M measured (EPILOGUE_MEASURED). The CUDA kernel (glm5_indexer_update;
+  where the routing names it) launches the projection's kernel and one epilogue (a warp
+  per request: the key LayerNorm and kpool_update; a warp per q row: the query epilogue)
+  in one FFI call with PDL between them, at the shapes all three ops' kernels support
+  (others run the reference; kernel_chosen says which). Its outputs are bit-identical to
   indexer_projection(tactic=projection_tactic(M, K, tactic)), indexer_query and
   kpool_update each run as its kernel: the same device code with the same arguments.
   The caches are updated in place (donate them), as by kpool_update; w_cat is read
   before the preceding kernel has finished (PDL), as by indexer_projection. tactic: the
-  projection's (None: the table by M). routing: None = Routing.from_env().
+  projection kernel's (None: the table by M). routing: None = Routing.from_env().
   """
   params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
-  return tuple(_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                       pos, routing=routing, **params))
+  args = (x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos)
+  avals = [jax.typeof(a) for a in args]
+  if not _update.kernel_chosen(Routing.resolve(routing, OP), avals, params):
+    _shapes(*avals, **params)     # bad arguments named as indexer_update's, at trace time
+    return _composed(*args, routing=routing, **params)
+  return tuple(_update(*args, routing=routing, **params))
+
+
+def _composed(x, w_cat, q, *rest, heads, tactic, routing, **epilogue):
+  """indexer_update where its kernel is not chosen: the reference's composition with
+  update_epilogue as an op (its kernel where chosen), not differentiable as indexer_update
+  (the error names it, as the op's own would)."""
+  del tactic                    # the projection kernel's; XLA's GEMM has none
+
+  @jax.custom_jvp
+  def composed(x, w_cat, q, *rest):
+    raw = ref.projection_sums(x, w_cat)
+    return ref.split_projection(raw, heads) + update_epilogue(raw, q, *rest, routing=routing,
+                                                              **epilogue)
+  composed.defjvp(_update._jvp)
+  return composed(x, w_cat, q, *rest)
 
 
 def _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic):
@@ -147,18 +171,18 @@ def kernel_chosen(*args: jax.Array, heads: int, scale: float, eps: float = 1e-6,
                   tactic: tuple[int, int] | None = None,
                   routing: Routing | None = None) -> bool:
   """Whether indexer_update(*args, ...) with these arguments would call its kernel on a
-  GPU (the routing, the kernel's limits, UPDATE_KERNEL_ROWS): indexer_stage's
-  IndexerConfig(update="auto") runs the update part as this op where it would, as the
-  three ops elsewhere. Decided from shapes at trace time, whatever the platform."""
+  GPU (the routing, the kernel's limits; off by default): indexer_stage's
+  IndexerConfig(update="auto") runs the update part as this op's one FFI call where it
+  would. Decided from shapes at trace time, whatever the platform."""
   params = _params(heads, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic)
   return _update.kernel_chosen(Routing.resolve(routing, OP), [jax.typeof(a) for a in args],
                                params)
 
 
 # update_epilogue: indexer_update's epilogue alone, on the f32 sums of a projection GEMM of
-# XLA's (reference.projection_sums): where XLA's GEMM beats the projection kernel (M = 1 and
-# M >= 32), the stage's update path otherwise runs XLA's GEMM, three slice copies of its
-# output, the query kernel and kpool_update (issue 12's M = 64 row).
+# XLA's (reference.projection_sums): the default update path (EPILOGUE_MEASURED). Without it
+# XLA's GEMM is followed by three slice copies of its output, the query kernel and
+# kpool_update.
 EPILOGUE_OP = "update_epilogue"
 # The epilogue kernel's 16-byte loads of raw's columns: H % RAW_HEADS_MULTIPLE == 0.
 RAW_HEADS_MULTIPLE = 4
@@ -229,7 +253,6 @@ _epilogue = Op(
     attribute_values=_epilogue_attribute_values, kernel_supports=_epilogue_kernel_supports,
     kernel_limits=(f"heads % {RAW_HEADS_MULTIPLE} == 0 and those of indexer_query and "
                    "kpool_update"),
-    kernel_off="not yet measured on the H200 (issue 12's M = 64 update path)",
     split=Split(("rows", "rows", None, None, "pages", "blocks", "requests", None, "requests",
                  "requests"), ("rows",) * 3 + ("pages", "blocks"), _epilogue_localize))
 
@@ -246,7 +269,7 @@ def update_epilogue(raw: jax.Array, q: jax.Array, norm_weight: jax.Array,
   e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128], kv_cache, tail); q bf16[M, H,
   128], the rest as indexer_update. See glm5_jax.reference.update_epilogue.
 
-  The CUDA kernel (glm5_update_epilogue; off unless the routing names it) is
+  The CUDA kernel (glm5_update_epilogue) is
   indexer_update's epilogue reading raw in place of the three projection results, so no
   slice of raw is copied out; its results are bit-identical to indexer_query's and
   kpool_update's kernels on reference.split_projection(raw). The caches are updated in
@@ -265,7 +288,8 @@ def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
                            routing: Routing | None = None) -> bool:
   """Whether update_epilogue(*args, ...) would call its kernel on a GPU (the routing, its
   limits), decided from shapes at trace time: indexer_stage's update path runs XLA's GEMM
-  and this op where it would and indexer_update's kernel is not chosen."""
+  and this op where it would and indexer_update's kernel is not chosen, the three ops
+  elsewhere."""
   q = args[1]
   params = dict(indexer._query_params(EPILOGUE_OP, scale, eps, padded, q.shape[1],
                                       w_out_dtype),

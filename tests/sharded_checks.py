@@ -583,10 +583,15 @@ def check_context_stage():
   """context_parallel_stage on 2 and DEVICES devices equals indexer_stage on one device
   bit for bit (outputs and every byte of the cache, over two steps with the cache
   donated), with the candidates' all-gather its only collective; with the update part as
-  three ops and as indexer_update (IndexerConfig(update="ops") and "fused": its
-  update_path runs either), each against indexer_stage with the same config."""
+  three ops, as XLA's GEMM + update_epilogue and as indexer_update's one call
+  (IndexerConfig(update="ops"), "auto", and "fused" with indexer_update routed on: its
+  update_path runs each), each against indexer_stage with the same config."""
   w = weights()
-  modes = [dataclasses.replace(CONFIG, update=mode) for mode in ("ops", "fused")]
+  # (config, the update primitive its update_path traces)
+  fused = glm5_jax.Routing(ops={"indexer_update": True})
+  modes = {dataclasses.replace(CONFIG, update="ops"): None,
+           dataclasses.replace(CONFIG, update="auto"): "glm5_update_epilogue",
+           dataclasses.replace(CONFIG, update="fused", routing=fused): "glm5_indexer_update"}
   for m, config in itertools.product(context_meshes(), modes):
     devices = m.shape[CONTEXT_AXIS]
     what = f"context stage, {devices} devices, update {config.update!r}"
@@ -605,9 +610,10 @@ def check_context_stage():
       args = sharding.put(m, arg_specs, (w, got_cache, x, qr, b))
       if t == 0:
         traced = step.trace(*args, config=config)
-        # The switch reaches update_path inside the shard_map: indexer_update is traced.
-        assert ("glm5_indexer_update" in str(traced.jaxpr)) == (config.update == "fused"), \
-            f"{what}: indexer_update traced only with update='fused'"
+        # The switch reaches update_path inside the shard_map: its update op is traced.
+        jaxpr = str(traced.jaxpr)
+        for name in ("glm5_update_epilogue", "glm5_indexer_update"):
+          assert (name in jaxpr) == (name == modes[config]), f"{what}: {name} traced"
         compiled = traced.lower().compile()
         assert_gathers_only_candidates(compiled, x.shape[0],
                                        devices * (CONFIG.topk_tokens // 4), what)

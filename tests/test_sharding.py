@@ -95,7 +95,8 @@ def test_context_parallel_stage_equals_one_device():
   devices; the update path replicated, each completed pool written by the device that
   holds its slot; the selection merged from the gathered candidates) equals
   indexer_stage on one device bit for bit, outputs and cache, over two donated steps,
-  with the update part as three ops and as indexer_update (IndexerConfig(update="fused"));
+  with the update part as three ops, as XLA's GEMM + update_epilogue and as indexer_update's
+  one call (IndexerConfig(update="ops"), "auto", "fused");
   the candidates' all-gather is its only collective."""
   run_check("context_stage")
 

@@ -1,7 +1,8 @@
-"""indexer_update on any machine: its reference is the three ops' references composed
-(as indexer_stage composed them before the op existed), its caches are updated in place
-under donation, and its kernel runs by default at UPDATE_KERNEL_ROWS, where the stage
-switch IndexerConfig(update="auto") picks it. The kernel against the three kernels:
+"""indexer_update and update_epilogue on any machine: indexer_update's reference is the
+three ops' references composed (as indexer_stage composed them before the op existed) and
+update_epilogue's their last two on the GEMM's sums, the caches are updated in place under
+donation, and the routing picks XLA's GEMM + update_epilogue by default, in the op and in
+the stage (IndexerConfig(update="auto")). The kernels against the three kernels:
 tests/test_update_gpu.py."""
 import functools
 
@@ -97,37 +98,52 @@ def cuda_calls(fn, args, donate=()):
 
 
 def test_default_routing_and_the_stage_switch(monkeypatch):
-  """Default routing: the glm5_indexer_update kernel at M in UPDATE_KERNEL_ROWS only
-  (where the stage measured it faster than the three ops); the stage's update part
-  follows IndexerConfig.update: "auto" as indexer_update's one FFI call where the routing
-  chooses its kernel and as the three ops elsewhere (kpool_update's kernel: M past
-  UPDATE_KERNEL_ROWS, or the op off in the routing), "ops" and "fused" at every M; the
-  reference composition runs no kernel."""
+  """Default routing: indexer_update runs XLA's GEMM and update_epilogue's kernel at every
+  M (EPILOGUE_MEASURED), its own kernel only where the routing names it, the reference
+  composition with both kernels off; the stage's update part follows IndexerConfig.update:
+  "auto" as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
+  GEMM and update_epilogue where that kernel is chosen, else the three ops; "ops" the
+  three ops, "fused" indexer_update as routed; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
-  lo, hi = update.UPDATE_KERNEL_ROWS
-  for rows, want in ((lo, ["glm5_indexer_update"]), (hi, ["glm5_indexer_update"]),
-                     (hi + 1, [])):
+  fused = Routing(ops={"indexer_update": True})
+  no_epilogue = Routing(ops={"update_epilogue": False})
+  fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
+  for rows in (1, 16, 17, 64):
     args = update_args(rows, 1)
-    fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
-    assert cuda_calls(fn, args) == want, rows
-    assert update.kernel_chosen(*args, **PARAMS) == bool(want), rows
-  off = Routing(ops={"indexer_update": False})
-  assert not update.kernel_chosen(*update_args(lo, 1), routing=off, **PARAMS)
+    assert cuda_calls(fn, args) == ["glm5_update_epilogue"], rows
+    assert not update.kernel_chosen(*args, **PARAMS), rows
+    assert cuda_calls(functools.partial(fn, routing=fused), args) == [
+        "glm5_indexer_update"], rows
+    assert update.kernel_chosen(*args, routing=fused, **PARAMS), rows
+    assert cuda_calls(functools.partial(fn, routing=no_epilogue), args) == [], rows
   config = dict(heads=HEADS, max_pools=1024)
-  fused, ops = ["glm5_indexer_update"], ["glm5_kpool_update"]
-  # (requests, routing, update) -> the update kernels the stage calls; past
-  # UPDATE_KERNEL_ROWS "fused" runs indexer_update's reference (no kernel of the three).
-  for b, routing, mode, want in ((3, Routing(), "auto", fused), (3, off, "auto", ops),
-                                 (3, Routing(), "ops", ops), (hi + 1, Routing(), "auto", ops),
-                                 (hi + 1, Routing(), "fused", [])):
+  kernels = ("glm5_indexer_update", "glm5_update_epilogue", "glm5_indexer_query",
+             "glm5_kpool_update")
+  one, epilogue, ops = ["glm5_indexer_update"], ["glm5_update_epilogue"], [
+      "glm5_indexer_query", "glm5_kpool_update"]
+  # (requests, routing, update) -> the update kernels the stage calls.
+  outs = {}
+  for b, routing, mode, want in ((1, Routing(), "auto", epilogue),
+                                 (3, Routing(), "auto", epilogue),
+                                 (17, Routing(), "auto", epilogue),
+                                 (3, fused, "auto", one), (3, no_epilogue, "auto", ops),
+                                 (3, Routing(), "ops", ops), (3, Routing(), "fused", epilogue),
+                                 (3, fused, "fused", one)):
     contexts = ([10, 1500, 77] * b)[:b]
     state = stage_state(contexts, 1, 0, config=glm5_jax.IndexerConfig(**config),
                         hidden=HIDDEN, q_lora=256)
     step = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
         update=mode, routing=routing, **config))
     calls = cuda_calls(step, state, donate=(1,))
-    assert [c for c in calls if c in ("glm5_indexer_update", "glm5_kpool_update")] == want, (
-        b, routing, mode, calls)
+    assert [c for c in calls if c in kernels] == want, (b, routing, mode, calls)
+    if b == 3 and mode != "fused":
+      # The CPU backend runs every op's reference: the compositions agree byte for byte.
+      with jax.default_device(jax.devices("cpu")[0]):
+        outs[routing, mode] = tree_bytes(jax.jit(step)(*state))
+  first, *others = outs.values()
+  for other in others:
+    for g, w in zip(other, first, strict=True):
+      np.testing.assert_array_equal(g, w)
   reference = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
       **config), use_reference=True)
   assert cuda_calls(reference, state, donate=(1,)) == []
@@ -155,44 +171,3 @@ def test_epilogue_reference_is_the_two_references_on_the_gemm_sums(b, n, scale_f
       got = jax.jit(functools.partial(fn, **params))(raw, *args[2:])
       for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
         np.testing.assert_array_equal(g, w)
-
-
-def test_epilogue_is_off_by_default_and_the_stage_runs_it_where_routed(monkeypatch):
-  """update_epilogue's kernel runs only where the routing names it (not yet measured on
-  the H200); the stage's "auto" update path then runs XLA's GEMM and that one call where
-  neither indexer_update's nor the projection's kernel is chosen (M past
-  UPDATE_KERNEL_ROWS; M = 1 with indexer_update off), instead of indexer_query and
-  kpool_update, with the same results (the CPU backend: both are references there)."""
-  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
-  on = Routing(ops={"update_epilogue": True})
-  rows = update.UPDATE_KERNEL_ROWS[1] + 1
-  x, w_cat, *rest = update_args(rows, 1)
-  epilogue_args = (ref.projection_sums(x, w_cat), *rest)
-  fn = functools.partial(glm5_jax.update_epilogue, **EPILOGUE)
-  assert cuda_calls(fn, epilogue_args) == []
-  assert cuda_calls(functools.partial(fn, routing=on), epilogue_args) == [
-      "glm5_update_epilogue"]
-  assert not update.epilogue_kernel_chosen(*epilogue_args, **EPILOGUE)
-  assert update.epilogue_kernel_chosen(*epilogue_args, routing=on, **EPILOGUE)
-  config = dict(heads=HEADS, max_pools=1024)
-  kernels = ("glm5_indexer_update", "glm5_update_epilogue", "glm5_indexer_query",
-             "glm5_kpool_update")
-  outs = {}
-  only = Routing(ops={"update_epilogue": True, "indexer_update": False})
-  for b, routing, want in ((rows, on, ["glm5_update_epilogue"]),
-                           (rows, Routing(), ["glm5_indexer_query", "glm5_kpool_update"]),
-                           (3, on, ["glm5_indexer_update"]),
-                           # M = 1: XLA's GEMV (no projection kernel there by default).
-                           (1, only, ["glm5_update_epilogue"]),
-                           (3, only, ["glm5_indexer_query", "glm5_kpool_update"])):
-    state = stage_state(([10, 1500, 77] * b)[:b], 1, 0,
-                        config=glm5_jax.IndexerConfig(**config), hidden=HIDDEN, q_lora=256)
-    step = functools.partial(glm5_jax.indexer_stage, config=glm5_jax.IndexerConfig(
-        routing=routing, **config))
-    calls = cuda_calls(step, state, donate=(1,))
-    assert [c for c in calls if c in kernels] == want, (b, routing, calls)
-    if b == rows:
-      with jax.default_device(jax.devices("cpu")[0]):
-        outs[routing] = jax.jit(step)(*state)
-  for g, w in zip(tree_bytes(outs[on]), tree_bytes(outs[Routing()]), strict=True):
-    np.testing.assert_array_equal(g, w)
