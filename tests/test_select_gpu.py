@@ -235,7 +235,8 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
   script = (
       "import numpy as np, jax, glm5_jax\n"
       "from glm5_jax import synthetic\n"
-      "cfg = glm5_jax.IndexerConfig(max_pools=2048)\n"
+      # The default routing, whatever GLM5_JAX_KERNELS says (all_kernels sets it to 1).
+      "cfg = glm5_jax.IndexerConfig(max_pools=2048, routing=glm5_jax.Routing())\n"
       "rng = np.random.default_rng(0)\n"
       "w = [synthetic.layer(rng, cfg) for _ in range(2)]\n"
       "cache, pt, bt = synthetic.decode_cache(rng, 2, 8000)\n"
@@ -248,7 +249,7 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
       "caches = [cache, jax.tree.map(jax.numpy.copy, cache)]\n"
       "outs, caches = jax.jit(layers, donate_argnums=1)(w, caches, x, qr, batch)\n"
       "print(int(outs[1].counts[0]), int(outs[1].counts[1]))\n")
-  # The update part is XLA's GEMM and update_epilogue's one call (the default at every M),
+  # By default the update part is XLA's GEMM and update_epilogue's one call (at every M),
   # the select path select_slots' one call (its kernel chosen at these shapes).
   out = run_and_check_graphed(script, [glm5_jax.KERNEL_TARGETS["select_slots"],
                                        glm5_jax.KERNEL_TARGETS["update_epilogue"]], tmp_path)
