@@ -211,7 +211,7 @@ def run(bench):
         sec, caches, info = time_step(_step(config, variant in UPDATE_PART), caches,
                                       (weights, xs, qrs, batch), s, units=s.stage_layers,
                                       steps=steps)
-        bench.row(NAME, shape, variant, sec * 1e6, None, False, layers=s.stage_layers,
+        bench.row(NAME, shape, variant, sec * 1e6, None, None, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
