@@ -95,6 +95,9 @@ def add_arguments(parser):
   parser.add_argument("--stage-steps", type=int, default=STEPS,
                       help=f"decode steps per timed run (default {STEPS}); each step its own "
                            "inputs, so a run's dispatch grows with them too")
+  parser.add_argument("--stage-chained", action="store_true",
+                      help="layer l + 1's inputs read layer l's output (_step's chained): "
+                           "for runs under a concurrent command-buffer schedule")
   parser.add_argument("--stage-update-only", action="store_true",
                       help="also time the stage's update part alone (q, projection, "
                            "query epilogue, kpool_update; no selection)")
@@ -150,16 +153,23 @@ def _state(m, ctx, layers, seed, steps=STEPS):
   return weights, caches, xs, qrs, batch
 
 
-def _step(config, update_only=False, consume=True):
+def _step(config, update_only=False, consume=True, chained=False):
   """step(caches, k, weights, xs, qrs, batch) -> (caches, out): decode step k of every
   layer (layer l on xs[k][l], qrs[k][l]): indexer_stage (out reads every layer's counts),
   or with update_only its update part alone (out reads every layer's w_out): consumed(),
-  or without consume the list of those outputs."""
+  or without consume the list of those outputs. chained: layer l + 1's x and qr also read
+  layer l's output (as in a model, where they are computed from it), so that a graph
+  scheduled for concurrency cannot overlap layers; without it the layers are independent
+  and only XLA's serial command-buffer order (the default) keeps them apart."""
   ops = glm5_stage._ops(config, use_reference=False)
 
   def step(caches, k, weights, xs, qrs, batch):
     outs, new = [], []
     for w, c, x, qr in zip(weights, caches, xs[k], qrs[k]):
+      if chained and outs:
+        # + 0 * (the last layer's first output element): a float multiply XLA does not fold.
+        dep = outs[-1].reshape(-1)[0].astype(jnp.float32) * 0.0
+        x, qr = (x + dep).astype(x.dtype), (qr + dep).astype(qr.dtype)
       if update_only:
         rows = batch.positions.size
         _, out, c = glm5_stage.update_path(ops, config, w, c, x, qr, batch, rows)
@@ -198,7 +208,7 @@ def run(bench):
                         + ([UPDATE_ONLY_Q_KERNEL] if bench.args.stage_q_kernel
                            and bench.args.stage_update_only else [])
                         if bench.module else [REFERENCE])
-  steps = bench.args.stage_steps
+  steps, chained = bench.args.stage_steps, bench.args.stage_chained
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731
                                 steps=steps)
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
@@ -208,14 +218,15 @@ def run(bench):
       routing = ROUTINGS[variant]
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
-        sec, caches, info = time_step(_step(config, variant in UPDATE_PART), caches,
-                                      (weights, xs, qrs, batch), s, units=s.stage_layers,
-                                      steps=steps)
+        step = _step(config, variant in UPDATE_PART, chained=chained)
+        sec, caches, info = time_step(step, caches, (weights, xs, qrs, batch), s,
+                                      units=s.stage_layers, steps=steps)
         bench.row(NAME, shape, variant, sec * 1e6, None, None, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
-                        "timed run, µs per layer")
+                        "timed run, µs per layer" + ("; layers chained (each reads the last "
+                                                     "one's output)" if chained else ""))
         bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
                   f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
       except Exception as e:                             # noqa: BLE001

@@ -79,6 +79,11 @@ def test_stage_update_only_step_is_the_stages_update_part():
                             static_argnums=1)(copy(), 1, weights, xs, qrs, batch)
   _, scalar = jax.jit(stage._step(config, update_only=True), static_argnums=1)(
       copy(), 1, weights, xs, qrs, batch)
+  # Chained layers (--stage-chained) read the last layer's output, times 0: the same bits.
+  _, chained = jax.jit(stage._step(config, update_only=True, consume=False, chained=True),
+                       static_argnums=1)(copy(), 1, weights, xs, qrs, batch)
+  for g, c in zip(got, chained, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
   firsts = []
   for layer, (w, c) in enumerate(zip(weights, copy())):
     out, c = glm5_jax.indexer_stage(w, c, xs[1][layer], qrs[1][layer], batch, config=config)
