@@ -269,7 +269,7 @@ def update_epilogue(raw: jax.Array, q: jax.Array, norm_weight: jax.Array,
   e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128], kv_cache, tail); q bf16[M, H,
   128], the rest as indexer_update. See glm5_jax.reference.update_epilogue.
 
-  The CUDA kernel (glm5_update_epilogue) is
+  The CUDA kernel (glm5_update_epilogue; on by default, EPILOGUE_MEASURED) is
   indexer_update's epilogue reading raw in place of the three projection results, so no
   slice of raw is copied out; its results are bit-identical to indexer_query's and
   kpool_update's kernels on reference.split_projection(raw). The caches are updated in
