@@ -174,10 +174,10 @@ def routing(rows):
     slower = lambda other, op=op, pairs=pairs: [
         sh for sh, _, k in pairs if (o := by.get((op, sh, other))) and
         o.get("device_us") and k.get("device_us") and k["device_us"] > o["device_us"]]
-    note = Op.registry[op].kernel_default_note
-    default = (f"reference by default ({Op.registry[op].kernel_off})"
-               if Op.registry[op].kernel_off else
-               f"kernel by default at {note}, reference elsewhere" if note else
+    spec = Op.registry[op]
+    note = spec.kernel_default_note
+    default = (f"{spec.otherwise} by default ({spec.kernel_off})" if spec.kernel_off else
+               f"kernel by default at {note}, {spec.otherwise} elsewhere" if note else
                "kernel by default")
     vs_ref, vs_triton = slower(REFERENCE), slower(TRITON)
     with_ref = sum(1 for _, ref, _ in pairs if ref)

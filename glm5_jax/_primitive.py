@@ -117,6 +117,8 @@ class Op:
   kernel_default_note; kernel_params: (avals, params) -> params the kernel runs with
   that depend on the whole call's shapes (a tactic chosen by row count), so that a
   device running the op on its block under `split` runs what the whole call would.
+  otherwise: what the op's function runs where its kernel is not chosen, in words, when
+  that is not the reference (a composition of other ops; None = the reference).
 
   split: a `Split` (partitioning under plain jit over devices; None = XLA's default,
   which gathers the operands of the call).
@@ -127,7 +129,7 @@ class Op:
   def __init__(self, name, reference, shapes, *, aliases=None, rows=None, kernel=None,
                attributes=None, attribute_values=None, kernel_supports=None,
                kernel_limits=None, kernel_off=None, kernel_default=None,
-               kernel_default_note=None, kernel_params=None, split=None):
+               kernel_default_note=None, kernel_params=None, split=None, otherwise=None):
     if name in Op.registry:
       raise ValueError(f"glm5_jax: op {name!r} is declared twice")
     attributes = dict(attributes or {})
@@ -150,6 +152,7 @@ class Op:
     self.kernel_default = kernel_default or (lambda *avals, **params: True)
     self.kernel_default_note = kernel_default_note
     self.kernel_params = kernel_params or (lambda *avals, **params: {})
+    self.otherwise = otherwise or "reference"
     if split is not None and any(g is not None and g not in SPLIT_GROUPS
                                  for g in split.operands + split.results):
       raise ValueError(f"glm5_jax: op {name!r} split groups must be in {SPLIT_GROUPS}")

@@ -17,10 +17,10 @@ def describe(op: Op, routing: Routing, built: bool) -> str:
   word = routing.word(op.name)
   if not op.kernel_on(routing):
     why = f"off in {KERNELS_ENV}/Routing" if word is not None else op.kernel_off
-    return f"reference ({why}; kernel {op.kernel} with {KERNELS_ENV}={op.name}=1)"
+    return f"{op.otherwise} ({why}; kernel {op.kernel} with {KERNELS_ENV}={op.name}=1)"
   where = [op.kernel_limits] + ([op.kernel_default_note] if word is None else [])
   where = "; ".join(filter(None, where))
-  return f"kernel {op.kernel}" + (f" ({where}; otherwise reference)" if where else "")
+  return f"kernel {op.kernel}" + (f" ({where}; otherwise {op.otherwise})" if where else "")
 
 
 def report() -> list[str]:
