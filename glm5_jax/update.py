@@ -30,20 +30,45 @@ PARTS = (indexer._projection, indexer._query, kpool._update)
 EPILOGUE_MEASURED = "the kernel slower than it at every M measured on the H200 (1-128)"
 
 
-def _parts(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
-           heads, tactic, scale, eps, padded, w_out_dtype, scale_format, round_scale):
+def _grid(tslot):
+  """The [B, N, 128] bf16 aval in which kpool_update sees a call's key and gate."""
+  return jax.core.ShapedArray(tuple(tslot.shape) + (DIM,), BF16)
+
+
+def _epilogue_ops(q, key_raw, head_w, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                  pos, *, scale, eps, padded, w_out_dtype, scale_format, round_scale):
+  """[(Op, operand avals, params)] of indexer_query and kpool_update on these projection
+  results (indexer_update's epilogue, update_epilogue's whole call)."""
+  query = dict(scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype)
+  update = dict(scale_format=scale_format, round_scale=round_scale)
+  grid = _grid(tslot)
+  return [(indexer._query, (q, key_raw, head_w, norm_weight, norm_bias), query),
+          (kpool._update, (kv_cache, tail, tslot, grid, grid, ape, loc, pos), update)]
+
+
+def _parts(x, w_cat, q, *rest, heads, tactic, **params):
   """[(Op, operand avals, params)] of the three ops one call runs: the intermediates'
   avals from the ops' own shape rules, key and gate as kpool_update sees them."""
-  aval = lambda shape, dtype: jax.core.ShapedArray(shape, dtype)
   projection = dict(heads=heads, tactic=tactic)
-  key_raw, head_w, gate = (aval(s, d) for s, d in indexer._projection.shapes(
+  key_raw, head_w, _ = (jax.core.ShapedArray(s, d) for s, d in indexer._projection.shapes(
       x, w_cat, **projection))
-  query = dict(scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype)
-  grid = aval(tuple(tslot.shape) + (DIM,), BF16)
-  update = dict(scale_format=scale_format, round_scale=round_scale)
-  return [(indexer._projection, (x, w_cat), projection),
-          (indexer._query, (q, key_raw, head_w, norm_weight, norm_bias), query),
-          (kpool._update, (kv_cache, tail, tslot, grid, grid, ape, loc, pos), update)]
+  return ([(indexer._projection, (x, w_cat), projection)]
+          + _epilogue_ops(q, key_raw, head_w, *rest, **params))
+
+
+def _check_rows(op, name, arg, tslot):
+  """M = B * N: `arg`'s rows against tslot i32[B, N] (rows request-major)."""
+  b, n = tslot.shape
+  if arg.shape[0] != b * n:
+    fail(op, name, f"must have requests x next_n = {b} x {n} rows (tslot's shape), "
+         f"got {tuple(arg.shape)}")
+
+
+def _cache_shapes(op, kv_cache, tail, tslot, ape, loc, pos, scale_format, round_scale):
+  """kpool_update's result shapes by its rule, errors naming `op`."""
+  grid = _grid(tslot)
+  return kpool._update_shapes(kv_cache, tail, tslot, grid, grid, ape, loc, pos,
+                              scale_format=scale_format, round_scale=round_scale, op=op)
 
 
 def _shapes(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
@@ -53,16 +78,11 @@ def _shapes(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc
   expect(OP, "tslot", tslot, I32, (None, None))
   out = indexer._projection_shapes(OP, x, w_cat, heads)
   indexer._check_tactic(OP, tactic, x.shape[1])
-  b, n = tslot.shape
-  if x.shape[0] != b * n:
-    fail(OP, "x", f"must have requests x next_n = {b} x {n} rows (tslot's shape), "
-         f"got {tuple(x.shape)}")
+  _check_rows(OP, "x", x, tslot)
   out += indexer._query_shapes(OP, q, None, norm_weight, norm_bias, x.shape[0], heads,
                                scale, eps, padded, w_out_dtype)
-  grid = jax.core.ShapedArray((b, n, DIM), BF16)
-  return out + kpool._update_shapes(kv_cache, tail, tslot, grid, grid, ape, loc, pos,
-                                    scale_format=scale_format, round_scale=round_scale,
-                                    op=OP)
+  return out + _cache_shapes(OP, kv_cache, tail, tslot, ape, loc, pos, scale_format,
+                             round_scale)
 
 
 def _kernel_supports(*avals, **params):
@@ -189,18 +209,13 @@ EPILOGUE_OP = "update_epilogue"
 RAW_HEADS_MULTIPLE = 4
 
 
-def _epilogue_parts(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
-                    scale, eps, padded, w_out_dtype, scale_format, round_scale):
+def _epilogue_parts(raw, q, *rest, **params):
   """[(Op, operand avals, params)] of the two ops whose work one call does, their projection
   operands as split_projection gives them."""
-  aval = lambda shape, dtype: jax.core.ShapedArray(shape, dtype)
   m, heads = q.shape[:2]
-  key_raw, head_w = aval((m, DIM), BF16), aval((m, heads), indexer.F32)
-  grid = aval(tuple(tslot.shape) + (DIM,), BF16)
-  query = dict(scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype)
-  update = dict(scale_format=scale_format, round_scale=round_scale)
-  return [(indexer._query, (q, key_raw, head_w, norm_weight, norm_bias), query),
-          (kpool._update, (kv_cache, tail, tslot, grid, grid, ape, loc, pos), update)]
+  key_raw = jax.core.ShapedArray((m, DIM), BF16)
+  head_w = jax.core.ShapedArray((m, heads), indexer.F32)
+  return _epilogue_ops(q, key_raw, head_w, *rest, **params)
 
 
 def _epilogue_shapes(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
@@ -211,17 +226,12 @@ def _epilogue_shapes(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape,
   expect(op, "q", q, BF16, (None, None, DIM))
   m, heads = q.shape[:2]
   expect(op, "tslot", tslot, I32, (None, None))
-  b, n = tslot.shape
-  if m != b * n:
-    fail(op, "q", f"must have requests x next_n = {b} x {n} rows (tslot's shape), "
-         f"got {tuple(q.shape)}")
+  _check_rows(op, "q", q, tslot)
   expect(op, "raw", raw, indexer.F32, (m, 2 * DIM + heads))
   out = indexer._query_shapes(op, q, None, norm_weight, norm_bias, m, heads, scale, eps,
                               padded, w_out_dtype)
-  grid = jax.core.ShapedArray((b, n, DIM), BF16)
-  return out + kpool._update_shapes(kv_cache, tail, tslot, grid, grid, ape, loc, pos,
-                                    scale_format=scale_format, round_scale=round_scale,
-                                    op=op)
+  return out + _cache_shapes(op, kv_cache, tail, tslot, ape, loc, pos, scale_format,
+                             round_scale)
 
 
 def _epilogue_kernel_supports(raw, q, *avals, **params):
@@ -276,11 +286,15 @@ def update_epilogue(raw: jax.Array, q: jax.Array, norm_weight: jax.Array,
   kpool_update's kernels on reference.split_projection(raw). The caches are updated in
   place (donate them). routing: None = Routing.from_env().
   """
-  params = dict(indexer._query_params(EPILOGUE_OP, scale, eps, padded, q.shape[1],
-                                      w_out_dtype),
-                scale_format=scale_format, round_scale=bool(round_scale))
+  params = _epilogue_params(q, scale, eps, padded, w_out_dtype, scale_format, round_scale)
   return tuple(_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos,
                          routing=routing, **params))
+
+
+def _epilogue_params(q, scale, eps, padded, w_out_dtype, scale_format, round_scale):
+  """update_epilogue's keyword arguments as the primitive takes them (q: its heads)."""
+  return dict(indexer._query_params(EPILOGUE_OP, scale, eps, padded, q.shape[1], w_out_dtype),
+              scale_format=scale_format, round_scale=bool(round_scale))
 
 
 def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
@@ -291,9 +305,7 @@ def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
   limits), decided from shapes at trace time: indexer_stage's update path runs XLA's GEMM
   and this op where it would and indexer_update's kernel is not chosen, the three ops
   elsewhere."""
-  q = args[1]
-  params = dict(indexer._query_params(EPILOGUE_OP, scale, eps, padded, q.shape[1],
-                                      w_out_dtype),
-                scale_format=scale_format, round_scale=bool(round_scale))
+  params = _epilogue_params(args[1], scale, eps, padded, w_out_dtype, scale_format,
+                            round_scale)
   return _epilogue.kernel_chosen(Routing.resolve(routing, EPILOGUE_OP),
                                  [jax.typeof(a) for a in args], params)
