@@ -89,7 +89,7 @@ ffi::Error IndexerUpdateImpl(
 }
 
 // update_epilogue: indexer_update's epilogue alone, after a projection GEMM of XLA's (the
-// stage's update part at the M where XLA's GEMM beats the projection kernel). It reads the
+// stage's default update part: XLA's GEMM beats the projection kernel at every M). It reads the
 // GEMM's f32 sums raw[M, 256 + H] in place of key_raw, head_w and gate, so that XLA does not
 // copy the three slices out before the kernels; rounded to bf16 on load as XLA's convert
 // rounds them, so the results are bit for bit indexer_query's and kpool_update's on the

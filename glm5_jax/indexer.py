@@ -300,4 +300,3 @@ def indexer_projection_fused(x: jax.Array, w_cat: jax.Array, q: jax.Array,
   tactic = None if tactic is None else tuple(int(v) for v in tactic)
   return tuple(_fused(x, w_cat, q, norm_weight, norm_bias, heads=int(heads), tactic=tactic,
                       routing=routing, **params))
-

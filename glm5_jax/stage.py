@@ -28,9 +28,9 @@ from .reference.numerics import DIM, POOL
 from .update import indexer_update, update_epilogue
 
 MQA_MIN_HEADS = 32
-# IndexerConfig.update: the stage's update part as indexer_update where its kernel is
-# chosen at the shapes and as the three ops elsewhere, always as the three ops, or
-# always as indexer_update.
+# IndexerConfig.update: the stage's update part as the routing chooses (indexer_update's
+# kernel, else XLA's GEMM + update_epilogue's kernel, else the three ops), always as the
+# three ops, or always as indexer_update.
 UPDATES = ("auto", "ops", "fused")
 
 
@@ -363,11 +363,13 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
       auto and _update_op.kernel_chosen(*update_args, routing=config.routing, **update))
   # XLA's GEMM for the projection, its f32 sums straight into update_epilogue's kernel
   # where the routing chooses it (no slice copies, one launch for the query epilogue and
-  # kpool_update; EPILOGUE_MEASURED). The sums are dead code where it does not.
-  epilogue_args = (reference.projection_sums(x, weights.w_cat), q) + update_args[3:]
+  # kpool_update; EPILOGUE_MEASURED).
   epilogue = dict(scale_format=config.scale_format, **query)
-  two_ops = auto and not one_op and _update_op.epilogue_kernel_chosen(
-      *epilogue_args, routing=config.routing, **epilogue)
+  two_ops = False
+  if auto and not one_op:
+    epilogue_args = (reference.projection_sums(x, weights.w_cat), q) + update_args[3:]
+    two_ops = _update_op.epilogue_kernel_chosen(*epilogue_args, routing=config.routing,
+                                                **epilogue)
   if one_op:
     *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(*update_args, **update)
   elif two_ops:
