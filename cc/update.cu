@@ -28,6 +28,10 @@
 namespace glm5 {
 namespace {
 
+// update_epilogue reads raw's rows of 256 + H floats four at a time (glm5_jax.update's
+// RAW_HEADS_MULTIPLE, the op's kernel_supports rule).
+constexpr int kRawHeadsMultiple = 4;
+
 // A result's bytes seen with other dimensions of the same element count (XLA buffers are
 // dense, row-major): the query epilogue writes key and the projection gate as [M, 128],
 // kpool_update reads them as [B, N, 128]. The view owns the dims its Buffer points to, so it
@@ -111,7 +115,7 @@ ffi::Error UpdateEpilogueImpl(
   if (rd[0] != rows || rd[1] != 2 * kDim + heads)
     return check.fail("raw must be f32[M, 256 + H] (q is bf16[M, H, 128])");
   // 16-byte loads at every row's key, head and gate columns.
-  if (heads % 4 != 0 || !aligned(raw.untyped_data(), 16))
+  if (heads % kRawHeadsMultiple != 0 || !aligned(raw.untyped_data(), 16))
     return check.fail("raw needs H % 4 == 0 and a 16 B aligned buffer");
   // The plans check every other buffer by their ops' rules. Their key_raw, head_w and gate
   // operands are views that only carry the shapes (over the key result and raw); the kernel
