@@ -17,6 +17,7 @@
 // allocates.
 #include <array>
 #include <cstdint>
+#include <utility>
 
 #include "common.h"
 #include "constants.h"
@@ -138,61 +139,65 @@ ffi::Error UpdateEpilogueImpl(
   return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
 }
 
+// The two update handlers' shared bindings, in their order: after the projection's
+// inputs (x and w_cat, or raw) q and the epilogue's operands, after the projection's results
+// the epilogue's, after the projection's tactic the epilogue's attributes.
+template <typename Binding>
+auto bind_epilogue_args(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::BufferR3<ffi::BF16>>()  // q
+      .template Arg<ffi::BufferR1<ffi::F32>>()   // norm_weight
+      .template Arg<ffi::BufferR1<ffi::F32>>()   // norm_bias
+      .template Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
+      .template Arg<ffi::BufferR4<ffi::BF16>>()  // tail
+      .template Arg<ffi::BufferR2<ffi::S32>>()   // tslot
+      .template Arg<ffi::BufferR2<ffi::F32>>()   // ape
+      .template Arg<ffi::BufferR2<ffi::S32>>()   // loc
+      .template Arg<ffi::BufferR2<ffi::S32>>();  // pos
+}
+
+template <typename Binding>
+auto bind_epilogue_results(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()            // q_fp8 (e4m3)
+      .template Ret<ffi::AnyBuffer>()            // w_out (f32 | bf16)
+      .template Ret<ffi::BufferR2<ffi::BF16>>()  // key
+      .template Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
+      .template Ret<ffi::BufferR4<ffi::BF16>>();  // tail (aliased)
+}
+
+template <typename Binding>
+auto bind_epilogue_attrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<float>("eps")
+      .template Attr<bool>("ue8m0")
+      .template Attr<bool>("round_scale")
+      .template Attr<bool>("pdl");
+}
+
 }  // namespace
 }  // namespace glm5
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5UpdateEpilogue, glm5::UpdateEpilogueImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // raw
-                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // q
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_weight
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_bias
-                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
-                                  .Arg<ffi::BufferR4<ffi::BF16>>()  // tail
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // tslot
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // ape
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // loc
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // pos
-                                  .Ret<ffi::AnyBuffer>()            // q_fp8 (e4m3)
-                                  .Ret<ffi::AnyBuffer>()            // w_out (f32 | bf16)
-                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // key
-                                  .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
-                                  .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
-                                  .Attr<float>("scale")
-                                  .Attr<float>("eps")
-                                  .Attr<bool>("ue8m0")
-                                  .Attr<bool>("round_scale")
-                                  .Attr<bool>("pdl"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Glm5UpdateEpilogue, glm5::UpdateEpilogueImpl,
+    glm5::bind_epilogue_attrs(glm5::bind_epilogue_results(glm5::bind_epilogue_args(
+        ffi::Ffi::Bind()
+            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+            .Arg<ffi::BufferR2<ffi::F32>>()))),  // raw
+    {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerUpdate, glm5::IndexerUpdateImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::BufferR2<ffi::BF16>>()  // x
-                                  .Arg<ffi::BufferR2<ffi::BF16>>()  // w_cat
-                                  .Arg<ffi::BufferR3<ffi::BF16>>()  // q
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_weight
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // norm_bias
-                                  .Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
-                                  .Arg<ffi::BufferR4<ffi::BF16>>()  // tail
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // tslot
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // ape
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // loc
-                                  .Arg<ffi::BufferR2<ffi::S32>>()   // pos
-                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // key_raw
-                                  .Ret<ffi::BufferR2<ffi::F32>>()   // head_w
-                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // gate
-                                  .Ret<ffi::AnyBuffer>()            // q_fp8 (e4m3)
-                                  .Ret<ffi::AnyBuffer>()            // w_out (f32 | bf16)
-                                  .Ret<ffi::BufferR2<ffi::BF16>>()  // key
-                                  .Ret<ffi::BufferR3<ffi::U8>>()    // kv_cache (aliased)
-                                  .Ret<ffi::BufferR4<ffi::BF16>>()  // tail (aliased)
-                                  .Attr<int32_t>("warps")
-                                  .Attr<int32_t>("split")
-                                  .Attr<float>("scale")
-                                  .Attr<float>("eps")
-                                  .Attr<bool>("ue8m0")
-                                  .Attr<bool>("round_scale")
-                                  .Attr<bool>("pdl"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Glm5IndexerUpdate, glm5::IndexerUpdateImpl,
+    glm5::bind_epilogue_attrs(
+        glm5::bind_epilogue_results(
+            glm5::bind_epilogue_args(ffi::Ffi::Bind()
+                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // x
+                                         .Arg<ffi::BufferR2<ffi::BF16>>())  // w_cat
+                .Ret<ffi::BufferR2<ffi::BF16>>()                            // key_raw
+                .Ret<ffi::BufferR2<ffi::F32>>()                             // head_w
+                .Ret<ffi::BufferR2<ffi::BF16>>())                           // gate
+            .Attr<int32_t>("warps")
+            .Attr<int32_t>("split")),
+    {ffi::Traits::kCmdBufferCompatible});
