@@ -52,6 +52,46 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
                               static_cast<int>(smem));
 }
 
+// A positive int32 divisor fixed for a launch (RING, PAGE, block_size), prepared on the host
+// for the multiply-high division (Granlund & Montgomery): n / d = (umulhi(n, mul) + n) >> shift
+// with shift = ceil(log2 d) and mul = floor(2^32 (2^shift - d) / d) + 1, exact for every
+// 0 <= n < 2^31 (then umulhi(n, mul) < n, so the sum fits 32 bits). A runtime `/` or `%`
+// compiles to a ~20-instruction dependent sequence; the kernels divide on their critical paths
+// (tail block and ring row before the ring loads, block before the block-table load).
+struct Divisor {
+  int32_t d = 1;
+  uint32_t mul = 1;
+  uint32_t shift = 0;
+
+  constexpr Divisor() = default;
+  constexpr explicit Divisor(int32_t divisor) : d(divisor) {
+    while ((uint64_t{1} << shift) < static_cast<uint64_t>(divisor)) ++shift;
+    mul = static_cast<uint32_t>(
+        (uint64_t{1} << 32) * ((uint64_t{1} << shift) - static_cast<uint64_t>(divisor)) /
+            static_cast<uint64_t>(divisor) + 1);
+  }
+
+  // n / d and n % d for 0 <= n < 2^31.
+  __host__ __device__ constexpr int32_t div(int32_t n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+#ifdef __CUDA_ARCH__
+    const uint32_t hi = __umulhi(u, mul);
+#else
+    const uint32_t hi = static_cast<uint32_t>((uint64_t{u} * mul) >> 32);
+#endif
+    return static_cast<int32_t>((hi + u) >> shift);
+  }
+  __host__ __device__ constexpr int32_t mod(int32_t n) const { return n - div(n) * d; }
+};
+
+// The edges of the method, checked by the host compiler (__umulhi is not constexpr).
+#ifndef __CUDA_ARCH__
+static_assert(Divisor(1).div(kI32Max) == kI32Max && Divisor(4).mod(kI32Max) == 3);
+static_assert(Divisor(12).div(kI32Max) == kI32Max / 12 && Divisor(12).mod(35) == 11);
+static_assert(Divisor(kI32Max).div(kI32Max) == 1 && Divisor(kI32Max).div(kI32Max - 1) == 0);
+static_assert(Divisor(3).div(kI32Max) == kI32Max / 3 && Divisor(65).mod(kI32Max) == kI32Max % 65);
+#endif
+
 // Whether a buffer can take `bytes`-wide vector accesses.
 inline bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

@@ -82,7 +82,7 @@ struct ExpandAndRemapArgs {
   int width;                    // >= 4 G + 3
   int64_t requests;             // block_table rows
   int64_t max_blocks;
-  int32_t block_size;
+  Divisor block_size;
   int32_t stride_rows;
   int32_t seq_offset;
 };
@@ -97,7 +97,8 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
   // they were): nvcc does not infer read-only for pointers held in an Args struct.
   const int expanded = a.expanded, groups = a.groups, width = a.width;
   const int64_t requests = a.requests, max_blocks = a.max_blocks;
-  const int32_t block_size = a.block_size, stride_rows = a.stride_rows, seq_offset = a.seq_offset;
+  const Divisor block_size = a.block_size;
+  const int32_t stride_rows = a.stride_rows, seq_offset = a.seq_offset;
   __shared__ int warp_valid[kMaxGroups / kWarp];
   pdl_wait();
   pdl_launch_dependents();
@@ -140,13 +141,11 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
   const unsigned ballot = __ballot_sync(0xffffffffu, live);
   if (lane == 0) warp_valid[warp] = __popc(ballot);
   __syncthreads();
-  int prior = 0, valid = 0;   // valid pools in earlier warps; in the whole row
-#pragma unroll 1
-  for (int w = 0; w < groups / kWarp; ++w) {
-    const int n = warp_valid[w];
-    prior += w < warp ? n : 0;
-    valid += n;
-  }
+  // Lane w reads warp w's total (groups / 32 <= 32 of them); two warp reductions give the
+  // valid pools in earlier warps and in the whole row (not a loop of dependent shared loads).
+  const int n = lane < groups / kWarp ? warp_valid[lane] : 0;
+  const int prior = __reduce_add_sync(0xffffffffu, lane < warp ? n : 0);
+  const int valid = __reduce_add_sync(0xffffffffu, n);
 
   // Quads [0, tail_at): pools; tail_at: the tail; (tail_at, quads): -1.
   const int tail_at = kCompact ? valid : groups;
@@ -243,7 +242,7 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
   args.width = static_cast<int>(width);
   args.requests = requests;
   args.max_blocks = max_blocks;
-  args.block_size = static_cast<int32_t>(block_size);
+  args.block_size = Divisor(static_cast<int32_t>(block_size));
   args.stride_rows = static_cast<int32_t>(stride_rows);
   args.seq_offset = static_cast<int32_t>(seq_offset);
 

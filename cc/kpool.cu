@@ -107,7 +107,7 @@ __device__ __forceinline__ void load_bias(const float* ape, int dim,
 // overwritten) with the APE `bias`, written at flat slot `loc` of a cache of `page_entries`
 // entries per page.
 template <ScaleMode kMode>
-__device__ __forceinline__ void pool_and_write(uint8_t* cache, int32_t page_entries,
+__device__ __forceinline__ void pool_and_write(uint8_t* cache, const Divisor& page_entries,
                                                const float (&k)[kPool][kPerLane],
                                                float (&z)[kPool][kPerLane],
                                                const float (&bias)[kPool][kPerLane],
@@ -138,10 +138,10 @@ __device__ __forceinline__ void pool_and_write(uint8_t* cache, int32_t page_entr
   const uint32_t packed = quantise4(x, scale);
 
   // Flat slot -> (page, entry) (0 <= loc < capacity); byte offsets in 64 bits.
-  const int64_t page = page_entries;
+  const int64_t page = page_entries.d;
   uint8_t* const page_base =
-      cache + static_cast<int64_t>(loc / page_entries) * (page * kEntryBytes);
-  const int64_t entry = loc % page_entries;
+      cache + static_cast<int64_t>(page_entries.div(loc)) * (page * kEntryBytes);
+  const int64_t entry = page_entries.mod(loc);
   *reinterpret_cast<uint32_t*>(page_base + entry * kDim + kPerLane * lane) = packed;
   if (lane == 0) {
     const uint32_t bits = kMode == ScaleMode::kPow2Ue8m0
@@ -158,10 +158,10 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
                                                    int32_t start, uint2 kw, uint2 gw,
                                                    const float (&bias)[kPool][kPerLane],
                                                    int32_t loc, int lane) {
-  const int64_t half = static_cast<int64_t>(a.ring) * kDim;  // key rows -> gate rows
+  const int64_t half = static_cast<int64_t>(a.ring.d) * kDim;  // key rows -> gate rows
   float k[kPool][kPerLane], z[kPool][kPerLane];
   for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
-    const int64_t row = static_cast<int64_t>((start + p) % a.ring) * kDim;
+    const int64_t row = static_cast<int64_t>(a.ring.mod(start + p)) * kDim;
     const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
     const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
     widen4(kr, k[p]);
@@ -172,9 +172,33 @@ __device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const ui
   pool_and_write<kMode>(a.cache, a.page, k, z, bias, loc, lane);
 }
 
+// Whether kpool_update's warps take the single-token path (decode without speculative
+// tokens): key and gate stay in registers, nothing is staged in shared memory.
+__host__ __device__ constexpr bool single_token(int64_t next_n) { return next_n == 1; }
+
 // Dynamic shared memory of a request's warp: the key/gate quads of up to 32 of its tokens.
 __host__ __device__ constexpr size_t stage_bytes(int64_t next_n) {
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
+}
+
+// One token of the warp's request (SPEC §3's token body): its warp-uniform pos, loc and tslot,
+// and its key and gate quads kw, gw (the lane's dims). Pools on completion, then stashes.
+template <ScaleMode kMode>
+__device__ __forceinline__ void update_token(const UpdateArgs& a,
+                                             const float (&bias)[kPool][kPerLane], int32_t pos,
+                                             int32_t loc, int32_t tslot, uint2 kw, uint2 gw,
+                                             int lane) {
+  const int64_t blk = a.ring.div(max(tslot, 0));
+  if (pos < 0 || blk >= a.blocks) return;  // padding; tail block past the buffer
+  const int64_t half = static_cast<int64_t>(a.ring.d) * kDim;  // key rows -> gate rows
+  uint16_t* const block = a.tail + blk * 2 * half + kPerLane * lane;
+  if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
+    compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, gw, bias, loc, lane);
+  if (tslot >= 0) {  // stash after the completion read
+    const int64_t row = static_cast<int64_t>(a.ring.mod(pos)) * kDim;
+    *reinterpret_cast<uint2*>(block + row) = kw;
+    *reinterpret_cast<uint2*>(block + half + row) = gw;
+  }
 }
 
 // Request `req`'s tokens in t order, by one warp (`staged`: its stage_bytes(next_n) of shared
@@ -186,11 +210,24 @@ template <ScaleMode kMode, bool kNorm, bool kRaw = false>
 __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryArgs* norm,
                                                int64_t req, int lane, uint2* staged) {
   const int dim = kPerLane * lane;
-  const int64_t first = req * a.next_n;  // [B, N] row of req
   float bias[kPool][kPerLane];
+  if constexpr (!kNorm) {
+    if (single_token(a.next_n)) {
+      // Decode without speculative tokens: one token, so nothing to stage. Every lane loads
+      // the indices itself (one broadcast transaction each), then its key and gate quads and
+      // the APE rows, all in flight before the first use; no shuffle, no barrier.
+      const int32_t pos = __ldg(a.pos + req), loc = __ldg(a.loc + req);
+      const int32_t tslot = __ldg(a.tslot + req);
+      const int64_t tok = req * kDim + dim;
+      const uint2 kw = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+      const uint2 gw = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
+      load_bias(a.ape, dim, bias);
+      update_token<kMode>(a, bias, pos, loc, tslot, kw, gw, lane);
+      return;
+    }
+  }
+  const int64_t first = req * a.next_n;  // [B, N] row of req
   load_bias(a.ape, dim, bias);
-  const int64_t block_elems = 2 * static_cast<int64_t>(a.ring) * kDim;
-  const int64_t half = static_cast<int64_t>(a.ring) * kDim;
   // [key | gate][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
   const int chunk = min(kWarp, a.next_n);
 
@@ -233,21 +270,9 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
     // Without kNorm each lane reads back only its own slots (program order; no barrier).
 #pragma unroll 1
     for (int u = 0; u < count; ++u) {
-      const int32_t pos = __shfl_sync(kFullMask, my_pos, u);
-      const int32_t loc = __shfl_sync(kFullMask, my_loc, u);
-      const int32_t tslot = __shfl_sync(kFullMask, my_tslot, u);
-      const int64_t blk = max(tslot, 0) / a.ring;
-      if (pos < 0 || blk >= a.blocks) continue;  // padding; tail block past the buffer
-      const uint2 kw = staged[u * kWarp + lane];
-      const uint2 gw = staged[(chunk + u) * kWarp + lane];
-      uint16_t* const block = a.tail + blk * block_elems + dim;
-      if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
-        compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, gw, bias, loc, lane);
-      if (tslot >= 0) {  // stash after the completion read
-        const int64_t row = static_cast<int64_t>(pos % a.ring) * kDim;
-        *reinterpret_cast<uint2*>(block + row) = kw;
-        *reinterpret_cast<uint2*>(block + half + row) = gw;
-      }
+      update_token<kMode>(a, bias, __shfl_sync(kFullMask, my_pos, u),
+                          __shfl_sync(kFullMask, my_loc, u), __shfl_sync(kFullMask, my_tslot, u),
+                          staged[u * kWarp + lane], staged[(chunk + u) * kWarp + lane], lane);
       // Each lane reads back only its own tail words, so program order already orders this
       // token's stash before the next token's ring reads; the barrier keeps the warp's
       // memory operations of consecutive tokens ordered as a whole (and, with kNorm, the
@@ -308,7 +333,7 @@ struct CompressArgs {
   const uint8_t* write_mask;   // PRED[n]: one byte per row (XLA stores 0 or 1)
   int64_t capacity;            // pages * page: flat slots of the cache
   int64_t rows;                // n
-  int32_t page;                // PAGE
+  Divisor page;                // PAGE (1 for an empty cache: nothing is written then)
 };
 
 // Warp threadIdx.y of CTA blockIdx.x = row blockIdx.x * kCompressWarps + threadIdx.y.
@@ -406,8 +431,8 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   args.capacity = pages * page;
   args.blocks = blocks;
   args.next_n = static_cast<int32_t>(next_n);
-  args.ring = static_cast<int32_t>(ring);
-  args.page = static_cast<int32_t>(page);
+  args.ring = Divisor(static_cast<int32_t>(ring));
+  args.page = Divisor(static_cast<int32_t>(page > 0 ? page : 1));
   plan.kernel = by_scale_mode(round_scale, ue8m0, [](auto mode) {
     return kpool_update_kernel<decltype(mode)::value>;
   });
@@ -437,7 +462,8 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
   if (cudaError_t err = copy_unaliased_caches(plan, stream, copied); err != cudaSuccess)
     return err;
   if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
-  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream, pdl && !copied,
+  const size_t smem = single_token(plan.args.next_n) ? 0 : plan.smem;
+  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), smem, stream, pdl && !copied,
                 plan.args);
 }
 
@@ -532,7 +558,7 @@ ffi::Error KpoolCompressImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cach
   args.write_mask = static_cast<const uint8_t*>(write_mask.untyped_data());
   args.capacity = pages * page;
   args.rows = rows;
-  args.page = static_cast<int32_t>(page);
+  args.page = Divisor(static_cast<int32_t>(page > 0 ? page : 1));
   void (*const kernel)(CompressArgs) = by_scale_mode(round_scale, ue8m0, [](auto mode) {
     return kpool_compress_kernel<decltype(mode)::value>;
   });

@@ -22,8 +22,8 @@ struct UpdateArgs {
   int64_t capacity;          // pages * page: flat slots of the cache
   int64_t blocks;            // tail blocks
   int32_t next_n;            // N
-  int32_t ring;              // RING
-  int32_t page;              // PAGE
+  Divisor ring;              // RING
+  Divisor page;              // PAGE (1 for an empty cache: nothing is written then)
 };
 
 struct UpdateLaunch {

@@ -71,7 +71,7 @@ __host__ __device__ __forceinline__ void store_quad(int32_t* row_out, int q, int
 struct Remap {
   const int32_t* table;
   int64_t max_blocks;
-  int32_t block_size;
+  Divisor block_size;
   int32_t stride_rows;
 
   // Physical slot of the first of the 4 tokens first_token .. first_token + 3
@@ -79,9 +79,10 @@ struct Remap {
   // (a negative token id, or a block past the table).
   __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
     if (first_token < 0) return false;
-    const int32_t block = first_token / block_size;
+    const int32_t block = block_size.div(first_token);
     if (block >= max_blocks) return false;
-    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows), first_token % block_size);
+    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows),
+                    first_token - block * block_size.d);
     return true;
   }
 };

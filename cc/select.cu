@@ -463,7 +463,8 @@ struct SlotArgs {
   int32_t* out;                // s32 [rows, width]; nullptr: pool ids (TopkArgs::out)
   int32_t* counts;             // s32 [rows]
   int64_t requests, max_blocks;
-  int32_t block_size, stride_rows, width;
+  Divisor block_size;
+  int32_t stride_rows, width;
   bool vector;                 // width % 4 == 0 and 16-byte aligned rows: one store a quad
 };
 
@@ -876,7 +877,7 @@ __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, Row
   if (writes && out.slots()) {
     // The table keeps pools below table_pools (blocks ascend with the ids): all of a top-k
     // from n <= table_pools pools; ids 0..min(n, table_pools)-1 of the causal fill.
-    const int64_t table_pools = a.slots.max_blocks * a.slots.block_size / kPool;
+    const int64_t table_pools = a.slots.max_blocks * a.slots.block_size.d / kPool;
     const int64_t kept = out.req < 0    ? 0
                          : n <= a.k     ? (n < table_pools ? n : table_pools)
                          : n <= table_pools ? a.k
@@ -1308,7 +1309,7 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   s.block_table = block_table.typed_data();
   s.out = slots->typed_data();
   s.counts = counts->typed_data();
-  s.block_size = static_cast<int32_t>(block_size);
+  s.block_size = Divisor(static_cast<int32_t>(block_size));
   s.stride_rows = static_cast<int32_t>(stride_rows);
   s.width = static_cast<int32_t>(width);
   s.vector = width % kPool == 0 && aligned(s.out, 16);

@@ -151,7 +151,7 @@ def remap_edge_calls(rng, compact):
                     (512, [2051, 2052, 2053, 2055, 2176, 2300]), (1024, [4099, 4100, 4352]),
                     (40, [163, 164]), (8, [35, 36])]:
     for width in widths:
-      block_size = int(rng.choice([4, 16, 64, 128]))
+      block_size = int(rng.choice([4, 12, 16, 48, 64, 128]))   # 12, 48: not powers of 2
       stride = int(rng.choice([block_size, 2 * block_size + 8, 1 << 20]))
       calls.append(remap_call(rng, G=G, width=width, block_size=block_size, compact=compact,
                               rows=14, expanded=11, stride_rows=stride,

@@ -315,7 +315,8 @@ def _contexts(rng, requests, k, max_pools):
 
 # (requests, next_n, k, max_pools, block_size, stride_rows, width past 4k + 3, scale
 # format): rows 1, 3, 4, 16, 64 and 130; 512 to 32768 pools (few rows of >= 8192: the
-# top-k's cluster per row); k 512 and small; width odd, a multiple of 4 and neither.
+# top-k's cluster per row); k 512 and small; width odd, a multiple of 4 and neither; block
+# sizes 16 to 128, one not a power of two (the kernel divides by a Divisor, cc/common.h).
 SLOTS_CASES = [
     (1, 1, 512, 512, 64, None, 0, "fp32"),          # one row, causal fill
     (1, 1, 512, 8192, 128, None, 1, "ue8m0"),
@@ -328,6 +329,7 @@ SLOTS_CASES = [
     (64, 1, 512, 2048, 128, 256, 1, "ue8m0"),
     (65, 2, 512, 2048, 64, None, 7, "fp32"),
     (5, 4, 37, 1024, 16, 20, 6, "ue8m0"),
+    (4, 1, 512, 4096, 48, None, 2, "fp32"),         # a block size not a power of two
 ]
 
 
