@@ -29,8 +29,10 @@ def parser():
   p.add_argument("--rows", default="",
                  help="comma-separated M (B, n, rows) instead of 1,8,16,64")
   p.add_argument("--skip-variants", nargs="+", default=[], metavar="VARIANT",
-                 help=f"variants not to run, each one argument (of: {'; '.join(VARIANTS[1:])}; "
-                      f"and {REFERENCE} in the stage and prefill groups)")
+                 choices=VARIANTS,
+                 help=f"variants not to run in any group, each one argument (of: "
+                      f"{'; '.join(VARIANTS)}); without {REFERENCE}, a shape's other rows are "
+                      f"not checked against it (unchecked), triton's still against the kernel")
   p.add_argument("--cpu-smoke", action=argparse.BooleanOptionalAction, default=None,
                  help="tiny caches, contexts, R and N (default: on for the CPU backend)")
   p.add_argument("--budget-s", type=float, default=230,

@@ -203,6 +203,30 @@ def test_skip_variants_apply_to_the_whole_step_groups(tmp_path):
   assert bench.rows == []
 
 
+def test_skip_variants_are_checked_names_and_may_drop_the_reference(tmp_path, capsys):
+  """A name that is no variant is a command-line error, not a silently full run; every group
+  takes --skip-variants reference (a focused kernel-vs-Triton run on the H200 spends no
+  device time on the reference's compiles), and the op rows it leaves read unchecked
+  (exact None), not exact."""
+  from bench import __main__ as cli
+  from bench import per_op
+  from bench.driver import Bench
+  from bench.sizes import sizes_for
+  from bench.workloads import WORKLOADS
+  with pytest.raises(SystemExit):
+    cli.parser().parse_args(["--skip-variants", "kernels"])
+  assert "invalid choice: 'kernels'" in capsys.readouterr().err
+  args = cli.parser().parse_args(["--skip-variants", "reference", "--cache-dir", "",
+                                  "--out", str(tmp_path / "b.json")])
+  bench = Bench(sizes_for(True, True), args, ["upcast_logits"])
+  shape = WORKLOADS["upcast_logits"][1](bench.s)[0][0]
+  per_op.run_op(bench, "upcast_logits", {shape})
+  assert bench.variants("upcast_logits") == ["pallas"]       # the CPU backend: no kernel
+  assert [(r["shape"], r["variant"], r["exact"]) for r in bench.rows] == [
+      (shape, "pallas", None)]
+  assert bench.rows[0]["device_us"] > 0
+
+
 def test_stage_select_ops_variant_routes_the_two_ops():
   """--stage-select-ops adds "kernel, select as two ops": its stage step lowers (CUDA) to
   select_pools + expand_and_remap where the default step calls select_slots once."""
