@@ -189,12 +189,15 @@ __device__ __forceinline__ void update_token(const UpdateArgs& a,
                                              int32_t loc, int32_t tslot, uint2 kw, uint2 gw,
                                              int lane) {
   const int64_t blk = a.ring.div(max(tslot, 0));
-  if (pos < 0 || blk >= a.blocks) return;  // padding; tail block past the buffer
+  // Padding and a tail block past the buffer make the token a no-op. A predicate, not an
+  // early return: after a return ptxas issued the loads of loc, key and gate only once pos
+  // and tslot had arrived (SASS), one more load latency at next_n = 1.
+  const bool live = pos >= 0 && blk < a.blocks;
   const int64_t half = static_cast<int64_t>(a.ring.d) * kDim;  // key rows -> gate rows
   uint16_t* const block = a.tail + blk * 2 * half + kPerLane * lane;
-  if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
+  if (live && loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
     compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, gw, bias, loc, lane);
-  if (tslot >= 0) {  // stash after the completion read
+  if (live && tslot >= 0) {  // stash after the completion read
     const int64_t row = static_cast<int64_t>(a.ring.mod(pos)) * kDim;
     *reinterpret_cast<uint2*>(block + row) = kw;
     *reinterpret_cast<uint2*>(block + half + row) = gw;
@@ -300,8 +303,10 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
 // the same bits. Request warps come first: theirs is the longest dependent chain.
 constexpr int kEpilogueWarps = 4;
 
+// One CTA per SM is enough (the grids are small): without the 1, ptxas held the kRaw
+// variants to 72 registers and spilled 8 bytes in the staging loop; with it, 87-102, none.
 template <ScaleMode kMode, bool kBf16, bool kRaw>
-__global__ void __launch_bounds__(kEpilogueWarps * kWarp)
+__global__ void __launch_bounds__(kEpilogueWarps * kWarp, 1)
     update_epilogue_kernel(const UpdateArgs a, const QueryArgs q, const int64_t requests) {
   const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kEpilogueWarps + w;
