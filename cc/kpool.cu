@@ -214,12 +214,14 @@ __device__ __forceinline__ void stash(const UpdateArgs& a, const TokenPlan& t, i
   *reinterpret_cast<uint2*>(t.block + static_cast<int64_t>(a.ring.d) * kDim + row) = gw;
 }
 
-// Whether kpool_update's warps take the single-token path (decode without speculative
-// tokens): key and gate stay in registers, nothing is staged in shared memory.
+// Whether a request warp takes the single-token path (decode without speculative tokens,
+// kpool_update's and the epilogue's): key and gate stay in registers, nothing is staged.
 __host__ __device__ constexpr bool single_token(int64_t next_n) { return next_n == 1; }
 
-// Dynamic shared memory of a request's warp: the key/gate quads of up to 32 of its tokens.
+// Dynamic shared memory of a request's warp: the key/gate quads of up to 32 of its tokens
+// (none on the single-token path).
 __host__ __device__ constexpr size_t stage_bytes(int64_t next_n) {
+  if (single_token(next_n)) return 0;
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
 
@@ -511,9 +513,8 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
   if (cudaError_t err = copy_unaliased_caches(plan, stream, copied); err != cudaSuccess)
     return err;
   if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
-  const size_t smem = single_token(plan.args.next_n) ? 0 : plan.smem;
-  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), smem, stream, pdl && !copied,
-                plan.args);
+  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream,
+                pdl && !copied, plan.args);
 }
 
 cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
