@@ -81,8 +81,7 @@ struct Remap {
     if (first_token < 0) return false;
     const int32_t block = block_size.div(first_token);
     if (block >= max_blocks) return false;
-    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows),
-                    first_token - block * block_size.d);
+    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows), block_size.mod(first_token));
     return true;
   }
 };
