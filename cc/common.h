@@ -71,6 +71,12 @@ struct Divisor {
             static_cast<uint64_t>(divisor) + 1);
   }
 
+  // The divisor of a dimension that may be 0 (an empty cache's PAGE): 1 there, where there is
+  // nothing to index.
+  static constexpr Divisor extent(int64_t n) {
+    return Divisor(static_cast<int32_t>(n > 0 ? n : 1));
+  }
+
   // n / d and n % d for 0 <= n < 2^31.
   __host__ __device__ constexpr int32_t div(int32_t n) const {
     const uint32_t u = static_cast<uint32_t>(n);
@@ -90,6 +96,7 @@ static_assert(Divisor(1).div(kI32Max) == kI32Max && Divisor(4).mod(kI32Max) == 3
 static_assert(Divisor(12).div(kI32Max) == kI32Max / 12 && Divisor(12).mod(35) == 11);
 static_assert(Divisor(kI32Max).div(kI32Max) == 1 && Divisor(kI32Max).div(kI32Max - 1) == 0);
 static_assert(Divisor(3).div(kI32Max) == kI32Max / 3 && Divisor(65).mod(kI32Max) == kI32Max % 65);
+static_assert(Divisor::extent(0).d == 1 && Divisor::extent(64).d == 64);
 #endif
 
 // Whether a buffer can take `bytes`-wide vector accesses.

@@ -483,7 +483,7 @@ ffi::ErrorOr<UpdateLaunch> prepare_kpool_update(
   args.blocks = blocks;
   args.next_n = static_cast<int32_t>(next_n);
   args.ring = Divisor(static_cast<int32_t>(ring));
-  args.page = Divisor(static_cast<int32_t>(page > 0 ? page : 1));
+  args.page = Divisor::extent(page);
   plan.kernel = by_scale_mode(round_scale, ue8m0, [](auto mode) {
     return kpool_update_kernel<decltype(mode)::value>;
   });
@@ -608,7 +608,7 @@ ffi::Error KpoolCompressImpl(cudaStream_t stream, ffi::BufferR3<ffi::U8> kv_cach
   args.write_mask = static_cast<const uint8_t*>(write_mask.untyped_data());
   args.capacity = pages * page;
   args.rows = rows;
-  args.page = Divisor(static_cast<int32_t>(page > 0 ? page : 1));
+  args.page = Divisor::extent(page);
   void (*const kernel)(CompressArgs) = by_scale_mode(round_scale, ue8m0, [](auto mode) {
     return kpool_compress_kernel<decltype(mode)::value>;
   });

@@ -11,7 +11,6 @@
 // Programmatic dependent launch: every input is read after pdl_wait().
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "common.h"
@@ -88,7 +87,7 @@ ffi::ErrorOr<QueryLaunch> prepare_query(const Check& check, ffi::BufferR3<ffi::B
   args.q_rows = q_rows;
   args.rows = rows;
   args.heads = static_cast<int32_t>(heads);
-  args.padded = Divisor(static_cast<int32_t>(std::max<int64_t>(*padded, 1)));
+  args.padded = Divisor::extent(*padded);
   args.scale = scale;
   args.eps = eps;
   plan.kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;

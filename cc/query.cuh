@@ -74,6 +74,12 @@ __device__ __forceinline__ void zero_row(uint32_t* q_out, void* w_out, int64_t q
   if (lane == 0) store_w_out<kBf16>(w_out, q_row, 0.0f);
 }
 
+// lo and hi as one word of two bf16 (lo in the low half), each rounded to nearest even.
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x = lo, low half
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
 // The LayerNorm of a half-warp's token: `raw` = its group's 8 bf16 (lane % 16 = group g), the
 // result the group's 8 bf16 outputs. All 32 lanes take part in the shuffles (width 16); a half
 // without a token passes any raw value and ignores the result.
@@ -128,8 +134,7 @@ __device__ __forceinline__ uint4 layernorm_group(uint4 raw, const float* norm_we
     for (int k = 0; k < 2; ++k)
       y[k] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(x[i + k], mean), rstd), wb[0][i + k]),
                        wb[1][i + k]);
-    const __nv_bfloat162 pair2 = __floats2bfloat162_rn(y[0], y[1]);  // .x = y[0], low half
-    words[i / 2] = *reinterpret_cast<const uint32_t*>(&pair2);
+    words[i / 2] = bf16_pair(y[0], y[1]);
   }
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
@@ -199,14 +204,8 @@ __device__ __forceinline__ const float* raw_row(const QueryArgs& a, int64_t t) {
   return a.raw + t * (2 * kDim + a.heads);
 }
 
-// Four / eight f32 sums as bf16 words (element i in the low half of word i / 2), RNE: the
-// bits of XLA's convert of the sums (indexer_projection's reference), which the kernels
-// that read bf16 results see.
-__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x = lo, low half
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-
+// Four f32 sums as two bf16 words (bf16_pair), RNE: the bits of XLA's convert of the sums
+// (indexer_projection's reference), which the kernels that read bf16 results see.
 __device__ __forceinline__ uint2 bf16_quad(const float* p) {
   const float4 v = __ldg(reinterpret_cast<const float4*>(p));
   return make_uint2(bf16_pair(v.x, v.y), bf16_pair(v.z, v.w));

@@ -1192,7 +1192,7 @@ LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
   a.tables = static_cast<int32_t>(page_table.dimensions()[0]);
   a.table_width = static_cast<int32_t>(page_table.dimensions()[1]);
   a.pages = static_cast<int32_t>(kv.dimensions()[0]);
-  a.page = Divisor(static_cast<int32_t>(std::max<int64_t>(kv.dimensions()[1], 1)));
+  a.page = Divisor::extent(kv.dimensions()[1]);
   a.width = static_cast<int32_t>(width);
   a.skip_upto = -1;
   a.ue8m0 = ue8m0;
