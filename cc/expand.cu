@@ -121,21 +121,22 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
   const Remap remap{a.block_table + (has_ids ? req * max_blocks : 0), max_blocks, block_size,
                     stride_rows};
 
-  // pid < 0 is unused; 4 * pid may wrap to a negative token id, which is dropped too.
-  int32_t first = 0;
-  const bool live = has_ids && pid >= 0 && remap.slot(wrap_mul(pid, kPool), &first);
-  // Thread 0 maps the tail now, so its loads overlap the ballot. The tail tokens
-  // start .. start + count - 1 share start's block (start % 4 == 0), so they are kept or
-  // dropped together and their compacted columns are their own columns.
-  int4 tail = none4();
-  int tail_valid = 0;
+  // pid < 0 is unused; 4 * pid may wrap to a negative token id, which is dropped too. Whether
+  // a pool is kept depends on its id alone, not on the table entry, so the entry's load is
+  // only issued here (Remap::load) and used after the warp totals: the ballot, the barrier
+  // and the reductions run while it is in flight.
+  const int32_t token = wrap_mul(pid, kPool);
+  int32_t entry = 0;
+  const bool live = has_ids && pid >= 0 && remap.load(token, &entry);
+  // Thread 0 issues the tail's load too. The tail tokens start .. start + count - 1 share
+  // start's block (start % 4 == 0), so they are kept or dropped together and their
+  // compacted columns are their own columns.
+  Tail tail_tokens{0, 0};
+  int32_t tail_entry = 0;
+  bool tail_kept = false;
   if (g == 0 && has_ids) {
-    const Tail t = tail_of(pos, seq_offset);
-    int32_t tail_first;
-    if (t.count > 0 && remap.slot(t.start, &tail_first)) {
-      tail = tail_quad(tail_first, t.count);
-      tail_valid = t.count;
-    }
+    tail_tokens = tail_of(pos, seq_offset);
+    tail_kept = tail_tokens.count > 0 && remap.load(tail_tokens.start, &tail_entry);
   }
 
   const unsigned ballot = __ballot_sync(0xffffffffu, live);
@@ -149,6 +150,7 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
 
   // Quads [0, tail_at): pools; tail_at: the tail; (tail_at, quads): -1.
   const int tail_at = kCompact ? valid : groups;
+  const int32_t first = live ? remap.place(entry, token) : 0;
   if constexpr (kCompact) {
     if (live) {
       const int below = __popc(ballot & ((1u << lane) - 1u));
@@ -158,8 +160,11 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
     store_quad<kVector>(row_out, g, width, live ? run4(first) : none4());
   }
   if (g == 0) {
+    const int4 tail = tail_kept ? tail_quad(remap.place(tail_entry, tail_tokens.start),
+                                            tail_tokens.count)
+                                : none4();
     store_quad<kVector>(row_out, tail_at, width, tail);
-    a.counts[row] = kPool * valid + tail_valid;
+    a.counts[row] = kPool * valid + (tail_kept ? tail_tokens.count : 0);
   }
 #pragma unroll 1
   for (int q = tail_at + 1 + g; q < quads; q += groups) {

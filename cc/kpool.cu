@@ -151,54 +151,90 @@ __device__ __forceinline__ void pool_and_write(uint8_t* cache, const Divisor& pa
   }
 }
 
-// The completion branch of SPEC §3 for the warp's request: pool ring rows start, start+1,
-// start+2 of the tail block at `block` with the current token (kw, gw), write entry `loc`.
-template <ScaleMode kMode>
-__device__ __forceinline__ void compress_and_write(const UpdateArgs& a, const uint16_t* block,
-                                                   int32_t start, uint2 kw, uint2 gw,
-                                                   const float (&bias)[kPool][kPerLane],
-                                                   int32_t loc, int lane) {
+// SPEC §3's completion branch in two halves, so that a caller can overlap the ring loads
+// with other work (update_request's LayerNorm): the three ring rows start .. start + 2 of the
+// tail block at `block` (the lane's dims; stashed by earlier tokens), then their pooling with
+// the current token (kw, gw) into entry `loc`.
+struct RingRows {
+  uint2 key[kPool - 1], gate[kPool - 1];
+};
+
+__device__ __forceinline__ RingRows load_ring(const UpdateArgs& a, const uint16_t* block,
+                                              int32_t start) {
   const int64_t half = static_cast<int64_t>(a.ring.d) * kDim;  // key rows -> gate rows
-  float k[kPool][kPerLane], z[kPool][kPerLane];
-  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring (stashed earlier)
+  RingRows r;
+#pragma unroll
+  for (int p = 0; p < kPool - 1; ++p) {
     const int64_t row = static_cast<int64_t>(a.ring.mod(start + p)) * kDim;
-    const uint2 kr = *reinterpret_cast<const uint2*>(block + row);
-    const uint2 sr = *reinterpret_cast<const uint2*>(block + half + row);
-    widen4(kr, k[p]);
-    widen4(sr, z[p]);
+    r.key[p] = *reinterpret_cast<const uint2*>(block + row);
+    r.gate[p] = *reinterpret_cast<const uint2*>(block + half + row);
+  }
+  return r;
+}
+
+template <ScaleMode kMode>
+__device__ __forceinline__ void pool_ring(const UpdateArgs& a, const RingRows& r, uint2 kw,
+                                          uint2 gw, const float (&bias)[kPool][kPerLane],
+                                          int32_t loc, int lane) {
+  float k[kPool][kPerLane], z[kPool][kPerLane];
+#pragma unroll
+  for (int p = 0; p < kPool - 1; ++p) {  // slots 0..2 from the ring
+    widen4(r.key[p], k[p]);
+    widen4(r.gate[p], z[p]);
   }
   widen4(kw, k[kPool - 1]);  // slot 3: the current token, from registers
   widen4(gw, z[kPool - 1]);
   pool_and_write<kMode>(a.cache, a.page, k, z, bias, loc, lane);
 }
 
-// Whether kpool_update's warps take the single-token path (decode without speculative
-// tokens): key and gate stay in registers, nothing is staged in shared memory.
+// What one token of the warp's request does (SPEC §3's token body), from its warp-uniform pos,
+// loc and tslot: pool (completes) and stash (stashes; after the completion's ring reads) in
+// the tail block at `block` (the lane's dims). Padding and a tail block past the buffer do
+// neither. Predicates, not an early return: after a return ptxas issued the loads of loc, key
+// and gate only once pos and tslot had arrived (SASS), one more load latency at next_n = 1.
+struct TokenPlan {
+  uint16_t* block;
+  bool completes, stashes;
+};
+
+__device__ __forceinline__ TokenPlan plan_token(const UpdateArgs& a, int32_t pos, int32_t loc,
+                                                int32_t tslot, int lane) {
+  const int64_t blk = a.ring.div(max(tslot, 0));
+  const bool live = pos >= 0 && blk < a.blocks;
+  return {a.tail + blk * 2 * static_cast<int64_t>(a.ring.d) * kDim + kPerLane * lane,
+          live && loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1,
+          live && tslot >= 0};
+}
+
+// The token's stash: its key and gate quads into ring row pos % RING.
+__device__ __forceinline__ void stash(const UpdateArgs& a, const TokenPlan& t, int32_t pos,
+                                      uint2 kw, uint2 gw) {
+  const int64_t row = static_cast<int64_t>(a.ring.mod(pos)) * kDim;
+  *reinterpret_cast<uint2*>(t.block + row) = kw;
+  *reinterpret_cast<uint2*>(t.block + static_cast<int64_t>(a.ring.d) * kDim + row) = gw;
+}
+
+// Whether a request warp takes the single-token path (decode without speculative tokens,
+// kpool_update's and the epilogue's): key and gate stay in registers, nothing is staged.
 __host__ __device__ constexpr bool single_token(int64_t next_n) { return next_n == 1; }
 
-// Dynamic shared memory of a request's warp: the key/gate quads of up to 32 of its tokens.
+// Dynamic shared memory of a request's warp: the key/gate quads of up to 32 of its tokens
+// (none on the single-token path).
 __host__ __device__ constexpr size_t stage_bytes(int64_t next_n) {
+  if (single_token(next_n)) return 0;
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
 
-// One token of the warp's request (SPEC §3's token body): its warp-uniform pos, loc and tslot,
-// and its key and gate quads kw, gw (the lane's dims). Pools on completion, then stashes.
+// One token of the warp's request: its indices, and its key and gate quads kw, gw.
 template <ScaleMode kMode>
 __device__ __forceinline__ void update_token(const UpdateArgs& a,
                                              const float (&bias)[kPool][kPerLane], int32_t pos,
                                              int32_t loc, int32_t tslot, uint2 kw, uint2 gw,
                                              int lane) {
-  const int64_t blk = a.ring.div(max(tslot, 0));
-  if (pos < 0 || blk >= a.blocks) return;  // padding; tail block past the buffer
-  const int64_t half = static_cast<int64_t>(a.ring.d) * kDim;  // key rows -> gate rows
-  uint16_t* const block = a.tail + blk * 2 * half + kPerLane * lane;
-  if (loc >= 0 && loc < a.capacity && pos % kPool == kPool - 1)
-    compress_and_write<kMode>(a, block, pos - (kPool - 1), kw, gw, bias, loc, lane);
-  if (tslot >= 0) {  // stash after the completion read
-    const int64_t row = static_cast<int64_t>(a.ring.mod(pos)) * kDim;
-    *reinterpret_cast<uint2*>(block + row) = kw;
-    *reinterpret_cast<uint2*>(block + half + row) = gw;
-  }
+  const TokenPlan t = plan_token(a, pos, loc, tslot, lane);
+  if (t.completes)
+    pool_ring<kMode>(a, load_ring(a, t.block, pos - (kPool - 1)), kw, gw, bias, loc, lane);
+  if (t.stashes) stash(a, t, pos, kw, gw);
 }
 
 // Request `req`'s tokens in t order, by one warp (`staged`: its stage_bytes(next_n) of shared
@@ -211,20 +247,33 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
                                                int64_t req, int lane, uint2* staged) {
   const int dim = kPerLane * lane;
   float bias[kPool][kPerLane];
-  if constexpr (!kNorm) {
-    if (single_token(a.next_n)) {
-      // Decode without speculative tokens: one token, so nothing to stage. Every lane loads
-      // the indices itself (one broadcast transaction each), then its key and gate quads and
-      // the APE rows, all in flight before the first use; no shuffle, no barrier.
-      const int32_t pos = __ldg(a.pos + req), loc = __ldg(a.loc + req);
-      const int32_t tslot = __ldg(a.tslot + req);
-      const int64_t tok = req * kDim + dim;
-      const uint2 kw = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-      const uint2 gw = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
-      load_bias(a.ape, dim, bias);
-      update_token<kMode>(a, bias, pos, loc, tslot, kw, gw, lane);
-      return;
+  if (single_token(a.next_n)) {
+    // Decode without speculative tokens: one token, so nothing is staged. Every lane loads the
+    // indices itself (a broadcast each), its gate (and key) quads and the APE rows, all in
+    // flight before the first use, then a completion's ring rows. With kNorm those load during
+    // the key LayerNorm (half-warp 0, key_norm: indexer_query's bits), whose shuffle chains
+    // hide their latency; lane l then takes dims 4l .. 4l + 3 from group l / 2's lane.
+    const int32_t pos = __ldg(a.pos + req), loc = __ldg(a.loc + req);
+    const int32_t tslot = __ldg(a.tslot + req);
+    const int64_t tok = req * kDim + dim;
+    uint2 kw = make_uint2(0u, 0u);
+    if constexpr (!kNorm) kw = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
+    const uint2 gw = kRaw ? bf16_quad(raw_row(*norm, req) + kDim + norm->heads + dim)
+                          : __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
+    load_bias(a.ape, dim, bias);
+    const TokenPlan t = plan_token(a, pos, loc, tslot, lane);
+    RingRows ring = {};
+    if (t.completes) ring = load_ring(a, t.block, pos - (kPool - 1));
+    if constexpr (kNorm) {
+      const uint4 y = key_norm<kRaw>(*norm, req, lane < kHalf, lane);
+      const int src = lane / 2;
+      const uint32_t x0 = __shfl_sync(kFullMask, y.x, src), x1 = __shfl_sync(kFullMask, y.y, src);
+      const uint32_t x2 = __shfl_sync(kFullMask, y.z, src), x3 = __shfl_sync(kFullMask, y.w, src);
+      kw = lane % 2 == 0 ? make_uint2(x0, x1) : make_uint2(x2, x3);
     }
+    if (t.completes) pool_ring<kMode>(a, ring, kw, gw, bias, loc, lane);
+    if (t.stashes) stash(a, t, pos, kw, gw);
+    return;
   }
   const int64_t first = req * a.next_n;  // [B, N] row of req
   load_bias(a.ape, dim, bias);
@@ -300,8 +349,10 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
 // the same bits. Request warps come first: theirs is the longest dependent chain.
 constexpr int kEpilogueWarps = 4;
 
+// One CTA per SM is enough (the grids are small): without the 1, ptxas held the kRaw
+// variants to 72 registers and spilled 8 bytes in the staging loop; with it, 87-102, none.
 template <ScaleMode kMode, bool kBf16, bool kRaw>
-__global__ void __launch_bounds__(kEpilogueWarps * kWarp)
+__global__ void __launch_bounds__(kEpilogueWarps * kWarp, 1)
     update_epilogue_kernel(const UpdateArgs a, const QueryArgs q, const int64_t requests) {
   const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kEpilogueWarps + w;
@@ -462,9 +513,8 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
   if (cudaError_t err = copy_unaliased_caches(plan, stream, copied); err != cudaSuccess)
     return err;
   if (plan.kernel == nullptr) return cudaSuccess;  // no row: the copies were all to do
-  const size_t smem = single_token(plan.args.next_n) ? 0 : plan.smem;
-  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), smem, stream, pdl && !copied,
-                plan.args);
+  return launch(plan.kernel, dim3(plan.requests), dim3(kWarp), plan.smem, stream,
+                pdl && !copied, plan.args);
 }
 
 cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,

@@ -87,7 +87,7 @@ ffi::ErrorOr<QueryLaunch> prepare_query(const Check& check, ffi::BufferR3<ffi::B
   args.q_rows = q_rows;
   args.rows = rows;
   args.heads = static_cast<int32_t>(heads);
-  args.padded = static_cast<int32_t>(*padded);
+  args.padded = Divisor::extent(*padded);
   args.scale = scale;
   args.eps = eps;
   plan.kernel = bf16_w_out ? indexer_query_kernel<true> : indexer_query_kernel<false>;

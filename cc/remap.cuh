@@ -78,11 +78,24 @@ struct Remap {
   // (first_token % 4 == 0, so all 4 share its block); false when they are dropped
   // (a negative token id, or a block past the table).
   __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
+    int32_t entry;
+    if (!load(first_token, &entry)) return false;
+    *out = place(entry, first_token);
+    return true;
+  }
+
+  // slot() in two halves, for a caller with work to overlap with the block-table load: load()
+  // issues it (false, and no load, where slot() drops the tokens) and place() makes the slot
+  // of the loaded entry. Whatever runs between them hides the load's latency.
+  __device__ __forceinline__ bool load(int32_t first_token, int32_t* entry) const {
     if (first_token < 0) return false;
     const int32_t block = block_size.div(first_token);
     if (block >= max_blocks) return false;
-    *out = wrap_add(wrap_mul(__ldg(table + block), stride_rows), block_size.mod(first_token));
+    *entry = __ldg(table + block);
     return true;
+  }
+  __device__ __forceinline__ int32_t place(int32_t entry, int32_t first_token) const {
+    return wrap_add(wrap_mul(entry, stride_rows), block_size.mod(first_token));
   }
 };
 

@@ -80,7 +80,8 @@ struct LogitsArgs {
   const int32_t* req_ids;     // s32 [rows], or nullptr: row r reads page_table row r
   const int32_t* lens;        // s32 [rows]: pool_lens, or positions when from_positions
   float* logits;              // f32 [rows, width]
-  int32_t rows, tables, table_width, pages, page, width;
+  int32_t rows, tables, table_width, pages, width;
+  Divisor page;               // PAGE (1 for an empty cache: no tile is read then)
   int32_t skip_upto;          // rows with at most this many pools are skipped (-1: none)
   bool from_positions;
   bool fill;                  // write -inf from each row's pool count up to width
@@ -253,10 +254,10 @@ __device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const Row
   const int32_t n = t.pools[row];
   const int32_t p0 = (item - t.first_item[row]) * kItemPools + tile * kWarpPools;
   const int32_t req = t.req[row];
-  const int32_t slot = p0 / a.page;  // a.page % 16 == 0: the tile is in one page
+  const int32_t slot = a.page.div(p0);  // PAGE % 16 == 0: the tile is in one page
   if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
     const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
-    if (pg >= 0 && pg < a.pages) return {pg, p0 % a.page};
+    if (pg >= 0 && pg < a.pages) return {pg, a.page.mod(p0)};
   }
   return {-1, 0};
 }
@@ -352,7 +353,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     // (one lookup per lane, all in flight together), then, item by item, the lanes of that
     // item wait for the stage to be free and issue their copies.
     const int tile = lane % kConsumerWarps;
-    const int64_t page_bytes = static_cast<int64_t>(a.page) * kEntryBytes;
+    const int64_t page_bytes = static_cast<int64_t>(a.page.d) * kEntryBytes;
     int r = range.row;
     for (int32_t round = begin; round < end; round += kLookahead) {
       const int32_t item = round + lane / kConsumerWarps;
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
             bulk::copy_box(base + L::kKeys + (s * kConsumerWarps + tile) * kTileBytes,
                            &keys_map, 0, at.entry, at.page, bar);
             bulk::copy(base + L::kScales + (s * kConsumerWarps + tile) * kTileScaleBytes,
-                       a.kv + at.page * page_bytes + static_cast<int64_t>(a.page) * kDim +
+                       a.kv + at.page * page_bytes + static_cast<int64_t>(a.page.d) * kDim +
                            4 * at.entry,
                        kTileScaleBytes, bar);
           }
@@ -1063,9 +1064,9 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {kDim, static_cast<cuuint64_t>(args.page),
+  const cuuint64_t dims[3] = {kDim, static_cast<cuuint64_t>(args.page.d),
                               static_cast<cuuint64_t>(args.pages)};
-  const cuuint64_t strides[2] = {kDim, static_cast<cuuint64_t>(args.page) * kEntryBytes};
+  const cuuint64_t strides[2] = {kDim, static_cast<cuuint64_t>(args.page.d) * kEntryBytes};
   const cuuint32_t box[3] = {kDim, kWarpPools, 1}, unit[3] = {1, 1, 1};
   const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
                               const_cast<uint8_t*>(args.kv), dims, strides, box, unit,
@@ -1191,7 +1192,7 @@ LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
   a.tables = static_cast<int32_t>(page_table.dimensions()[0]);
   a.table_width = static_cast<int32_t>(page_table.dimensions()[1]);
   a.pages = static_cast<int32_t>(kv.dimensions()[0]);
-  a.page = static_cast<int32_t>(kv.dimensions()[1]);
+  a.page = Divisor::extent(kv.dimensions()[1]);
   a.width = static_cast<int32_t>(width);
   a.skip_upto = -1;
   a.ue8m0 = ue8m0;
