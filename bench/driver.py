@@ -185,7 +185,7 @@ class Bench:
                  run_us=_round(info.get("run_us")),
                  compile_s=round(info["compile_s"], 2), min_bytes=int(work.nbytes),
                  flops=int(work.flops) or None,
-                 notes=_notes(_host_note(info), harness.not_in_place(info["temp"], state)))
+                 notes=_notes(harness.host_note(info), harness.not_in_place(info["temp"], state)))
         self.log(f"{work.op} {work.shape} {variant}: {us:.2f} us (floor {floor:.3f}, "
                  f"R={info['R']}, {info['calls']} calls"
                  + (f" x {info['passes']} replays" if info.get("passes") else "")
@@ -194,13 +194,6 @@ class Bench:
         self.error_row(work.op, work.shape, variant, e)
         if any(a.is_deleted() for a in jax.tree.leaves(state)):
           return                                           # the state was donated away
-
-
-def _host_note(info):
-  if "dispatch_us" not in info or not harness.host_bound(info["dispatch_us"], info["run_us"]):
-    return None
-  return (f"host-bound (dispatch {info['dispatch_us']:.0f} of {info['run_us']:.0f} µs per "
-          "run): an upper bound")
 
 
 def _notes(*notes):

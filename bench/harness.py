@@ -155,6 +155,14 @@ def host_bound(dispatch, run):
   return dispatch > 0.5 * run
 
 
+def host_note(info):
+  """The row note of a host-bound run (None otherwise): info has dispatch_us and run_us."""
+  if "dispatch_us" not in info or not host_bound(info["dispatch_us"], info["run_us"]):
+    return None
+  return (f"host-bound (dispatch {info['dispatch_us']:.0f} of {info['run_us']:.0f} µs per "
+          "run): an upper bound")
+
+
 def time_step(step, state, args, sizes, units=1, steps=1):
   """Seconds per unit of a whole jitted step, e.g. a decode step of 11 layers with
   units=11 for µs per layer. step(state, k, *args) -> (state, outs) is step k of

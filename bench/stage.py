@@ -31,7 +31,7 @@ import glm5_jax
 from glm5_jax import stage as glm5_stage
 from glm5_jax import synthetic
 
-from .harness import time_step
+from .harness import host_note, time_step
 from .sizes import CONFIG, POOL, Sizes
 from .variants import (
   KERNEL,
@@ -226,7 +226,8 @@ def run(bench):
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
                         "timed run, µs per layer" + ("; layers chained (each reads the last "
-                                                     "one's output)" if chained else ""))
+                                                     "one's output)" if chained else "")
+                        + (f"; {host_note(info)}" if host_note(info) else ""))
         bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
                   f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
       except Exception as e:                             # noqa: BLE001

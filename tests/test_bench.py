@@ -265,3 +265,13 @@ def test_xla_option_values_are_typed_as_xla_takes_them():
   assert _option_value("false") is False and _option_value("True") is True
   assert _option_value("16") == 16 and isinstance(_option_value("16"), int)
   assert _option_value("SKIP_TEMP") == "SKIP_TEMP"
+
+
+def test_host_note_marks_runs_whose_dispatch_passes_half_the_run():
+  """One rule for the ops and the stage rows: a run whose host dispatch takes over half of
+  it is an upper bound, and its row says so with both times."""
+  from bench.harness import host_note
+  assert host_note(dict(dispatch_us=500.0, run_us=1000.0)) is None
+  assert host_note(dict(run_us=1000.0)) is None
+  assert host_note(dict(dispatch_us=806.4, run_us=843.0)) == (
+      "host-bound (dispatch 806 of 843 µs per run): an upper bound")
