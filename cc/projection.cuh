@@ -92,30 +92,53 @@ __device__ __forceinline__ void load_weights(uint4 (&lo)[kBlocks], uint4 (&hi)[k
   }
 }
 
+// Lane (g, q)'s x fragments of the 8-token tiles of the step from token row `row` (chunk
+// offset), kBlocks K blocks from k0: `tiles` (1 or 2) of them, the rest left unloaded. Token
+// rows past the end repeat the last one (their sums are not stored).
+template <int kBlocks>
+__device__ __forceinline__ void load_x(uint4 (&xv)[2][kBlocks], const Gemm& a, int64_t k0,
+                                       int64_t row, int tiles, int g) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h < tiles) {
+      const int64_t t = min(row + h * kTile + g, a.rows - 1);
+      const uint4* px = reinterpret_cast<const uint4*>(a.x + t * a.k + k0);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
+    }
+  }
+}
+
+// The 8-token tiles of the step at chunk offset s that hold a row of the chunk: the second
+// only when the chunk passes s + 8 (below, its rows would all be padding: never read back).
+__device__ __forceinline__ int step_tiles(int s, int chunk) { return chunk - s > kTile ? 2 : 1; }
+
 // The warp's kBlocks K blocks from k0 for every token step of the chunk, into its slab
 // `mine` f32[chunk_pad][16]; `resume` starts from the sums a previous stage stored there.
+// Latency: both tiles' x loads go out as one batch, and the next step's before this step's
+// mma (ptxas had issued the second tile's loads after the first tile's mma: two load
+// latencies a step); a tile of padding rows only (M <= 8: the second) is neither loaded nor
+// multiplied. Each sum's order is unchanged (the same mma sequence per accumulator), hence
+// the bits.
 template <int kBlocks>
 __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uint4 (&lo)[kBlocks],
                                            const uint4 (&hi)[kBlocks], int64_t k0,
                                            int64_t chunk0, int chunk, bool resume) {
   const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
+  uint4 xv[2][kBlocks];
+  load_x(xv, a, k0, chunk0, step_tiles(0, chunk), g);
 #pragma unroll 1
   for (int s = 0; s < chunk; s += kStep) {
-    // Token rows past the end repeat the last one; their sums are not stored.
-    uint4 xv[2][kBlocks];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t t = min(chunk0 + s + h * kTile + g, a.rows - 1);
-      const uint4* px = reinterpret_cast<const uint4*>(a.x + t * a.k + k0);
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
-    }
+    const int tiles = step_tiles(s, chunk);
+    const bool more = s + kStep < chunk;
+    uint4 xn[2][kBlocks];
+    if (more) load_x(xn, a, k0, chunk0 + s + kStep, step_tiles(s + kStep, chunk), g);
     // c[h] = outputs (g, g + 8) x token rows (2q, 2q + 1) of tile h.
     float c[2][4] = {};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float* in = mine + (s + h * kTile + 2 * q) * kTileN + g;
-      if (resume) {
+      if (resume && h < tiles) {
         c[h][0] = in[0];
         c[h][1] = in[kTileN];
         c[h][2] = in[kTile];
@@ -123,17 +146,26 @@ __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uin
       }
     }
 #pragma unroll
-    for (int b = 0; b < kBlocks; ++b) {
-      mma_block(c[0], lo[b], hi[b], xv[0][b]);
-      mma_block(c[1], lo[b], hi[b], xv[1][b]);
+    for (int b = 0; b < kBlocks; ++b) mma_block(c[0], lo[b], hi[b], xv[0][b]);
+    if (tiles == 2) {
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) mma_block(c[1], lo[b], hi[b], xv[1][b]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float* const out = mine + (s + h * kTile + 2 * q) * kTileN + g;
-      out[0] = c[h][0];
-      out[kTileN] = c[h][1];
-      out[kTile] = c[h][2];
-      out[kTileN + kTile] = c[h][3];
+      if (h < tiles) {
+        float* const out = mine + (s + h * kTile + 2 * q) * kTileN + g;
+        out[0] = c[h][0];
+        out[kTileN] = c[h][1];
+        out[kTile] = c[h][2];
+        out[kTileN + kTile] = c[h][3];
+      }
+    }
+    if (more) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) xv[h][b] = xn[h][b];
     }
   }
 }
