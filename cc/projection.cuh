@@ -50,10 +50,14 @@ struct Gemm {
   int32_t chunk_pad;      // min(M, kChunk) rounded up to kStep: smem token rows per warp
 };
 
-// 16 bytes of weights, streamed once: no L1 allocation.
+// 16 bytes of weights, streamed once: no L1 allocation. A weak load, not ld.global.nc: ptxas
+// (CUDA 13.0, sm_90a) hoists griddepcontrol.wait above .nc loads (ACQBULK first in the SASS,
+// the weights after it), which would wait for the previous grid before loading the weights;
+// weak loads stay where they are written, before the wait (tests/test_sass_gpu.py checks the
+// built module's SASS).
 __device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;

@@ -1,0 +1,84 @@
+"""The built CUDA module's SASS keeps each kernel's model-weight loads before its PDL wait.
+
+Programmatic dependent launch lets a kernel start while the previous one finishes; the
+projection kernels (indexer_projection, indexer_projection_fused, indexer_update's first
+kernel) load their w_cat fragments and indexer_q bulk-copies its wq_b rows before
+griddepcontrol.wait (ACQBULK in the SASS), so that those loads overlap the previous kernel.
+The source order is not enough: ptxas (CUDA 13.0, sm_90a) hoists the wait above ld.global.nc
+loads, so cc/projection.cuh loads the weights with weak loads. This test reads the SASS
+(cuobjdump) and fails if a change lets the wait move above them again.
+"""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# Kernel families (mangled-name pattern) and the instructions that must come before their
+# first ACQBULK: a projection kernel's lane loads 2 x blocks 16-byte weight fragments (rows
+# g and g + 8, `blocks` K blocks: its first template argument); indexer_q issues its TMA
+# bulk copies.
+PROJECTION = re.compile(r"indexer_projection(?:_fused)?_kernelILi(\d+)E")
+Q_KERNEL = re.compile(r"indexer_q_kernelILi\d+E")
+WAIT = "ACQBULK"
+
+
+def _cuobjdump():
+  for path in (shutil.which("cuobjdump"),
+               os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")):
+    if path and os.path.exists(path):
+      return path
+  if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
+    pytest.fail("cuobjdump (CUDA toolkit) not found: PATH or $CUDA_HOME/bin")
+  pytest.skip("needs cuobjdump (CUDA toolkit)")
+
+
+def _functions(sass):
+  """{mangled name: [instruction, ...]} of cuobjdump -sass output."""
+  functions, current = {}, None
+  for line in sass.splitlines():
+    m = re.search(r"Function : (\S+)", line)
+    if m:
+      current = functions.setdefault(m.group(1), [])
+      continue
+    m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+    if m and current is not None:
+      current.append(m.group(1))
+  return functions
+
+
+def _before_wait(instructions, pattern):
+  """How many instructions matching `pattern` precede the first PDL wait (None: no wait)."""
+  for i, ins in enumerate(instructions):
+    if WAIT in ins:
+      return sum(bool(re.search(pattern, x)) for x in instructions[:i])
+  return None
+
+
+def test_weight_loads_precede_the_pdl_wait():
+  from glm5_jax._ffi import register_targets
+  if not register_targets():
+    pytest.fail("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON) on a GPU machine")
+  from glm5_jax import _glm5_cuda
+  sass = subprocess.run([_cuobjdump(), "-sass", str(pathlib.Path(_glm5_cuda.__file__))],
+                        check=True, capture_output=True, text=True).stdout
+  functions = _functions(sass)
+  checked = {"projection": 0, "q": 0}
+  for name, instructions in functions.items():
+    m = PROJECTION.search(name)
+    if m:
+      blocks = int(m.group(1))
+      loads = _before_wait(instructions, r"^(@\S+\s+)?LDG\.")
+      assert loads is not None and loads >= 2 * blocks, (
+          f"{name}: {loads} global loads before {WAIT}, want the {2 * blocks} weight loads")
+      checked["projection"] += 1
+    elif Q_KERNEL.search(name):
+      copies = _before_wait(instructions, r"^(@\S+\s+)?UBLKCP")
+      assert copies, f"{name}: no TMA bulk copy before {WAIT}"
+      checked["q"] += 1
+  # Every family found (a renamed kernel must not make this test pass by matching nothing).
+  assert checked["projection"] >= 9 and checked["q"] >= 1, checked
