@@ -96,21 +96,31 @@ __device__ __forceinline__ void load_weights(uint4 (&lo)[kBlocks], uint4 (&hi)[k
   }
 }
 
-// Lane (g, q)'s x fragments of the 8-token tiles of the step from token row `row` (chunk
-// offset), kBlocks K blocks from k0: `tiles` (1 or 2) of them, the rest left unloaded. Token
-// rows past the end repeat the last one (their sums are not stored).
+// Lane (g, q)'s x fragments of the step's 8-token tiles from token row `row`: x bf16[rows, k],
+// kBlocks K blocks from column `col` (the lane's 8q offset included), `tiles` (1 or 2) tiles,
+// the rest left unloaded. Token rows past the end repeat the last one (their sums are not
+// stored). Shared by the projection and indexer_q (q_gemm.cu).
 template <int kBlocks>
-__device__ __forceinline__ void load_x(uint4 (&xv)[2][kBlocks], const Gemm& a, int64_t k0,
-                                       int64_t row, int tiles, int g) {
+__device__ __forceinline__ void load_x(uint4 (&xv)[2][kBlocks], const uint16_t* x, int64_t k,
+                                       int64_t rows, int64_t col, int64_t row, int tiles, int g) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (h < tiles) {
-      const int64_t t = min(row + h * kTile + g, a.rows - 1);
-      const uint4* px = reinterpret_cast<const uint4*>(a.x + t * a.k + k0);
+      const int64_t t = min(row + h * kTile + g, rows - 1);
+      const uint4* px = reinterpret_cast<const uint4*>(x + t * k + col);
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
     }
   }
+}
+
+// The prefetched fragments become the step's (a register copy the loop keeps).
+template <int kBlocks>
+__device__ __forceinline__ void take_x(uint4 (&xv)[2][kBlocks], const uint4 (&xn)[2][kBlocks]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) xv[h][b] = xn[h][b];
 }
 
 // The 8-token tiles of the step at chunk offset s that hold a row of the chunk: the second
@@ -130,13 +140,14 @@ __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uin
                                            int64_t chunk0, int chunk, bool resume) {
   const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
   uint4 xv[2][kBlocks];
-  load_x(xv, a, k0, chunk0, step_tiles(0, chunk), g);
+  load_x(xv, a.x, a.k, a.rows, k0, chunk0, step_tiles(0, chunk), g);
 #pragma unroll 1
   for (int s = 0; s < chunk; s += kStep) {
     const int tiles = step_tiles(s, chunk);
     const bool more = s + kStep < chunk;
     uint4 xn[2][kBlocks];
-    if (more) load_x(xn, a, k0, chunk0 + s + kStep, step_tiles(s + kStep, chunk), g);
+    if (more)
+      load_x(xn, a.x, a.k, a.rows, k0, chunk0 + s + kStep, step_tiles(s + kStep, chunk), g);
     // c[h] = outputs (g, g + 8) x token rows (2q, 2q + 1) of tile h.
     float c[2][4] = {};
 #pragma unroll
@@ -165,12 +176,7 @@ __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uin
         out[kTileN + kTile] = c[h][3];
       }
     }
-    if (more) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b) xv[h][b] = xn[h][b];
-    }
+    if (more) take_x(xv, xn);
   }
 }
 

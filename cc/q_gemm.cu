@@ -31,11 +31,11 @@ namespace glm5 {
 namespace {
 
 using gemm::kBlockK;
+using gemm::kStep;   // token rows per loop step: two 8-row mma tiles
 using gemm::kTile;
 
 constexpr int kWarps = 8;
 constexpr int kRows = 32;                   // wq_b rows per CTA: two 16-row mma tiles
-constexpr int kTokens = 2 * kTile;          // token rows per loop step: two 8-row mma tiles
 constexpr int kChunk = 64;                  // token rows per CTA; grid y covers more
 constexpr int kMaxBlocks = 8;               // K blocks per warp: K <= 8 * 32 * 8 = 2048
 constexpr int kPad = 64;                    // bytes of padding per shared weight row
@@ -51,7 +51,7 @@ struct QArgs {
 };
 
 // Shared memory: kWarps * kHalves mbarriers, the CTA's weight rows (stride 2 K + kPad
-// bytes), then the warps' sums f32[kWarps][kTokens][kRows].
+// bytes), then the warps' sums f32[kWarps][kStep][kRows].
 template <int kBlocks>
 struct Layout {
   static constexpr int kK = kWarps * kBlocks * kBlockK;
@@ -59,11 +59,11 @@ struct Layout {
   static constexpr int kBarriers = kWarps * kHalves * 8;
   static constexpr int kWeights = kBarriers;
   static constexpr int kSums = kWeights + kRows * kStride;
-  static constexpr int kBytes = kSums + 4 * kWarps * kTokens * kRows;
+  static constexpr int kBytes = kSums + 4 * kWarps * kStep * kRows;
 };
 
 template <int kBlocks>
-__global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a) {
+__global__ void __launch_bounds__(kWarps * kWarp, 1) indexer_q_kernel(const QArgs a) {
   using L = Layout<kBlocks>;
   constexpr int kFirst = (kBlocks + 1) / 2;                 // blocks in the first half
   extern __shared__ __align__(16) unsigned char smem[];
@@ -99,17 +99,18 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
   float* const sums = reinterpret_cast<float*>(smem + L::kSums);
   // Lane (g, qd)'s weight fragments: rows g and g + 8 of tile t, K offset kw + 32 b + 8 qd.
   const uint32_t frag = weights + g * L::kStride + 2 * (kw + 8 * qd);
-  for (int s = 0; s < chunk; s += kTokens) {
-    const bool second = chunk - s > kTile;                  // token rows 8..15 of the step
-    // Token rows past the end repeat the last one; their sums are not stored.
-    uint4 xv[2][kBlocks];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t t = min(chunk0 + s + h * kTile + g, a.rows - 1);
-      const uint4* px = reinterpret_cast<const uint4*>(a.x + t * L::kK + kw + 8 * qd);
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) xv[h][b] = __ldg(px + b * (kBlockK / 8));
-    }
+  // The step's x fragments as in the projection (gemm::accumulate): one batch of loads, the
+  // next step's issued before this step's mma, no loads for a tile of padding rows only.
+  const int64_t col = kw + 8 * qd;
+  uint4 xv[2][kBlocks];
+  gemm::load_x(xv, a.x, L::kK, a.rows, col, chunk0, gemm::step_tiles(0, chunk), g);
+  for (int s = 0; s < chunk; s += kStep) {
+    const bool second = gemm::step_tiles(s, chunk) == 2;   // token rows 8..15 of the step
+    const bool more = s + kStep < chunk;
+    uint4 xn[2][kBlocks];
+    if (more)
+      gemm::load_x(xn, a.x, L::kK, a.rows, col, chunk0 + s + kStep,
+                   gemm::step_tiles(s + kStep, chunk), g);
     float c[2][2][4] = {};                                  // [tile][token half][fragment]
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) {
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
       }
     }
     // c[t][h] = rows (16 t + g, 16 t + g + 8) x token rows (8 h + 2 qd, 8 h + 2 qd + 1).
-    float* const mine = sums + warp * kTokens * kRows;
+    float* const mine = sums + warp * kStep * kRows;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
 #pragma unroll
@@ -136,14 +137,15 @@ __global__ void __launch_bounds__(kWarps * kWarp) indexer_q_kernel(const QArgs a
       }
     }
     __syncthreads();
-    const int elements = min(kTokens, chunk - s) * kRows;
+    const int elements = min(kStep, chunk - s) * kRows;
     for (int e = threadIdx.x; e < elements; e += kWarps * kWarp) {
       float total = sums[e];
 #pragma unroll
-      for (int v = 1; v < kWarps; ++v) total += sums[v * kTokens * kRows + e];
+      for (int v = 1; v < kWarps; ++v) total += sums[v * kStep * kRows + e];
       a.q[(chunk0 + s + e / kRows) * a.n + n0 + e % kRows] = gemm::bf16_bits(total);
     }
     __syncthreads();  // the sums are rewritten by the next step
+    if (more) gemm::take_x(xv, xn);
   }
 }
 
