@@ -69,6 +69,13 @@ __device__ __forceinline__ void copy_box(uint32_t dst, const void* map, int32_t 
       : "memory");
 }
 
+// Fetches the tensor map `map` (a __grid_constant__ kernel parameter) into the TMA's
+// descriptor cache, so that the first copy_box does not wait for it. The map is a kernel
+// parameter, not data of the previous kernel: this may run before pdl_wait().
+__device__ __forceinline__ void prefetch_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
 // (wgmma operands, bulk copies out of shared memory).
 __device__ __forceinline__ void fence_proxy_async() {

@@ -338,6 +338,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
   const uint32_t full = base + L::kBars, empty = full + 8 * kRingStages;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (threadIdx.x == 0) {
+    bulk::prefetch_map(&keys_map);
     for (int s = 0; s < kRingStages; ++s) {
       bulk::init(full + 8 * s, kConsumerWarps);           // one arrival per tile
       bulk::init(empty + 8 * s, kConsumerWarps * kWarp);  // one per consumer thread

@@ -3,7 +3,8 @@
 Programmatic dependent launch lets a kernel start while the previous one finishes; the
 projection kernels (indexer_projection, indexer_projection_fused, indexer_update's first
 kernel) load their w_cat fragments and indexer_q bulk-copies its wq_b rows before
-griddepcontrol.wait (ACQBULK in the SASS), so that those loads overlap the previous kernel.
+griddepcontrol.wait (ACQBULK in the SASS), so that those loads overlap the previous kernel;
+mqa_logits prefetches its K-cache tensor map (a kernel parameter) there.
 The source order is not enough: ptxas (CUDA 13.0, sm_90a) hoists the wait above ld.global.nc
 loads, so cc/projection.cuh loads the weights with weak loads. This test reads the SASS
 (cuobjdump) and fails if a change lets the wait move above them again.
@@ -21,9 +22,10 @@ pytestmark = pytest.mark.gpu
 # Kernel families (mangled-name pattern) and the instructions that must come before their
 # first ACQBULK: a projection kernel's lane loads 2 x blocks 16-byte weight fragments (rows
 # g and g + 8, `blocks` K blocks: its first template argument); indexer_q issues its TMA
-# bulk copies.
+# bulk copies; mqa_logits its tensor-map prefetch.
 PROJECTION = re.compile(r"indexer_projection(?:_fused)?_kernelILi(\d+)E")
-Q_KERNEL = re.compile(r"indexer_q_kernelILi\d+E")
+BEFORE_WAIT = {re.compile(r"indexer_q_kernelILi\d+E"): r"^(@\S+\s+)?UBLKCP",
+               re.compile(r"mqa_logits_kernelILi\d+E"): r"^(@\S+\s+)?UTMACCTL\.PF"}
 WAIT = "ACQBULK"
 
 
@@ -67,7 +69,7 @@ def test_weight_loads_precede_the_pdl_wait():
   sass = subprocess.run([_cuobjdump(), "-sass", str(pathlib.Path(_glm5_cuda.__file__))],
                         check=True, capture_output=True, text=True).stdout
   functions = _functions(sass)
-  checked = {"projection": 0, "q": 0}
+  checked = {PROJECTION.pattern: 0, **{k.pattern: 0 for k in BEFORE_WAIT}}
   for name, instructions in functions.items():
     m = PROJECTION.search(name)
     if m:
@@ -75,10 +77,11 @@ def test_weight_loads_precede_the_pdl_wait():
       loads = _before_wait(instructions, r"^(@\S+\s+)?LDG\.")
       assert loads is not None and loads >= 2 * blocks, (
           f"{name}: {loads} global loads before {WAIT}, want the {2 * blocks} weight loads")
-      checked["projection"] += 1
-    elif Q_KERNEL.search(name):
-      copies = _before_wait(instructions, r"^(@\S+\s+)?UBLKCP")
-      assert copies, f"{name}: no TMA bulk copy before {WAIT}"
-      checked["q"] += 1
-  # Every family found (a renamed kernel must not make this test pass by matching nothing).
-  assert checked["projection"] >= 9 and checked["q"] >= 1, checked
+      checked[PROJECTION.pattern] += 1
+    for kernel, pattern in BEFORE_WAIT.items():
+      if kernel.search(name):
+        assert _before_wait(instructions, pattern), f"{name}: no {pattern} before {WAIT}"
+        checked[kernel.pattern] += 1
+  # Every family found (a renamed kernel must not make this test pass by matching nothing):
+  # 9 projection and 18 fused instantiations, 8 of indexer_q, 2 of mqa_logits.
+  assert checked[PROJECTION.pattern] >= 27 and all(checked.values()), checked
