@@ -73,7 +73,7 @@ def stage_table(rows):
          f"{next((r.get('layers') for r in rows if r['op'] == 'stage'), 11)} layers)", "",
          "kernels (default routing) / reference (every op on its pure-JAX reference), "
          "the speed-up in parentheses; every layer its own weights and caches (caches "
-         "donated), metadata on the device, 4 decode steps per jitted run unless noted "
+         "donated), metadata on the device, decode steps per jitted run as each row notes "
          "(each with its own x and qr; rows noted 'every layer its own x and qr' also per "
          "layer: before, XLA merged the layers' q GEMMs behind a weight copy), runs "
          "dispatched back to back (bench/stage.py); rows dated 2026-12-01 on return one "
