@@ -225,6 +225,21 @@ __host__ __device__ constexpr size_t stage_bytes(int64_t next_n) {
   return 2 * static_cast<size_t>(next_n < kWarp ? next_n : kWarp) * kWarp * sizeof(uint2);
 }
 
+// The lane's key quad of [B, N] row `row` (dims `dim` .. dim + 3), from the key operand
+// (kpool_update's; the epilogue computes its key instead).
+__device__ __forceinline__ uint2 key_quad(const UpdateArgs& a, int64_t row, int dim) {
+  return __ldg(reinterpret_cast<const uint2*>(a.key + row * kDim + dim));
+}
+
+// The lane's gate quad of row `row`: from the gate operand, or with kRaw rounded from the
+// projection's sums (update_epilogue: QueryArgs::raw's gate columns).
+template <bool kRaw>
+__device__ __forceinline__ uint2 gate_quad(const UpdateArgs& a, const QueryArgs* norm,
+                                           int64_t row, int dim) {
+  if constexpr (kRaw) return bf16_quad(raw_row(*norm, row) + kDim + norm->heads + dim);
+  return __ldg(reinterpret_cast<const uint2*>(a.gate + row * kDim + dim));
+}
+
 // One token of the warp's request: its indices, and its key and gate quads kw, gw.
 template <ScaleMode kMode>
 __device__ __forceinline__ void update_token(const UpdateArgs& a,
@@ -255,11 +270,9 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
     // hide their latency; lane l then takes dims 4l .. 4l + 3 from group l / 2's lane.
     const int32_t pos = __ldg(a.pos + req), loc = __ldg(a.loc + req);
     const int32_t tslot = __ldg(a.tslot + req);
-    const int64_t tok = req * kDim + dim;
     uint2 kw = make_uint2(0u, 0u);
-    if constexpr (!kNorm) kw = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-    const uint2 gw = kRaw ? bf16_quad(raw_row(*norm, req) + kDim + norm->heads + dim)
-                          : __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
+    if constexpr (!kNorm) kw = key_quad(a, req, dim);
+    const uint2 gw = gate_quad<kRaw>(a, norm, req, dim);
     load_bias(a.ape, dim, bias);
     const TokenPlan t = plan_token(a, pos, loc, tslot, lane);
     RingRows ring = {};
@@ -293,14 +306,8 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
     // the token loop then waits on global memory only for the ring rows of completions.
 #pragma unroll 4
     for (int u = 0; u < count; ++u) {
-      const int64_t tok = (first + t0 + u) * kDim + dim;
-      if constexpr (!kNorm)
-        staged[u * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.key + tok));
-      if constexpr (kRaw)
-        staged[(chunk + u) * kWarp + lane] =
-            bf16_quad(raw_row(*norm, first + t0 + u) + kDim + norm->heads + dim);
-      else
-        staged[(chunk + u) * kWarp + lane] = __ldg(reinterpret_cast<const uint2*>(a.gate + tok));
+      if constexpr (!kNorm) staged[u * kWarp + lane] = key_quad(a, first + t0 + u, dim);
+      staged[(chunk + u) * kWarp + lane] = gate_quad<kRaw>(a, norm, first + t0 + u, dim);
     }
     if constexpr (kNorm) {
       // Two tokens a step, a half-warp each: group g (dims 8g .. 8g + 7) is the quads of

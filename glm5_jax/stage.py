@@ -25,7 +25,7 @@ from .indexer import (
 from .kpool import kpool_update
 from .logits import select_pools, select_slots, select_slots_kernel_chosen
 from .reference.numerics import DIM, POOL
-from .update import indexer_update, update_epilogue
+from .update import indexer_update
 
 MQA_MIN_HEADS = 32
 # IndexerConfig.update: the stage's update part as the routing chooses (indexer_update's
@@ -242,7 +242,7 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         indexer_update, update_epilogue, select_pools, select_slots, expand_and_remap)
+         indexer_update, select_pools, select_slots, expand_and_remap)
   # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
   # routing; the reference composition runs the three ops).
   if use_reference:
@@ -359,21 +359,18 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
                  batch.positions)
   update = dict(heads=config.heads, scale_format=config.scale_format, **query)
   auto = config.update == "auto" and ops.kernels and not config.fused
-  one_op = config.update == "fused" or (
-      auto and _update_op.kernel_chosen(*update_args, routing=config.routing, **update))
-  # XLA's GEMM for the projection, its f32 sums straight into update_epilogue's kernel
-  # where the routing chooses it (no slice copies, one launch for the query epilogue and
-  # kpool_update; EPILOGUE_MEASURED).
-  epilogue = dict(scale_format=config.scale_format, **query)
-  two_ops = False
-  if auto and not one_op:
-    epilogue_args = (reference.projection_sums(x, weights.w_cat), q) + update_args[3:]
-    two_ops = _update_op.epilogue_kernel_chosen(*epilogue_args, routing=config.routing,
-                                                **epilogue)
+  # indexer_update where "fused" asks for it, and where "auto" finds its kernel chosen or
+  # update_epilogue's: the op runs its kernel where the routing chooses it, else XLA's GEMM
+  # with its f32 sums straight into update_epilogue (no slice copies, one launch for the
+  # query epilogue and kpool_update; EPILOGUE_MEASURED). The sums' aval decides: no GEMM
+  # is traced for the decision.
+  one_op = config.update == "fused" or (auto and (
+      _update_op.kernel_chosen(*update_args, routing=config.routing, **update)
+      or _update_op.epilogue_kernel_chosen(
+          jax.eval_shape(reference.projection_sums, x, weights.w_cat), q, *update_args[3:],
+          routing=config.routing, scale_format=config.scale_format, **query)))
   if one_op:
     *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(*update_args, **update)
-  elif two_ops:
-    q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue(*epilogue_args, **epilogue)
   elif config.fused:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
@@ -382,7 +379,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
-  if not (one_op or two_ops):
+  if not one_op:
     kv_cache, tail = ops.kpool_update(
         cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
         gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,

@@ -105,12 +105,14 @@ def _kernel_params(*avals, **params):
   return op.kernel_params(*a, **p)
 
 
-def _localize(index, x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-              pos):
-  """kpool_update's ids (tslot, loc) made device-local by its own rule."""
+def _cache_localize(index, *args):
+  """Split's localize of a call whose last six operands are kpool_update's (kv_cache, tail,
+  tslot, ape, loc, pos; indexer_update and update_epilogue): its ids (tslot, loc) made
+  device-local by kpool_update's own rule, the operands before them as they are."""
+  kv_cache, tail, tslot, ape, loc, pos = args[-6:]
   kv_cache, tail, tslot, _, _, ape, loc, pos = kpool._update_localize(
       index, kv_cache, tail, tslot, None, None, ape, loc, pos)
-  return x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
+  return (*args[:-6], kv_cache, tail, tslot, ape, loc, pos)
 
 
 # Every attribute of the three ops' kernels (their names do not collide), pdl implicit.
@@ -125,7 +127,7 @@ _update = Op(
     otherwise="XLA's GEMM + update_epilogue",
     kernel_params=_kernel_params,
     split=Split(("rows", None, "rows", None, None, "pages", "blocks", "requests", None,
-                 "requests", "requests"), ("rows",) * 6 + ("pages", "blocks"), _localize))
+                 "requests", "requests"), ("rows",) * 6 + ("pages", "blocks"), _cache_localize))
 
 
 def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: jax.Array,
@@ -248,14 +250,6 @@ def _epilogue_attribute_values(*avals, **params):
   return values
 
 
-def _epilogue_localize(index, raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                       pos):
-  """kpool_update's ids (tslot, loc) made device-local by its own rule."""
-  kv_cache, tail, tslot, _, _, ape, loc, pos = kpool._update_localize(
-      index, kv_cache, tail, tslot, None, None, ape, loc, pos)
-  return raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
-
-
 _epilogue = Op(
     EPILOGUE_OP, ref.update_epilogue, _epilogue_shapes, aliases={4: 3, 5: 4},
     kernel="glm5_update_epilogue",
@@ -265,7 +259,7 @@ _epilogue = Op(
     kernel_limits=(f"heads % {RAW_HEADS_MULTIPLE} == 0 and those of indexer_query and "
                    "kpool_update"),
     split=Split(("rows", "rows", None, None, "pages", "blocks", "requests", None, "requests",
-                 "requests"), ("rows",) * 3 + ("pages", "blocks"), _epilogue_localize))
+                 "requests"), ("rows",) * 3 + ("pages", "blocks"), _cache_localize))
 
 
 def update_epilogue(raw: jax.Array, q: jax.Array, norm_weight: jax.Array,
