@@ -1,7 +1,7 @@
 """Group "sweep" (--sweep-projection): indexer_projection's kernel at every (warps,
 split) tactic whose warp span of K = HIDDEN stays in registers, every M: rows with
-variant "kernel <warps>x<split>"."""
-from glm5_jax.indexer import projection_tactics, tile_k
+variant "kernel <warps>x<split>", the GEMV's "kernel GEMV <warps> warps"."""
+from glm5_jax.indexer import GEMV_SPLIT, projection_tactics, tile_k
 
 from .harness import amortised
 from .per_op import workload
@@ -28,7 +28,7 @@ def run(bench):
     for w, sp in tactics:
       if bench.over_budget():
         return
-      variant = f"{KERNEL} {w}x{sp}"
+      variant = f"{KERNEL} GEMV {w} warps" if sp == GEMV_SPLIT else f"{KERNEL} {w}x{sp}"
       try:
         work = workload(OP, shape, bench.s, tactic=(w, sp), **kw)
         with variant_env(KERNEL):

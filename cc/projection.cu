@@ -9,10 +9,12 @@
 // cluster that splits K, and the cluster adds its CTAs' sums in rank order over DSMEM. The
 // tactic (warps, split) changes the order, hence the bits within the fp32 tolerance. It is
 // chosen in Python at lowering (shapes are static there) and arrives as the attributes warps
-// and split; the handler only validates it (check_tactic).
+// and split; the handler only validates it (check_tactic). Split kGemvSplit is the GEMV
+// tactic (indexer_projection_gemv below): grid (N), no mma and no cluster.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common.h"
@@ -74,11 +76,70 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   cluster.sync();  // keep this CTA's sums alive until the cluster has read them
 }
 
+// The GEMV tactic (split = kGemvSplit): no mma and no cluster, for few tokens. CTA n owns
+// w_cat row n; lane l of warp v loads the 16 bytes at K offset 8 (l + 32 (v + warps j)) for
+// j < kLoads (a coalesced 512 B per warp and load), held in registers across the tokens.
+// Order of a token's sum: the lane's products in (j, element) order (fmaf: a bf16 product is
+// exact in fp32, so each step is one rounding of acc + w x), then a butterfly over the lanes
+// (xor 16, 8, 4, 2, 1: both lanes of a pair add the same two values, so all lanes agree),
+// then the warps' sums in warp order. The weights are loaded before the PDL wait; x after.
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+  const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc = fmaf(__uint_as_float(wv[i] << 16), __uint_as_float(xv[i] << 16), acc);
+    acc = fmaf(__uint_as_float(wv[i] & 0xffff0000u), __uint_as_float(xv[i] & 0xffff0000u), acc);
+  }
+  return acc;
+}
+
+template <int kLoads>
+__global__ void __launch_bounds__(kMaxWarps * kWarp)
+    indexer_projection_gemv(const ProjectionArgs a) {
+  __shared__ float sums[kMaxWarps];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+  const int32_t n = blockIdx.x;
+  const int64_t k = a.gemm.k, stride = int64_t{kGemvK} * warps;
+  const int64_t k0 = int64_t{8} * (lane + kWarp * warp);
+  uint4 w[kLoads];
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) w[j] = load_weight(a.gemm.w + n * k + k0 + j * stride);
+  pdl_wait();
+  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+#pragma unroll 1
+  for (int64_t t = 0; t < a.gemm.rows; ++t) {
+    const uint16_t* xt = a.gemm.x + t * k + k0;
+    uint4 x[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) x[j] = __ldg(reinterpret_cast<const uint4*>(xt + j * stride));
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) acc = dot8(w[j], x[j], acc);
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) sums[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = sums[0];
+      for (int v = 1; v < warps; ++v) total += sums[v];
+      store(a, t, n, total);
+    }
+    __syncthreads();  // sums is rewritten by the next token
+  }
+}
+
 using Kernel = void (*)(ProjectionArgs);
 
 template <int kBlocks, bool kStaged>
 struct Pick {
   static constexpr Kernel kernel = indexer_projection_kernel<kBlocks, kStaged>;
+};
+
+// check_tactic gives the GEMV one stage (pick_kernel still names the staged entry).
+template <int kLoads, bool kStaged>
+struct PickGemv {
+  static constexpr Kernel kernel = kStaged ? nullptr : indexer_projection_gemv<kLoads>;
 };
 
 }  // namespace
@@ -117,12 +178,17 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
   plan.args.head_w = head_w->typed_data();
   plan.args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   plan.args.heads = static_cast<int32_t>(heads);
+  plan.warps = warps;
+  plan.split = split;
+  if (split == kGemvSplit) {  // one CTA per w_cat row; its sums in static shared memory
+    plan.kernel = pick_kernel<Kernel, PickGemv>(*st);
+    plan.grid = dim3(static_cast<unsigned>(cd[0]));
+    return plan;
+  }
   plan.kernel = pick_kernel<Kernel, Pick>(*st);
   plan.smem = partial_bytes(plan.args.gemm, warps);
   plan.grid = dim3(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
                    static_cast<unsigned>(chunks));
-  plan.warps = warps;
-  plan.split = split;
   return plan;
 }
 
@@ -130,7 +196,7 @@ cudaError_t launch_projection(cudaStream_t stream, bool pdl, const ProjectionLau
   if (plan.kernel == nullptr) return cudaSuccess;
   if (cudaError_t err = allow_smem(plan.kernel, plan.smem); err != cudaSuccess) return err;
   return launch_cluster(plan.kernel, plan.grid, dim3(plan.warps * kWarp), plan.smem, stream, pdl,
-                        static_cast<unsigned>(plan.split), plan.args);
+                        static_cast<unsigned>(std::max(plan.split, 1)), plan.args);
 }
 
 namespace {

@@ -38,6 +38,8 @@ constexpr int kMaxWarps = 8;                // warps per CTA (attribute warps)
 constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (attribute split):
                                             // the portable cluster size
 constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
+constexpr int kGemvSplit = 0;               // attribute split naming the GEMV tactic
+constexpr int kGemvK = 8 * kWarp;           // GEMV: K a warp covers per 16-byte lane load
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
 
@@ -226,26 +228,36 @@ struct Staging {
 // The tactic (warps, split) arrives as attributes, chosen in Python at lowering; C++ only
 // validates it: warps in 1..kMaxWarps, split in 1..max_split (the fused kernel has no split
 // attribute: max_split 1), and 32 * warps * split * blocks = K with blocks in 1..kMaxBlocks
-// or a multiple of kMaxBlocks (at most kMaxStages stages). Returns the staging of K.
+// or a multiple of kMaxBlocks (at most kMaxStages stages). Where max_split > 1, split
+// kGemvSplit is the GEMV (projection.cu): K = kGemvK * warps * loads, loads in
+// 1..kMaxBlocks, returned as one stage of `loads` blocks. Returns the staging of K.
 inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t warps,
                                           int32_t split, int32_t max_split) {
+  const bool gemv = max_split > 1 && split == kGemvSplit;
   if (warps < 1 || warps > kMaxWarps)
     return ffi::Unexpected(check.fail("attribute warps = " + std::to_string(warps) +
                                       " must be in 1.." + std::to_string(kMaxWarps)));
-  if (split < 1 || split > max_split)
-    return ffi::Unexpected(check.fail("attribute split = " + std::to_string(split) +
-                                      " must be in 1.." + std::to_string(max_split)));
-  const int64_t per_warp = int64_t{kBlockK} * warps * split;
+  if (!gemv && (split < 1 || split > max_split))
+    return ffi::Unexpected(check.fail(
+        "attribute split = " + std::to_string(split) + " must be " +
+        (max_split > 1 ? std::to_string(kGemvSplit) + " (the GEMV) or " : std::string()) +
+        "in 1.." + std::to_string(max_split)));
+  const int64_t per_warp = gemv ? int64_t{kGemvK} * warps : int64_t{kBlockK} * warps * split;
   const int64_t blocks = k / per_warp;
   if (k % per_warp == 0 && blocks >= 1) {
     if (blocks <= kMaxBlocks) return Staging{static_cast<int>(blocks), 1};
-    if (blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= kMaxStages)
+    if (!gemv && blocks % kMaxBlocks == 0 && blocks / kMaxBlocks <= kMaxStages)
       return Staging{kMaxBlocks, static_cast<int>(blocks / kMaxBlocks)};
   }
   const std::string tactic =
       max_split == 1 ? "attribute warps = " + std::to_string(warps) + " does not"
                      : "attributes warps = " + std::to_string(warps) + ", split = " +
                            std::to_string(split) + " do not";
+  if (gemv)
+    return ffi::Unexpected(check.fail(tactic + " tile K = " + std::to_string(k) +
+                                      ": the GEMV needs K = " + std::to_string(kGemvK) +
+                                      " * warps * loads with loads in 1.." +
+                                      std::to_string(kMaxBlocks)));
   return ffi::Unexpected(check.fail(
       tactic + " tile K = " + std::to_string(k) + ": K must be 32 * warps * split * blocks " +
       "with blocks in 1.." + std::to_string(kMaxBlocks) + " or a multiple of " +

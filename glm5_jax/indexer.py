@@ -46,10 +46,17 @@ def _query_shapes(op, q, head_w, norm_weight, norm_bias, m, heads, scale, eps,
 # span of K is 1..MAX_BLOCKS blocks of BLOCK_K held in registers, or whole stages of
 # MAX_BLOCKS blocks (at most MAX_STAGES).
 TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT, MAX_STAGES = 16, 32, 8, 8, 8, 1 << 20
-# The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): 8 warps in clusters of 4
-# up to AUTO_ROWS rows (fastest at M 1-16), clusters of 8 past that (fastest at M 64: more
-# CTAs overlap the x reads) where that tiles K.
+# split = GEMV_SPLIT names the GEMV tactic (warps, GEMV_SPLIT): no mma and no cluster, one
+# CTA per w_cat row whose warps split K, a warp's lanes taking GEMV_K of it per 16-byte load,
+# 1..MAX_BLOCKS loads held in registers (K = GEMV_K * warps * loads). For few tokens: each
+# token's sums take one pass over the CTA.
+GEMV_SPLIT, GEMV_K = 0, 8 * 32
+# The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): the GEMV (GEMV_WARPS
+# warps) up to GEMV_ROWS rows, then 8 warps in clusters of 4 up to AUTO_ROWS rows (fastest
+# at M 2-16), clusters of 8 past that (fastest at M 64: more CTAs overlap the x reads) where
+# that tiles K.
 AUTO_ROWS, AUTO_SMALL, AUTO_LARGE = 32, (8, 4), (8, 8)
+GEMV_ROWS, GEMV_WARPS = 1, 4
 FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split is always 1)
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
 # its default; XLA's GEMM elsewhere.
@@ -63,7 +70,12 @@ Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
   """(blocks per stage, stages) of each warp's span of K under the tactic (warps, split),
   or None where it does not tile K: K = BLOCK_K * warps * split * blocks with blocks in
-  1..MAX_BLOCKS (one stage) or a multiple of MAX_BLOCKS (stages of MAX_BLOCKS)."""
+  1..MAX_BLOCKS (one stage) or a multiple of MAX_BLOCKS (stages of MAX_BLOCKS); for the
+  GEMV (split GEMV_SPLIT), (loads, 1) with K = GEMV_K * warps * loads, loads in
+  1..MAX_BLOCKS."""
+  if split == GEMV_SPLIT:
+    loads, rest = divmod(k, GEMV_K * warps)
+    return (loads, 1) if not rest and 1 <= loads <= MAX_BLOCKS else None
   blocks, rest = divmod(k, BLOCK_K * warps * split)
   if rest or blocks < 1:
     return None
@@ -77,10 +89,13 @@ def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
 def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
                       ) -> tuple[int, int]:
   """The (warps, split) glm5_indexer_projection runs at M = rows: `tactic` where given,
-  else the table by rows (AUTO_SMALL up to AUTO_ROWS rows, AUTO_LARGE past that where it
-  tiles K). It may not tile K: then the op runs the reference (kernel_supports)."""
+  else the table by rows (the GEMV up to GEMV_ROWS rows where it tiles K, AUTO_SMALL up to
+  AUTO_ROWS rows, AUTO_LARGE past that where it tiles K). It may not tile K: then the op
+  runs the reference (kernel_supports)."""
   if tactic is not None:
     return tuple(tactic)
+  if rows <= GEMV_ROWS and tile_k(k, GEMV_WARPS, GEMV_SPLIT):
+    return GEMV_WARPS, GEMV_SPLIT
   return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
 
 
@@ -92,21 +107,28 @@ def q_kernel_tiles(n: int, k: int) -> bool:
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
-  """Every power-of-two tactic (warps, split) that tiles K (benchmark sweeps, tests)."""
-  return [(w, s) for w in (1, 2, 4, 8) for s in (1, 2, 4, 8)
+  """Every power-of-two tactic (warps, split) that tiles K, and with max_split > 1 every
+  GEMV tactic (warps, GEMV_SPLIT) that does (benchmark sweeps, tests)."""
+  splits = (GEMV_SPLIT, 1, 2, 4, 8) if max_split > 1 else (1, 2, 4, 8)
+  return [(w, s) for w in (1, 2, 4, 8) for s in splits
           if w <= MAX_WARPS and s <= max_split and tile_k(k, w, s)]
 
 
 def _check_tactic(op, tactic, k, max_split=MAX_SPLIT):
-  """An explicit (warps, split) must tile K."""
+  """An explicit (warps, split) must tile K; split GEMV_SPLIT (the GEMV) only where K is
+  split across CTAs at all (max_split > 1)."""
   if tactic is None:
     return
   warps, split = tactic
-  if not (1 <= warps <= MAX_WARPS and 1 <= split <= max_split):
-    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split 1..{max_split}), got {tactic}")
+  gemv = max_split > 1 and split == GEMV_SPLIT
+  if not (1 <= warps <= MAX_WARPS and (gemv or 1 <= split <= max_split)):
+    splits = (f"{GEMV_SPLIT} (the GEMV) or " if max_split > 1 else "") + f"1..{max_split}"
+    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split {splits}), got {tactic}")
   if not tile_k(k, warps, split):
-    fail(op, "tactic", f"{tactic} does not tile K = {k}: K must be 32 * warps * split * "
-         f"blocks with blocks in 1..{MAX_BLOCKS} or a multiple of {MAX_BLOCKS}")
+    rule = (f"K must be {GEMV_K} * warps * loads with loads in 1..{MAX_BLOCKS}" if gemv else
+            f"K must be 32 * warps * split * blocks with blocks in 1..{MAX_BLOCKS} or a "
+            f"multiple of {MAX_BLOCKS}")
+    fail(op, "tactic", f"{tactic} does not tile K = {k}: {rule}")
 
 
 def _projection_op_shapes(x, w_cat, *, heads, tactic):
@@ -131,6 +153,7 @@ def _projection_attributes(x, w_cat, *, heads, tactic):
 
 _TILING = (f"K = {BLOCK_K} * warps * split * blocks, blocks 1..{MAX_BLOCKS} or a multiple "
            f"of {MAX_BLOCKS}")
+_GEMV_TILING = f"K = {GEMV_K} * warps * loads, loads 1..{MAX_BLOCKS}"
 
 _projection = Op(
     "indexer_projection",
@@ -139,9 +162,10 @@ _projection = Op(
     kernel="glm5_indexer_projection",
     attributes=dict(warps=np.int32, split=np.int32), attribute_values=_projection_attributes,
     kernel_supports=_projection_kernel_supports,
-    kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING}; tactic (warps, split) "
-                   f"{AUTO_SMALL} up to {AUTO_ROWS} rows, {AUTO_LARGE} past that where it "
-                   "tiles K"),
+    kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING} (the GEMV, split {GEMV_SPLIT}: "
+                   f"{_GEMV_TILING}); tactic (warps, split) ({GEMV_WARPS}, {GEMV_SPLIT}) up "
+                   f"to {GEMV_ROWS} rows where it tiles K, {AUTO_SMALL} up to {AUTO_ROWS} "
+                   f"rows, {AUTO_LARGE} past that where it tiles K"),
     kernel_default=lambda x, w_cat, **params: (
         PROJECTION_KERNEL_ROWS[0] <= x.shape[0] <= PROJECTION_KERNEL_ROWS[1]),
     kernel_default_note="M {} to {}, where it beats XLA's GEMM".format(*PROJECTION_KERNEL_ROWS),
@@ -253,8 +277,9 @@ def indexer_projection(x: jax.Array, w_cat: jax.Array, *, heads: int,
   tile_k; other shapes run the reference) and reads w_cat before the preceding kernel
   has finished (PDL): pass the weights in as model parameters, not as the output of the
   op just before. tactic: None (the table by M, projection_tactic) or (warps, split),
-  warps per CTA and CTAs per cluster splitting K, for benchmark sweeps; it changes the
-  fp32 summation order, not the result's tolerance; the reference ignores it.
+  warps per CTA and CTAs per cluster splitting K (split GEMV_SPLIT: the GEMV, no mma), for
+  benchmark sweeps; it changes the fp32 summation order, not the result's tolerance; the
+  reference ignores it.
   routing: where the op runs on CUDA (None: Routing.from_env()).
   """
   tactic = None if tactic is None else tuple(int(v) for v in tactic)

@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import glm5_jax  # noqa: E402
+from glm5_jax.indexer import GEMV_SPLIT, GEMV_WARPS  # noqa: E402
 from glm5_jax.testing import cases, oracle  # noqa: E402
 
 SEEDS = 3
@@ -51,6 +52,15 @@ def _variants():
   for params in (dict(scale_format="ue8m0"), dict(round_scale=False)):
     out.append((f"kpool_compress {params}", functools.partial(compress.fn, **params),
                 compress.make, None, True))
+  # indexer_projection's GEMV tactic (split GEMV_SPLIT): one token (the table's choice at
+  # M = 1) and three tokens (its per-token loop).
+  projection = cases.CASES["indexer_projection"]
+  for rows, warps in ((1, GEMV_WARPS), (3, 2)):
+    out.append((f"indexer_projection GEMV M={rows}",
+                functools.partial(projection.fn, tactic=(warps, GEMV_SPLIT)),
+                lambda rng, rows=rows: tuple(a[:rows] if i == 0 else a for i, a in
+                                             enumerate(projection.make(rng))),
+                None, False))
   # mqa_logits with several times more work items than the persistent grid has CTAs (8
   # rows x 448 items): each CTA of the streamed kernel reuses every stage of its ring,
   # flips the barriers' parity and changes rows; short rows, a missing page and one past

@@ -155,11 +155,16 @@ BAD_PARAMS = [
     ("indexer_update", dict(padded=8), "padded must be >= the head count 16, got 8"),
     ("indexer_update", dict(scale_format="e8"), "scale_format must be one of"),
     ("indexer_update", dict(scale_format="ue8m0", round_scale=False), "round_scale"),
-    ("indexer_update", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
+    ("indexer_update", dict(tactic=(16, 1)),
+     r"tactic must be \(warps 1..8, split 0 \(the GEMV\) or 1..8\)"),
     ("indexer_update", dict(tactic=(8, 8)), r"tactic \(8, 8\) does not tile K = 1024"),
-    ("indexer_projection", dict(tactic=(16, 1)), r"tactic must be \(warps 1..8, split 1..8\)"),
+    ("indexer_projection", dict(tactic=(16, 1)),
+     r"tactic must be \(warps 1..8, split 0 \(the GEMV\) or 1..8\)"),
+    ("indexer_projection", dict(tactic=(8, 0)),
+     r"tactic \(8, 0\) does not tile K = 1024: K must be 256 \* warps \* loads"),
     ("indexer_projection", dict(tactic=(4, 3)), "tactic .* does not tile K = 1024"),
     ("indexer_projection_fused", dict(tactic=(8, 2)), r"tactic must be \(warps 1..8, split 1..1\)"),
+    ("indexer_projection_fused", dict(tactic=(4, 0)), r"tactic must be \(warps 1..8, split 1..1\)"),
     ("indexer_projection_fused", dict(tactic=(3, 1)), "tactic .* does not tile K = 1024"),
 ]
 

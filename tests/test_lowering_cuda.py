@@ -102,6 +102,7 @@ def _projection_call(op, heads, k, tactic, rows=3):
     ("indexer_projection", 64, 6144, None, True), ("indexer_projection", 32, 8192, None, True),
     ("indexer_projection", 32, 4096, (4, 4), True), ("indexer_projection", 32, 512, (1, 2), True),
     ("indexer_projection", 32, 6144, (8, 1), True), ("indexer_projection", 4, 1024, None, False),
+    ("indexer_projection", 32, 512, (2, 0), True),
     ("indexer_projection", 24, 4096, None, False), ("indexer_projection", 32, 512, None, False),
     ("indexer_projection", 32, 1536, None, False), ("indexer_projection", 32, 9216, None, False),
     ("indexer_projection_fused", 16, 4096, None, True),
@@ -414,6 +415,9 @@ def test_indexer_query_attributes(op, wdtype, monkeypatch):
     ("indexer_projection", 33, 1024, None, dict(warps=8, split=4)),
     ("indexer_projection", 3, 1024, (2, 4), dict(warps=2, split=4)),
     ("indexer_projection", 3, 1024, [8, 1], dict(warps=8, split=1)),
+    ("indexer_projection", 1, 4096, None, dict(warps=4, split=0)),
+    ("indexer_projection", 2, 4096, None, dict(warps=8, split=4)),
+    ("indexer_projection", 3, 1024, (2, 0), dict(warps=2, split=0)),
     ("indexer_projection_fused", 3, 1024, None, dict(warps=8)),
     ("indexer_projection_fused", 3, 1024, (4, 1), dict(warps=4))])
 def test_projection_attributes(op, rows, k, tactic, expected, monkeypatch):

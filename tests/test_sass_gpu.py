@@ -1,10 +1,10 @@
 """The built CUDA module's SASS keeps each kernel's model-weight loads before its PDL wait.
 
 Programmatic dependent launch lets a kernel start while the previous one finishes; the
-projection kernels (indexer_projection, indexer_projection_fused, indexer_update's first
-kernel) load their w_cat fragments and indexer_q bulk-copies its wq_b rows before
-griddepcontrol.wait (ACQBULK in the SASS), so that those loads overlap the previous kernel;
-mqa_logits prefetches its K-cache tensor map (a kernel parameter) there.
+projection kernels (indexer_projection and its GEMV, indexer_projection_fused,
+indexer_update's first kernel) load their w_cat fragments and indexer_q bulk-copies its
+wq_b rows before griddepcontrol.wait (ACQBULK in the SASS), so that those loads overlap the
+previous kernel; mqa_logits prefetches its K-cache tensor map (a kernel parameter) there.
 The source order is not enough: ptxas (CUDA 13.0, sm_90a) hoists the wait above ld.global.nc
 loads, so cc/projection.cuh loads the weights with weak loads. This test reads the SASS
 (cuobjdump) and fails if a change lets the wait move above them again.
@@ -21,9 +21,11 @@ pytestmark = pytest.mark.gpu
 
 # Kernel families (mangled-name pattern) and the instructions that must come before their
 # first ACQBULK: a projection kernel's lane loads 2 x blocks 16-byte weight fragments (rows
-# g and g + 8, `blocks` K blocks: its first template argument); indexer_q issues its TMA
-# bulk copies; mqa_logits its tensor-map prefetch.
-PROJECTION = re.compile(r"indexer_projection(?:_fused)?_kernelILi(\d+)E")
+# g and g + 8, `blocks` K blocks: its first template argument), the GEMV's lane `loads`
+# fragments of its row (its template argument); indexer_q issues its TMA bulk copies;
+# mqa_logits its tensor-map prefetch.
+PROJECTION = {re.compile(r"indexer_projection(?:_fused)?_kernelILi(\d+)E"): 2,
+              re.compile(r"indexer_projection_gemvILi(\d+)E"): 1}
 BEFORE_WAIT = {re.compile(r"indexer_q_kernelILi\d+E"): r"^(@\S+\s+)?UBLKCP",
                re.compile(r"mqa_logits_kernelILi\d+E"): r"^(@\S+\s+)?UTMACCTL\.PF"}
 WAIT = "ACQBULK"
@@ -69,19 +71,21 @@ def test_weight_loads_precede_the_pdl_wait():
   sass = subprocess.run([_cuobjdump(), "-sass", str(pathlib.Path(_glm5_cuda.__file__))],
                         check=True, capture_output=True, text=True).stdout
   functions = _functions(sass)
-  checked = {PROJECTION.pattern: 0, **{k.pattern: 0 for k in BEFORE_WAIT}}
+  checked = {k.pattern: 0 for k in [*PROJECTION, *BEFORE_WAIT]}
   for name, instructions in functions.items():
-    m = PROJECTION.search(name)
-    if m:
-      blocks = int(m.group(1))
-      loads = _before_wait(instructions, r"^(@\S+\s+)?LDG\.")
-      assert loads is not None and loads >= 2 * blocks, (
-          f"{name}: {loads} global loads before {WAIT}, want the {2 * blocks} weight loads")
-      checked[PROJECTION.pattern] += 1
+    for kernel, per_block in PROJECTION.items():
+      m = kernel.search(name)
+      if m:
+        want = per_block * int(m.group(1))
+        loads = _before_wait(instructions, r"^(@\S+\s+)?LDG\.")
+        assert loads is not None and loads >= want, (
+            f"{name}: {loads} global loads before {WAIT}, want the {want} weight loads")
+        checked[kernel.pattern] += 1
     for kernel, pattern in BEFORE_WAIT.items():
       if kernel.search(name):
         assert _before_wait(instructions, pattern), f"{name}: no {pattern} before {WAIT}"
         checked[kernel.pattern] += 1
   # Every family found (a renamed kernel must not make this test pass by matching nothing):
-  # 9 projection and 18 fused instantiations, 8 of indexer_q, 2 of mqa_logits.
-  assert checked[PROJECTION.pattern] >= 27 and all(checked.values()), checked
+  # 9 projection and 18 fused instantiations, 8 GEMVs, 8 of indexer_q, 2 of mqa_logits.
+  mma, gemv = (checked[k.pattern] for k in PROJECTION)
+  assert mma >= 27 and gemv >= 8 and all(checked.values()), checked
