@@ -17,6 +17,9 @@ def add_arguments(parser):
   parser.add_argument("--sweep-projection", action="store_true",
                       help="also time indexer_projection's kernel at every (warps, split) "
                            "tactic")
+  parser.add_argument("--sweep-tactics", default="",
+                      help="only these tactics, as warps x split (e.g. 4x0,8x4; split "
+                           f"{GEMV_SPLIT} = the GEMV); default every one-stage tactic")
 
 
 def run(bench):
@@ -24,6 +27,9 @@ def run(bench):
     return
   # One-stage tactics only (each warp's span of K held in registers).
   tactics = [t for t in projection_tactics(HIDDEN) if tile_k(HIDDEN, *t)[1] == 1]
+  if bench.args.sweep_tactics:
+    wanted = {tuple(int(v) for v in t.split("x")) for t in bench.args.sweep_tactics.split(",")}
+    tactics = [t for t in tactics if t in wanted]
   for shape, kw in WORKLOADS[OP][1](bench.s):
     for w, sp in tactics:
       if bench.over_budget():

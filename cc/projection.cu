@@ -94,9 +94,19 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
 }
 
 template <int kLoads>
+__device__ __forceinline__ void load_token(uint4 (&x)[kLoads], const uint16_t* xt,
+                                           int64_t stride) {
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) x[j] = __ldg(reinterpret_cast<const uint4*>(xt + j * stride));
+}
+
+// Token t + 1's x is loaded before token t's sum is reduced, and the warps' sums alternate
+// between two slots, so that one barrier a token suffices: a warp writes slot t % 2 again
+// (token t + 2) only past token t + 1's barrier, which thread 0 reaches after reading it.
+template <int kLoads>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_gemv(const ProjectionArgs a) {
-  __shared__ float sums[kMaxWarps];
+  __shared__ float sums[2][kMaxWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
   const int32_t n = blockIdx.x;
@@ -107,25 +117,24 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   for (int j = 0; j < kLoads; ++j) w[j] = load_weight(a.gemm.w + n * k + k0 + j * stride);
   pdl_wait();
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+  uint4 x[kLoads];
+  load_token(x, a.gemm.x + k0, stride);
 #pragma unroll 1
   for (int64_t t = 0; t < a.gemm.rows; ++t) {
-    const uint16_t* xt = a.gemm.x + t * k + k0;
-    uint4 x[kLoads];
-#pragma unroll
-    for (int j = 0; j < kLoads; ++j) x[j] = __ldg(reinterpret_cast<const uint4*>(xt + j * stride));
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) acc = dot8(w[j], x[j], acc);
+    if (t + 1 < a.gemm.rows) load_token(x, a.gemm.x + (t + 1) * k + k0, stride);
 #pragma unroll
     for (int o = kWarp / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) sums[warp] = acc;
+    float* const slot = sums[t % 2];
+    if (lane == 0) slot[warp] = acc;
     __syncthreads();
     if (threadIdx.x == 0) {
-      float total = sums[0];
-      for (int v = 1; v < warps; ++v) total += sums[v];
+      float total = slot[0];
+      for (int v = 1; v < warps; ++v) total += slot[v];
       store(a, t, n, total);
     }
-    __syncthreads();  // sums is rewritten by the next token
   }
 }
 
