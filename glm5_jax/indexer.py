@@ -52,14 +52,15 @@ TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT, MAX_STAGES = 16, 32, 8, 8,
 # token's sums take one pass over the CTA.
 GEMV_SPLIT, GEMV_K = 0, 8 * 32
 # The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): the GEMV (GEMV_WARPS
-# warps) up to GEMV_ROWS rows, then 8 warps in clusters of 4 up to AUTO_ROWS rows (fastest
-# at M 2-16), clusters of 8 past that (fastest at M 64: more CTAs overlap the x reads) where
-# that tiles K.
+# warps) up to GEMV_ROWS rows (M=1 3.39-3.61 µs, the mma tactics 4.6-5.3; M=2 3.92, 8x4
+# 4.8), then 8 warps in clusters of 4 up to AUTO_ROWS rows (fastest at M 4-16), clusters of
+# 8 past that (fastest at M 64: more CTAs overlap the x reads) where that tiles K.
 AUTO_ROWS, AUTO_SMALL, AUTO_LARGE = 32, (8, 4), (8, 8)
-GEMV_ROWS, GEMV_WARPS = 1, 4
+GEMV_ROWS, GEMV_WARPS = 2, 4
 FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split is always 1)
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
-# its default; XLA's GEMM elsewhere.
+# its default; XLA's GEMM elsewhere. At M=1 the GEMV and XLA's GEMV are at parity (3.39-3.61
+# vs 3.46-3.48 µs over two runs): XLA's, which may also fuse with its neighbours.
 PROJECTION_KERNEL_ROWS = (2, 16)
 # glm5_indexer_q's tiling (cc/q_gemm.cu holds the matching compile-time sizes and checks
 # them): 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS blocks

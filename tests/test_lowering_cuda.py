@@ -416,7 +416,8 @@ def test_indexer_query_attributes(op, wdtype, monkeypatch):
     ("indexer_projection", 3, 1024, (2, 4), dict(warps=2, split=4)),
     ("indexer_projection", 3, 1024, [8, 1], dict(warps=8, split=1)),
     ("indexer_projection", 1, 4096, None, dict(warps=4, split=0)),
-    ("indexer_projection", 2, 4096, None, dict(warps=8, split=4)),
+    ("indexer_projection", 2, 4096, None, dict(warps=4, split=0)),
+    ("indexer_projection", 3, 4096, None, dict(warps=8, split=4)),
     ("indexer_projection", 3, 1024, (2, 0), dict(warps=2, split=0)),
     ("indexer_projection_fused", 3, 1024, None, dict(warps=8)),
     ("indexer_projection_fused", 3, 1024, (4, 1), dict(warps=4))])

@@ -101,7 +101,7 @@ def test_every_tactic_within_the_bound_and_deterministic(k, m):
     print(f"\n[{label}] max err/bound {ratio:.3f}")
 
 
-@pytest.mark.parametrize("m", [1, 32, 33, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 32, 33, 128])
 def test_built_in_table(m):
   """tactic=None runs the table's entry by rows (glm5_jax.indexer.projection_tactic) at
   K 4096."""
