@@ -14,7 +14,6 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "common.h"
@@ -188,7 +187,6 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
   plan.args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   plan.args.heads = static_cast<int32_t>(heads);
   plan.warps = warps;
-  plan.split = split;
   if (split == kGemvSplit) {  // one CTA per w_cat row; its sums in static shared memory
     plan.kernel = pick_kernel<Kernel, PickGemv>(*st);
     plan.grid = dim3(static_cast<unsigned>(cd[0]));
@@ -198,6 +196,7 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
   plan.smem = partial_bytes(plan.args.gemm, warps);
   plan.grid = dim3(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
                    static_cast<unsigned>(chunks));
+  plan.cluster = split;
   return plan;
 }
 
@@ -205,7 +204,7 @@ cudaError_t launch_projection(cudaStream_t stream, bool pdl, const ProjectionLau
   if (plan.kernel == nullptr) return cudaSuccess;
   if (cudaError_t err = allow_smem(plan.kernel, plan.smem); err != cudaSuccess) return err;
   return launch_cluster(plan.kernel, plan.grid, dim3(plan.warps * kWarp), plan.smem, stream, pdl,
-                        static_cast<unsigned>(std::max(plan.split, 1)), plan.args);
+                        static_cast<unsigned>(plan.cluster), plan.args);
 }
 
 namespace {

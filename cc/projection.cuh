@@ -313,7 +313,8 @@ struct ProjectionLaunch {
   ProjectionArgs args;
   void (*kernel)(ProjectionArgs) = nullptr;  // null: no rows, nothing to launch
   dim3 grid;
-  int32_t warps = 0, split = 0;
+  int32_t warps = 0;
+  int32_t cluster = 1;   // CTAs per cluster along x: split (the mma tactics), 1 (the GEMV)
   size_t smem = 0;
 };
 

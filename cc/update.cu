@@ -17,6 +17,7 @@
 // allocates.
 #include <array>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "common.h"
@@ -117,7 +118,8 @@ ffi::Error UpdateEpilogueImpl(
     return check.fail("raw must be f32[M, 256 + H] (q is bf16[M, H, 128])");
   // 16-byte loads at every row's key, head and gate columns.
   if (heads % kRawHeadsMultiple != 0 || !aligned(raw.untyped_data(), 16))
-    return check.fail("raw needs H % 4 == 0 and a 16 B aligned buffer");
+    return check.fail("raw needs H % " + std::to_string(kRawHeadsMultiple) +
+                      " == 0 and a 16 B aligned buffer");
   // The plans check every other buffer by their ops' rules. Their key_raw, head_w and gate
   // operands are views that only carry the shapes (over the key result and raw); the kernel
   // reads raw instead, and the views' pointers are cleared below so that nothing reads them.

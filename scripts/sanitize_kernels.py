@@ -52,8 +52,8 @@ def _variants():
   for params in (dict(scale_format="ue8m0"), dict(round_scale=False)):
     out.append((f"kpool_compress {params}", functools.partial(compress.fn, **params),
                 compress.make, None, True))
-  # indexer_projection's GEMV tactic (split GEMV_SPLIT): one token (the table's choice at
-  # M = 1) and three tokens (its per-token loop).
+  # indexer_projection's GEMV tactic (split GEMV_SPLIT): one token (the table's tactic up to
+  # GEMV_ROWS) and three tokens (its per-token loop, past the table's rows).
   projection = cases.CASES["indexer_projection"]
   for rows, warps in ((1, GEMV_WARPS), (3, 2)):
     out.append((f"indexer_projection GEMV M={rows}",
