@@ -129,56 +129,83 @@ __device__ __forceinline__ void take_x(uint4 (&xv)[2][kBlocks], const uint4 (&xn
 // only when the chunk passes s + 8 (below, its rows would all be padding: never read back).
 __device__ __forceinline__ int step_tiles(int s, int chunk) { return chunk - s > kTile ? 2 : 1; }
 
+// One token step at chunk offset s with its x fragments xv: the step's mma into `mine`
+// (resuming from the sums stored there by an earlier stage), for its `tiles` tiles.
+template <int kBlocks>
+__device__ __forceinline__ void mma_step(float* mine, const uint4 (&lo)[kBlocks],
+                                         const uint4 (&hi)[kBlocks],
+                                         const uint4 (&xv)[2][kBlocks], int s, int tiles,
+                                         bool resume, int g, int q) {
+  // c[h] = outputs (g, g + 8) x token rows (2q, 2q + 1) of tile h.
+  float c[2][4] = {};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float* in = mine + (s + h * kTile + 2 * q) * kTileN + g;
+    if (resume && h < tiles) {
+      c[h][0] = in[0];
+      c[h][1] = in[kTileN];
+      c[h][2] = in[kTile];
+      c[h][3] = in[kTileN + kTile];
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) mma_block(c[0], lo[b], hi[b], xv[0][b]);
+  if (tiles == 2) {
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) mma_block(c[1], lo[b], hi[b], xv[1][b]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h < tiles) {
+      float* const out = mine + (s + h * kTile + 2 * q) * kTileN + g;
+      out[0] = c[h][0];
+      out[kTileN] = c[h][1];
+      out[kTile] = c[h][2];
+      out[kTileN + kTile] = c[h][3];
+    }
+  }
+}
+
+// Token steps whose x a warp holds in registers at once: the step it multiplies and
+// kXRing - 1 loaded ahead. Each step's mma waits on little else than its x (a few mma per
+// step), so with one step ahead a chunk of several steps (M = 64 at 8 x 8: four) paid about
+// one L2 round trip a step; a warp of at most 2 K blocks (16 registers a step) keeps three
+// steps ahead, wider warps one (their registers hold more weights).
+template <int kBlocks>
+constexpr int kXRing = kBlocks <= 2 ? 4 : 2;
+
 // The warp's kBlocks K blocks from k0 for every token step of the chunk, into its slab
 // `mine` f32[chunk_pad][16]; `resume` starts from the sums a previous stage stored there.
-// Latency: both tiles' x loads go out as one batch, and the next step's before this step's
-// mma (ptxas had issued the second tile's loads after the first tile's mma: two load
-// latencies a step); a tile of padding rows only (M <= 8: the second) is neither loaded nor
+// Latency: both tiles' x loads of a step go out as one batch, kXRing - 1 steps ahead of the
+// step multiplied (a ring of registers, its slots named at compile time: the steps are
+// unrolled by kXRing); a tile of padding rows only (M <= 8: the second) is neither loaded nor
 // multiplied. Each sum's order is unchanged (the same mma sequence per accumulator), hence
 // the bits.
 template <int kBlocks>
 __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uint4 (&lo)[kBlocks],
                                            const uint4 (&hi)[kBlocks], int64_t k0,
                                            int64_t chunk0, int chunk, bool resume) {
+  constexpr int kRing = kXRing<kBlocks>;
   const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
-  uint4 xv[2][kBlocks];
-  load_x(xv, a.x, a.k, a.rows, k0, chunk0, step_tiles(0, chunk), g);
+  uint4 xr[kRing][2][kBlocks];
+#pragma unroll
+  for (int i = 0; i < kRing - 1; ++i) {
+    const int s = i * kStep;
+    if (s < chunk) load_x(xr[i], a.x, a.k, a.rows, k0, chunk0 + s, step_tiles(s, chunk), g);
+  }
 #pragma unroll 1
-  for (int s = 0; s < chunk; s += kStep) {
-    const int tiles = step_tiles(s, chunk);
-    const bool more = s + kStep < chunk;
-    uint4 xn[2][kBlocks];
-    if (more)
-      load_x(xn, a.x, a.k, a.rows, k0, chunk0 + s + kStep, step_tiles(s + kStep, chunk), g);
-    // c[h] = outputs (g, g + 8) x token rows (2q, 2q + 1) of tile h.
-    float c[2][4] = {};
+  for (int s0 = 0; s0 < chunk; s0 += kRing * kStep) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float* in = mine + (s + h * kTile + 2 * q) * kTileN + g;
-      if (resume && h < tiles) {
-        c[h][0] = in[0];
-        c[h][1] = in[kTileN];
-        c[h][2] = in[kTile];
-        c[h][3] = in[kTileN + kTile];
+    for (int i = 0; i < kRing; ++i) {
+      const int s = s0 + i * kStep;
+      if (s < chunk) {
+        const int ahead = s + (kRing - 1) * kStep;
+        if (ahead < chunk)
+          load_x(xr[(i + kRing - 1) % kRing], a.x, a.k, a.rows, k0, chunk0 + ahead,
+                 step_tiles(ahead, chunk), g);
+        mma_step(mine, lo, hi, xr[i], s, step_tiles(s, chunk), resume, g, q);
       }
     }
-#pragma unroll
-    for (int b = 0; b < kBlocks; ++b) mma_block(c[0], lo[b], hi[b], xv[0][b]);
-    if (tiles == 2) {
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) mma_block(c[1], lo[b], hi[b], xv[1][b]);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (h < tiles) {
-        float* const out = mine + (s + h * kTile + 2 * q) * kTileN + g;
-        out[0] = c[h][0];
-        out[kTileN] = c[h][1];
-        out[kTile] = c[h][2];
-        out[kTileN + kTile] = c[h][3];
-      }
-    }
-    if (more) take_x(xv, xn);
   }
 }
 
