@@ -11,19 +11,17 @@
 // chosen in Python at lowering (shapes are static there) and arrives as the attributes warps
 // and split; the handler only validates it (check_tactic). Split kGemvSplit is the GEMV
 // tactic (indexer_projection_gemv below): grid (N), no mma and no cluster.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
+#include "cluster.cuh"
 #include "common.h"
 #include "handlers.h"
 #include "projection.cuh"
 
 namespace glm5 {
 namespace {
-
-namespace cg = cooperative_groups;
 
 using namespace gemm;
 
@@ -38,41 +36,67 @@ __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_
     a.gate[t * kKeyRows + (n - kKeyRows - a.heads)] = bf16_bits(total);
 }
 
-// partial: f32[warps][chunk_pad][16] (token-major, n fastest), in dynamic shared memory.
+// Dynamic shared memory: partial f32[warps][chunk_pad][16] (token-major, n fastest); with a
+// cluster (split > 1) also recv f32[split][span] and one mbarrier (cluster_bytes).
+//
+// The cluster's sums: rank r owns elements [r span, (r + 1) span) of the chunk (span: the
+// chunk's elements over split, whole float4s); every CTA sends its warp totals of those to
+// rank r's recv row [its rank] by st.async, counted on r's mbarrier, and r adds the rows in
+// rank order (the same order, hence the same bits, as reading its peers' partial in rank
+// order). No cluster-scope release fence (MEMBAR.ALL.GPU on sm_90: cluster.cuh): the only
+// cluster barrier, a relaxed one, says that every CTA's mbarrier is initialised, and no CTA
+// reads a peer's shared memory, so none waits for its peers before exiting.
 template <int kBlocks, bool kStaged>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
     indexer_projection_kernel(const ProjectionArgs a) {
-  extern __shared__ float partial[];
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int split = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
+  extern __shared__ __align__(16) float partial[];
+  const int split = static_cast<int>(cluster::size());
+  const int rank = static_cast<int>(cluster::rank());
   const int warps = blockDim.x / kWarp;
   const int32_t n0 = blockIdx.y * kTileN;
   const int64_t chunk0 = static_cast<int64_t>(blockIdx.z) * kChunk;
   const int chunk = static_cast<int>(min(static_cast<int64_t>(kChunk), a.gemm.rows - chunk0));
+  const int elements = chunk * kTileN;
+  const int span = cluster_span(elements, split);
+  const int owned = max(0, min(elements - rank * span, span));  // elements this rank adds
+  float* const recv = partial + warps * a.gemm.chunk_pad * kTileN;
+  const uint32_t bar = bulk::smem_address(recv + split * cluster_span(a.gemm.chunk_pad * kTileN,
+                                                                      split));
+  if (split > 1) {
+    // Before the weight loads: nothing of this thread is in flight for the fence to wait on.
+    if (threadIdx.x == 0) {
+      bulk::init(bar);
+      if (owned > 0) bulk::arrive_expect(bar, static_cast<uint32_t>(sizeof(float) * split * owned));
+      bulk::fence_init();
+    }
+    cluster::arrive_relaxed();
+  }
   const int warp = threadIdx.x / kWarp;
   project<kBlocks, kStaged>(a.gemm, partial, n0, rank * warps + warp, chunk0, chunk);
   __syncthreads();
 
-  // The CTA's sums into warp 0's slab (each element read and written by one thread).
-  const int elements = chunk * kTileN;
-  for (int e = threadIdx.x; e < elements; e += blockDim.x) {
-    const float total = warp_total(partial, a.gemm, warps, e);
-    if (split == 1)
-      store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
-    else
-      partial[e] = total;
+  if (split == 1) {  // the CTA's sums are the totals
+    for (int e = threadIdx.x; e < elements; e += blockDim.x)
+      store(a, chunk0 + e / kTileN, n0 + e % kTileN, warp_total(partial, a.gemm, warps, e));
+    return;
   }
-  if (split == 1) return;
-
-  // Rank r adds elements r, r + split, ... over the cluster's CTAs in rank order.
-  cluster.sync();
-  for (int e = threadIdx.x * split + rank; e < elements; e += blockDim.x * split) {
-    float total = *cluster.map_shared_rank(partial + e, 0);
-    for (int c = 1; c < split; ++c) total += *cluster.map_shared_rank(partial + e, c);
+  cluster::wait();  // every CTA of the cluster has initialised its mbarrier
+  const uint32_t recv_row = bulk::smem_address(recv + rank * span);
+  for (int e = 4 * threadIdx.x; e < elements; e += 4 * blockDim.x) {
+    const float4 total = warp_total4(partial, a.gemm, warps, e);
+    const uint32_t owner = static_cast<uint32_t>(e / span);
+    cluster::store16_async(cluster::peer_address(recv_row + sizeof(float) * (e - owner * span),
+                                                 owner),
+                           total, cluster::peer_address(bar, owner));
+  }
+  if (owned == 0) return;
+  bulk::wait(bar, 0);
+  for (int i = threadIdx.x; i < owned; i += blockDim.x) {
+    float total = recv[i];
+    for (int c = 1; c < split; ++c) total += recv[c * span + i];
+    const int e = rank * span + i;
     store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
   }
-  cluster.sync();  // keep this CTA's sums alive until the cluster has read them
 }
 
 // The GEMV tactic (split = kGemvSplit): no mma and no cluster, for few tokens. CTA n owns
@@ -193,7 +217,7 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
     return plan;
   }
   plan.kernel = pick_kernel<Kernel, Pick>(*st);
-  plan.smem = partial_bytes(plan.args.gemm, warps);
+  plan.smem = partial_bytes(plan.args.gemm, warps) + cluster_bytes(plan.args.gemm, split);
   plan.grid = dim3(static_cast<unsigned>(split), static_cast<unsigned>(cd[0] / kTileN),
                    static_cast<unsigned>(chunks));
   plan.cluster = split;

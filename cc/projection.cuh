@@ -246,6 +246,20 @@ __device__ __forceinline__ float warp_total(const float* partial, const Gemm& a,
   return total;
 }
 
+// Elements e .. e + 3 (e % 4 == 0) as warp_total adds each: one 16-byte load a warp.
+__device__ __forceinline__ float4 warp_total4(const float* partial, const Gemm& a, int warps,
+                                              int e) {
+  float4 total = *reinterpret_cast<const float4*>(partial + e);
+  for (int v = 1; v < warps; ++v) {
+    const float4 p = *reinterpret_cast<const float4*>(partial + v * a.chunk_pad * kTileN + e);
+    total.x += p.x;
+    total.y += p.y;
+    total.z += p.z;
+    total.w += p.w;
+  }
+  return total;
+}
+
 // K blocks per stage (1..kMaxBlocks) and stages when `warps * split` warps split K: one stage
 // of 1..kMaxBlocks blocks, or whole stages of kMaxBlocks.
 struct Staging {
@@ -307,6 +321,17 @@ inline Gemm make_gemm(const void* x, const void* w, int64_t rows, int64_t k, int
 // Bytes of partial f32[warps][chunk_pad][16].
 inline size_t partial_bytes(const Gemm& a, int warps) {
   return sizeof(float) * warps * a.chunk_pad * kTileN;
+}
+
+// Elements of a chunk's `elements` (whole float4s) that each of `split` cluster ranks adds.
+__host__ __device__ inline int cluster_span(int elements, int split) {
+  return (elements / 4 + split - 1) / split * 4;
+}
+
+// Bytes after partial for the cluster's sums (projection.cu): recv f32[split][span] and an
+// mbarrier; none without a cluster.
+inline size_t cluster_bytes(const Gemm& a, int split) {
+  return split > 1 ? sizeof(float) * split * cluster_span(a.chunk_pad * kTileN, split) + 16 : 0;
 }
 
 // The kernel Pick<kBlocks, kStaged>::kernel for a tiling: one stage of 1..kMaxBlocks blocks,

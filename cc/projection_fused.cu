@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "cluster.cuh"
 #include "common.h"
 #include "handlers.h"
 #include "projection.cuh"
@@ -79,7 +80,10 @@ __device__ __forceinline__ void key_tile(const FusedArgs& a, const float* partia
     const uint4 y = layernorm_group(raw, a.norm_weight, a.norm_bias, a.eps, lane);
     if (live) *(reinterpret_cast<uint4*>(a.key + (chunk0 + t) * kDim) + g) = y;
   }
-  cluster.sync();  // keep this CTA's keys alive until the cluster has read them
+  // Keep this CTA's keys alive until the cluster has read them. Relaxed (cluster.cuh): the
+  // peer loads above have returned, their values stored, before this thread arrives.
+  cluster::arrive_relaxed();
+  cluster::wait();
 }
 
 // Head tile of heads head0 .. head0 + 15: a warp per (token, head) q row, kRowBatch q rows
