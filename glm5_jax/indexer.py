@@ -60,8 +60,10 @@ GEMV_ROWS, GEMV_WARPS = 2, 4
 FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split is always 1)
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
 # its default; XLA's GEMM elsewhere. At M=1 the GEMV and XLA's GEMV are at parity (3.39-3.61
-# vs 3.46-3.48 µs over two runs): XLA's, which may also fuse with its neighbours.
-PROJECTION_KERNEL_ROWS = (2, 16)
+# vs 3.46-3.48 µs over two runs): XLA's, which may also fuse with its neighbours. M 32-64
+# since the cluster's sums stopped fencing (cc/cluster.cuh): 6.06 vs 7.76 µs at M=32, 8.02 vs
+# 8.81 at M=64; at M=128 both rows were host-bound (10.33 vs 9.28 µs, upper bounds).
+PROJECTION_KERNEL_ROWS = (2, 64)
 # glm5_indexer_q's tiling (cc/q_gemm.cu holds the matching compile-time sizes and checks
 # them): 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS blocks
 # of BLOCK_K.

@@ -126,9 +126,9 @@ def test_projection_kernel_only_for_supported_shapes(op, heads, k, tactic, kerne
   assert custom_calls(cuda_module(jax.vmap(fn, in_axes=axes), stacked)) == want
 
 
-@pytest.mark.parametrize("m", [0, 1, 2, 8, 16, 17, 64])
+@pytest.mark.parametrize("m", [0, 1, 2, 8, 16, 17, 32, 33, 64, 65, 128])
 def test_projection_kernel_by_default_where_it_is_faster(m, monkeypatch):
-  """Unset GLM5_JAX_KERNELS: the projection kernel at PROJECTION_KERNEL_ROWS (2..16, the M
+  """Unset GLM5_JAX_KERNELS: the projection kernel at PROJECTION_KERNEL_ROWS (2..64, the M
   where it beat XLA's GEMM on the H200), XLA's GEMM at other M, counted after vmap folds
   the examples into the rows; naming the op turns it on at every M."""
   lo, hi = PROJECTION_KERNEL_ROWS
