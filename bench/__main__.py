@@ -54,6 +54,14 @@ def parser():
                       "xla_gpu_command_buffer_update_mode=SKIP_TEMP (jaxlib 0.11.2 has no "
                       "CAPTURE_CMD_NEVER_UPDATE); "
                       "recorded in every row")
+  p.add_argument("--max-sets", type=int, default=None, metavar="R",
+                 help="at most R rotated input sets per chain (default: Sizes.r_max; an op's own "
+                      "minimum still applies); fewer "
+                      "sets dispatch faster: the H200's 64-set chains of the projection were "
+                      "host-bound where 32-set ones were not (bench/NOTES.md, session 18)")
+  p.add_argument("--max-calls", type=int, default=None, metavar="N",
+                 help="at most N calls unrolled per chain (default: Sizes.max_calls); the "
+                      "dispatch of a chain grows with its FFI calls")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   p.add_argument("--render", metavar="JSON",
                  help="measure nothing: rebuild --md and --plot from these JSON rows")
@@ -74,6 +82,25 @@ def _option_value(text):
     return text
 
 
+def sizes_from(p, args):
+  """The run's Sizes from the command line (parser `p` reports bad values)."""
+  options = tuple(tuple(o.split("=", 1)) for o in args.xla_option)
+  if any(len(o) != 2 for o in options):
+    p.error("--xla-option takes NAME=VALUE")
+  options = tuple((name, _option_value(value)) for name, value in options)
+  sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep,
+                              compiler_options=options)
+  if args.rows:
+    sizes = dataclasses.replace(sizes, rows=tuple(int(m) for m in args.rows.split(",")))
+  for flag, field in (("max_sets", "r_max"), ("max_calls", "max_calls")):
+    value = getattr(args, flag)
+    if value is not None:
+      if value < 1:
+        p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+      sizes = dataclasses.replace(sizes, **{field: value})
+  return sizes
+
+
 def main():
   p = parser()
   args = p.parse_args()
@@ -92,14 +119,7 @@ def main():
 
   for path in (args.out, args.md):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  options = tuple(tuple(o.split("=", 1)) for o in args.xla_option)
-  if any(len(o) != 2 for o in options):
-    p.error("--xla-option takes NAME=VALUE")
-  options = tuple((name, _option_value(value)) for name, value in options)
-  sizes = dataclasses.replace(sizes_for(args.quick, args.cpu_smoke), data_dep=args.data_dep,
-                              compiler_options=options)
-  if args.rows:
-    sizes = dataclasses.replace(sizes, rows=tuple(int(m) for m in args.rows.split(",")))
+  sizes = sizes_from(p, args)
   bench = Bench(sizes, args, ops)
   bench.log(f"{bench.meta['gpu']} ({jax.default_backend()}), jax {jax.__version__}, "
             f"CUDA module {'built' if bench.module else 'absent'}, kernel variants: "

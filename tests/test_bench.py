@@ -275,3 +275,18 @@ def test_host_note_marks_runs_whose_dispatch_passes_half_the_run():
   assert host_note(dict(run_us=1000.0)) is None
   assert host_note(dict(dispatch_us=806.4, run_us=843.0)) == (
       "host-bound (dispatch 806 of 843 µs per run): an upper bound")
+
+
+def test_max_sets_and_calls_bound_the_chains(capsys):
+  """--max-sets / --max-calls cap R and N (the H200's 64-set, 1024-call chains of the
+  projection were host-bound where 32-set, 256-call ones were not); they must be >= 1."""
+  from bench import __main__ as cli
+  p = cli.parser()
+  args = p.parse_args(["--max-sets", "32", "--max-calls", "256", "--cpu-smoke"])
+  sizes = cli.sizes_from(p, args)
+  assert (sizes.r_max, sizes.max_calls) == (32, 256)
+  default = cli.sizes_from(p, p.parse_args(["--cpu-smoke"]))
+  assert (default.r_max, default.max_calls) != (32, 256)
+  with pytest.raises(SystemExit):
+    cli.sizes_from(p, p.parse_args(["--max-sets", "0"]))
+  assert "--max-sets must be >= 1, got 0" in capsys.readouterr().err
