@@ -60,8 +60,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   const int span = cluster_span(elements, split);
   const int owned = max(0, min(elements - rank * span, span));  // elements this rank adds
   float* const recv = partial + warps * a.gemm.chunk_pad * kTileN;
-  const uint32_t bar = bulk::smem_address(recv + split * cluster_span(a.gemm.chunk_pad * kTileN,
-                                                                      split));
+  const uint32_t bar = bulk::smem_address(recv + cluster_recv_floats(a.gemm, split));
   if (split > 1) {
     // Before the weight loads: nothing of this thread is in flight for the fence to wait on.
     if (threadIdx.x == 0) {

@@ -328,10 +328,16 @@ __host__ __device__ inline int cluster_span(int elements, int split) {
   return (elements / 4 + split - 1) / split * 4;
 }
 
-// Bytes after partial for the cluster's sums (projection.cu): recv f32[split][span] and an
-// mbarrier; none without a cluster.
+// Floats of the cluster's receive rows after partial (projection.cu): recv f32[split][span]
+// at the widest chunk; its mbarrier follows them.
+__host__ __device__ inline int cluster_recv_floats(const Gemm& a, int split) {
+  return split * cluster_span(a.chunk_pad * kTileN, split);
+}
+
+// Bytes after partial for the cluster's sums: the receive rows and the mbarrier; none
+// without a cluster.
 inline size_t cluster_bytes(const Gemm& a, int split) {
-  return split > 1 ? sizeof(float) * split * cluster_span(a.chunk_pad * kTileN, split) + 16 : 0;
+  return split > 1 ? sizeof(float) * cluster_recv_floats(a, split) + 16 : 0;
 }
 
 // The kernel Pick<kBlocks, kStaged>::kernel for a tiling: one stage of 1..kMaxBlocks blocks,
