@@ -224,13 +224,14 @@ def run(bench):
         step = _step(config, variant in UPDATE_PART, chained=chained)
         sec, caches, info = time_step(step, caches, (weights, xs, qrs, batch), s,
                                       units=s.stage_layers, steps=steps)
+        host = host_note(info)
         bench.row(NAME, shape, variant, sec * 1e6, None, None, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
                         "timed run, µs per layer" + ("; layers chained (each reads the last "
                                                      "one's output)" if chained else "")
-                        + (f"; {host_note(info)}" if host_note(info) else ""))
+                        + (f"; {host}" if host else ""))
         bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
                   f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
       except Exception as e:                             # noqa: BLE001
