@@ -163,10 +163,10 @@ def projection(r, s, m, tactic=None):
                   bytes_projection(m), 2 * m * W_ROWS * HIDDEN, r_min=W_CAT_COPIES)
 
 
-def q(r, s, m):
+def q(r, s, m, tactic=None):
   rot = [(r.normal((m, Q_LORA)), r.normal((HEADS * DIM, Q_LORA), scale=Q_LORA ** -0.5))
          for _ in range(s.r_max)]
-  call = lambda st, f, a: (st, (glm5_jax.indexer_q(*a),))
+  call = lambda st, f, a: (st, (glm5_jax.indexer_q(*a, tactic=tactic),))
   return Workload("indexer_q", "", call, None, (), rot, 0, bytes_q(m),
                   2 * m * HEADS * DIM * Q_LORA, r_min=WQ_B_COPIES)
 

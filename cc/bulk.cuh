@@ -69,6 +69,17 @@ __device__ __forceinline__ void copy_box(uint32_t dst, const void* map, int32_t 
       : "memory");
 }
 
+// The box at coordinates (c0, c1) of the 2-d tensor map `map` (a __grid_constant__ kernel
+// parameter) to shared `dst` by the TMA, counted on `bar` (as copy_box).
+__device__ __forceinline__ void copy_box(uint32_t dst, const void* map, int32_t c0, int32_t c1,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
 // Fetches the tensor map `map` (a __grid_constant__ kernel parameter) into the TMA's
 // descriptor cache, so that the first copy_box does not wait for it. The map is a kernel
 // parameter, not data of the previous kernel: this may run before pdl_wait().

@@ -23,9 +23,11 @@
 #include <cstdint>
 
 #include "bulk.cuh"
+#include "cluster.cuh"
 #include "common.h"
 #include "handlers.h"
 #include "projection.cuh"
+#include "wgmma.cuh"
 
 namespace glm5 {
 namespace {
@@ -167,22 +169,229 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------
+// The wgmma tactic (kWgmma). Each CTA of kGroups warpgroups owns kRows = 64 * kGroups wq_b
+// rows (one m64 tile a warpgroup) and a quarter of K: a cluster of kSplit = 4 CTAs covers
+// the rows' whole K, and N / kRows clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's
+// N = 4096, one wave on the H200's 132 SMs). The TMA copies every 64-column box of the
+// CTA's weights (kRows x 128 B) before the PDL wait, then the token rows' boxes (kN x 128 B,
+// rows past M zero-filled) after it, each pair counted on its own mbarrier, so the
+// warpgroups start on box 0 while the rest are in flight. Both operands are K-major in the
+// 128-byte swizzle; one wgmma m64nNk16 (N = the token rows, 16-128) per 16 K.
+//
+// The quarters meet in shared memory: once every CTA of the cluster has finished reading its
+// operands (one relaxed cluster barrier), each CTA writes its partial sums, row-block by
+// row-block, over its operand buffers, and the TMA copies the block of rows that rank r owns
+// (kOwned = 32 rows) into rank r's receive slot for this rank, counted on rank r's mbarrier.
+// Rank r adds the four quarters in rank order, rounds once to bf16 and writes its rows.
+//
+// Order of the sums: per (token, row), one fp32 accumulator from +0 per quarter of K takes
+// the quarter's 16-K wgmma steps in K order (the order of the 16 products inside a step is
+// the tensor core's), then q = ((s0 + s1) + s2) + s3 over the quarters, one RNE rounding.
+// The same for every N instantiation and every token position: a token's bits do not depend
+// on the rows beside it (tested).
+namespace wg {
+
+constexpr int kGroups = 2;                    // warpgroups per CTA
+constexpr int kThreads = kGroups * 128;
+constexpr int kRows = 64 * kGroups;           // wq_b rows per CTA
+constexpr int kSplit = 4;                     // CTAs per cluster: quarters of K
+constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
+constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
+constexpr int kMaxBoxes = 7;                  // boxes per quarter: K <= 4 * 7 * 64 = 1792
+constexpr int kMaxTokens = 128;               // token rows per CTA; grid y covers more
+constexpr int kSumStride = kOwned + 4;        // floats per token row of a partial block
+                                              // (+4: a warp's fragment stores hit 32 banks)
+static_assert(kOwned * kSplit == kRows && kOwned % 16 == 0, "owned rows are whole warps'");
+
+struct Args {
+  uint16_t* q;          // bf16[M, N]
+  int64_t rows;         // M
+  int64_t n;            // N
+  int32_t boxes;        // K boxes per quarter
+};
+
+// Dynamic shared memory from a 1024-aligned base: the weights' boxes [box][kRows][128 B],
+// then the tokens' [box][kN][128 B]; after the cluster barrier, the same bytes hold the
+// partial blocks: send[rank][kN][kSumStride] f32 (the slot of this rank unused), then
+// receive[rank][kN][kSumStride].
+template <int kN>
+struct Layout {
+  static constexpr int kWeightBox = kRows * 128;
+  static constexpr int kTokenBox = kN * 128;
+  static constexpr int kBlock = kN * kSumStride * 4;            // one partial block, bytes
+  static int bytes(int boxes) {
+    const int operands = boxes * (kWeightBox + kTokenBox), sums = 2 * kSplit * kBlock;
+    return wgmma::kAtom + (operands > sums ? operands : sums);
+  }
+};
+
+template <int kN>
+__global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
+    const Args a, const __grid_constant__ CUtensorMap w_map,
+    const __grid_constant__ CUtensorMap x_map) {
+  using L = Layout<kN>;
+  __shared__ __align__(8) uint64_t bars[kMaxBoxes + 1];   // boxes' full barriers, receive
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = bulk::smem_address(smem_raw);
+  const uint32_t base = raw + (wgmma::kAtom - raw % wgmma::kAtom) % wgmma::kAtom;
+  const uint32_t tokens = base + a.boxes * L::kWeightBox;
+  const uint32_t full = bulk::smem_address(bars), receive_bar = full + 8 * kMaxBoxes;
+  const int rank = static_cast<int>(cluster::rank());
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x / kSplit) * kRows;
+  const int32_t k0 = rank * a.boxes * kBoxK;
+  const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
+
+  if (threadIdx.x == 0) {
+    bulk::prefetch_map(&w_map);
+    bulk::prefetch_map(&x_map);
+    for (int b = 0; b < a.boxes; ++b) bulk::init(full + 8 * b);
+    bulk::init(receive_bar);
+    bulk::fence_init();
+    // The peers' blocks for this rank, expected before any peer can send (cluster barrier).
+    bulk::arrive_expect(receive_bar, (kSplit - 1) * L::kBlock);
+    // Model parameters, not written by the preceding kernel: before the PDL wait.
+    for (int b = 0; b < a.boxes; ++b) {
+      bulk::arrive_expect(full + 8 * b, L::kWeightBox + L::kTokenBox);
+      bulk::copy_box(base + b * L::kWeightBox, &w_map, k0 + b * kBoxK,
+                     static_cast<int32_t>(n0), full + 8 * b);
+    }
+  }
+  pdl_wait();
+  if (threadIdx.x == 0)
+    for (int b = 0; b < a.boxes; ++b)
+      bulk::copy_box(tokens + b * L::kTokenBox, &x_map, k0 + b * kBoxK, chunk0, full + 8 * b);
+  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+  __syncthreads();          // the barriers are initialised
+
+  const int group = threadIdx.x / 128, warp = threadIdx.x % 128 / kWarp;
+  const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  float d[kN / 2];  // the first wgmma writes it (accumulate = false)
+  wgmma::fence();
+  for (int b = 0; b < a.boxes; ++b) {
+    bulk::wait(full + 8 * b, 0);
+    const uint32_t wb = base + b * L::kWeightBox + group * 64 * 128;
+    const uint32_t xb = tokens + b * L::kTokenBox;
+#pragma unroll
+    for (int s = 0; s < kBoxK / 16; ++s)
+      wgmma::mma_bf16<kN>(d, wgmma::desc(wb + 32 * s), wgmma::desc(xb + 32 * s), b + s > 0);
+  }
+  wgmma::commit();
+  wgmma::wait();
+
+  // Every CTA of the cluster is done with its operands: their bytes take the partial sums.
+  cluster::arrive_relaxed();
+  cluster::wait();
+  const int row = group * 64 + warp * 16 + g;          // and row + 8: one owner's block
+  const int owner = row / kOwned, local = row % kOwned;
+  const uint32_t send = base, received = base + kSplit * L::kBlock;
+  const uint32_t block = (owner == rank ? received : send) + owner * L::kBlock;
+  float* const out = reinterpret_cast<float*>(smem_raw + (block - raw));
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    const int c = 8 * j + 2 * t;
+    out[c * kSumStride + local] = d[4 * j];
+    out[(c + 1) * kSumStride + local] = d[4 * j + 1];
+    out[c * kSumStride + local + 8] = d[4 * j + 2];
+    out[(c + 1) * kSumStride + local + 8] = d[4 * j + 3];
+  }
+  bulk::fence_proxy_async();  // the generic-proxy writes, before the TMA reads them
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int r = 1; r < kSplit; ++r) {
+      const int peer = (rank + r) % kSplit;
+      cluster::copy_to_peer(cluster::peer_address(received + rank * L::kBlock, peer),
+                            send + peer * L::kBlock, L::kBlock,
+                            cluster::peer_address(receive_bar, peer));
+    }
+    cluster::wait_copies_read();
+  }
+  bulk::wait(receive_bar, 0);
+
+  // This rank's kOwned rows: the quarters in rank order, two rows a thread.
+  const float* const parts = reinterpret_cast<const float*>(smem_raw + (received - raw));
+  const int valid = static_cast<int>(min(static_cast<int64_t>(kN), a.rows - chunk0));
+  const int64_t col = n0 + rank * kOwned;
+  for (int e = threadIdx.x; e < valid * (kOwned / 2); e += kThreads) {
+    const int c = e / (kOwned / 2), r = 2 * (e % (kOwned / 2));
+    const float* const p = parts + c * kSumStride + r;
+    float lo = p[0], hi = p[1];
+#pragma unroll
+    for (int s = 1; s < kSplit; ++s) {
+      lo += p[s * (L::kBlock / 4)];
+      hi += p[s * (L::kBlock / 4) + 1];
+    }
+    const uint32_t pair = gemm::bf16_bits(lo) | (uint32_t{gemm::bf16_bits(hi)} << 16);
+    *reinterpret_cast<uint32_t*>(a.q + (chunk0 + c) * a.n + col + r) = pair;
+  }
+}
+
+template <int kN>
+cudaError_t launch_as(cudaStream_t stream, bool pdl, const Args& args, const void* x,
+                      const void* w, int64_t k) {
+  CUtensorMap w_map{}, x_map{};
+  if (cudaError_t err = wgmma::bf16_map(&w_map, w, args.n, k, kRows); err != cudaSuccess)
+    return err;
+  if (cudaError_t err = wgmma::bf16_map(&x_map, x, args.rows, k, kN); err != cudaSuccess)
+    return err;
+  const auto kernel = indexer_q_wgmma_kernel<kN>;
+  const size_t smem = Layout<kN>::bytes(args.boxes);
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(args.n / kRows * kSplit),
+                  static_cast<unsigned>((args.rows + kN - 1) / kN));
+  return launch_cluster(kernel, grid, dim3(kThreads), smem, stream, pdl, kSplit, args, w_map,
+                        x_map);
+}
+
+}  // namespace wg
+
+// Tactics (the "tactic" attribute; glm5_jax.indexer.Q_TACTICS names them).
+constexpr int32_t kMma = 0, kWgmma = 1;
+
 ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
                         ffi::BufferR2<ffi::BF16> wq_b, ffi::ResultBufferR2<ffi::BF16> q,
-                        bool pdl) {
+                        int32_t tactic, bool pdl) {
   const Check check{targets::glm5_indexer_q};
   const auto xd = qr.dimensions(), wd = wq_b.dimensions(), qd = q->dimensions();
   const int64_t rows = xd[0], k = xd[1], n = wd[0];
   if (wd[1] != k) return check.fail("wq_b must be bf16[N, K] with qr's K");
+  if (qd[0] != rows || qd[1] != n) return check.fail("q result must be bf16[M, N]");
+  if (!aligned(qr.untyped_data(), 16) || !aligned(wq_b.untyped_data(), 16))
+    return check.fail("qr and wq_b must be 16 B aligned");
+  if (tactic == kWgmma) {
+    const int64_t quarter = int64_t{wg::kSplit} * wg::kBoxK;
+    if (n <= 0 || n % wg::kRows != 0 || n / wg::kRows * wg::kSplit > kI32Max)
+      return check.fail("tactic wgmma: wq_b's rows N must be a multiple of " +
+                        std::to_string(wg::kRows));
+    if (k % quarter != 0 || k / quarter < 1 || k / quarter > wg::kMaxBoxes)
+      return check.fail("tactic wgmma: K = " + std::to_string(k) + " must be " +
+                        std::to_string(quarter) + " * boxes, boxes in 1.." +
+                        std::to_string(wg::kMaxBoxes));
+    if (rows == 0) return ffi::Error::Success();
+    if ((rows + wg::kMaxTokens - 1) / wg::kMaxTokens > 65535 || !fits_i32(rows))
+      return check.fail("too many rows for one grid");
+    wg::Args args;
+    args.q = reinterpret_cast<uint16_t*>(q->untyped_data());
+    args.rows = rows;
+    args.n = n;
+    args.boxes = static_cast<int32_t>(k / quarter);
+    const void* x = qr.untyped_data();
+    const void* w = wq_b.untyped_data();
+    // The narrowest instantiation that holds the rows (more rows: kMaxTokens per grid row).
+    const cudaError_t err =
+        rows <= 16   ? wg::launch_as<16>(stream, pdl, args, x, w, k)
+        : rows <= 32 ? wg::launch_as<32>(stream, pdl, args, x, w, k)
+        : rows <= 64 ? wg::launch_as<64>(stream, pdl, args, x, w, k)
+                     : wg::launch_as<wg::kMaxTokens>(stream, pdl, args, x, w, k);
+    return check.cuda(err);
+  }
+  if (tactic != kMma) return check.fail("tactic must be 0 (mma) or 1 (wgmma)");
   if (n <= 0 || n % kRows != 0) return check.fail("wq_b's rows N must be a multiple of 32");
   if (n / kRows > kI32Max) return check.fail("wq_b has too many rows");
-  if (qd[0] != rows || qd[1] != n) return check.fail("q result must be bf16[M, N]");
   const int64_t per_block = int64_t{kWarps} * kBlockK;
   if (k % per_block != 0 || k / per_block < 1 || k / per_block > kMaxBlocks)
     return check.fail("K = " + std::to_string(k) + " must be 256 * blocks, blocks in 1.." +
                       std::to_string(kMaxBlocks));
-  if (!aligned(qr.untyped_data(), 16) || !aligned(wq_b.untyped_data(), 16))
-    return check.fail("qr and wq_b must be 16 B aligned");
   if (rows == 0) return ffi::Error::Success();
   const int64_t chunks = (rows + kChunk - 1) / kChunk;
   if (chunks > 65535) return check.fail("too many rows for one grid");
@@ -210,5 +419,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerQ, glm5::IndexerQImpl,
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // qr
                                   .Arg<ffi::BufferR2<ffi::BF16>>()        // wq_b
                                   .Ret<ffi::BufferR2<ffi::BF16>>()        // q
+                                  .Attr<int32_t>("tactic")
                                   .Attr<bool>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -37,6 +37,7 @@
 #include "constants.h"
 #include "handlers.h"
 #include "remap.cuh"
+#include "wgmma.cuh"
 
 namespace glm5 {
 namespace {
@@ -262,7 +263,7 @@ __device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const Row
   return {-1, 0};
 }
 
-constexpr int kAtom = 1024;  // one 128-byte swizzle atom: 8 rows x 128 B
+using wgmma::kAtom;
 
 template <int kHeadTiles>
 struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared memory
@@ -279,48 +280,15 @@ struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared m
   }
 };
 
-// A K-major operand in the 128-byte swizzle at shared address `addr` (8-row groups 1024 B
-// apart); k steps of 32 bytes advance the start address within the swizzled rows.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{kAtom >> 4} << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_n32(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b));
-}
-
-__device__ __forceinline__ void wgmma_n64(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b));
-}
-
 template <int kHeadTiles>
 __device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t keys,
                                            uint32_t queries) {
 #pragma unroll
   for (int k = 0; k < kDim / 32; ++k) {
     if constexpr (kHeadTiles == 4)
-      wgmma_n32(d, wg_desc(keys + 32 * k), wg_desc(queries + 32 * k));
+      wgmma::mma_e4m3<32>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
     else
-      wgmma_n64(d, wg_desc(keys + 32 * k), wg_desc(queries + 32 * k));
+      wgmma::mma_e4m3<64>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
   }
 }
 
@@ -422,10 +390,10 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       float d[4 * kHeadTiles];
 #pragma unroll
       for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
-      wg_fence();
+      wgmma::fence();
       wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes, queries);
-      wg_commit();
-      wg_wait();
+      wgmma::commit();
+      wgmma::wait();
       // Tiles not copied hold stale bytes: their rows (this warp's, when so) are masked.
       const bool have = copied[s * kConsumerWarps + warp];
       const unsigned char* sc = smem + L::kScales + (s * kConsumerWarps + warp) * kTileScaleBytes;
@@ -1046,24 +1014,10 @@ int sm_count() {
 }
 
 
-// The driver's tensor-map encoder, through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                         cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      fn = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
-
 // The cache's fp8 bytes as a 3-d tensor (128 bytes of an entry, entries of a page, pages),
 // read in boxes of one 16-entry tile in the 128-byte swizzle (mqa_logits_kernel).
 cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
-  const auto encode = tensor_map_encoder();
+  const auto encode = wgmma::tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {kDim, static_cast<cuuint64_t>(args.page.d),
                               static_cast<cuuint64_t>(args.pages)};

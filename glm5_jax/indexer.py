@@ -64,10 +64,15 @@ FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split i
 # since the cluster's sums stopped fencing (cc/cluster.cuh): 6.06 vs 7.76 µs at M=32, 8.02 vs
 # 8.81 at M=64; at M=128 both rows were host-bound (10.33 vs 9.28 µs, upper bounds).
 PROJECTION_KERNEL_ROWS = (2, 64)
-# glm5_indexer_q's tiling (cc/q_gemm.cu holds the matching compile-time sizes and checks
-# them): 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS blocks
-# of BLOCK_K.
+# glm5_indexer_q's tactics (the FFI attribute `tactic`: their index here; cc/q_gemm.cu holds
+# the matching compile-time sizes and checks them).
+# - "mma": 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS
+#   blocks of BLOCK_K, mma.sync.
+# - "wgmma": Q_WGMMA_ROWS wq_b rows per CTA (two warpgroups), K split in Q_WGMMA_SPLIT over a
+#   cluster, each part 1..Q_WGMMA_MAX_BOXES TMA boxes of Q_WGMMA_BOX_K; wgmma m64nNk16.
+Q_TACTICS = ("mma", "wgmma")
 Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
+Q_WGMMA_ROWS, Q_WGMMA_SPLIT, Q_WGMMA_BOX_K, Q_WGMMA_MAX_BOXES = 128, 4, 64, 7
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -102,11 +107,25 @@ def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
   return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
 
 
-def q_kernel_tiles(n: int, k: int) -> bool:
-  """Whether glm5_indexer_q tiles wq_b bf16[N, K]: N a multiple of Q_TILE_ROWS, K = BLOCK_K *
-  Q_WARPS * blocks with blocks in 1..Q_MAX_BLOCKS."""
+def q_kernel_tiles(n: int, k: int, tactic: str = "mma") -> bool:
+  """Whether glm5_indexer_q's tactic tiles wq_b bf16[N, K]: "mma", N a multiple of
+  Q_TILE_ROWS and K = BLOCK_K * Q_WARPS * blocks with blocks in 1..Q_MAX_BLOCKS; "wgmma", N a
+  multiple of Q_WGMMA_ROWS and K = Q_WGMMA_SPLIT * Q_WGMMA_BOX_K * boxes with boxes in
+  1..Q_WGMMA_MAX_BOXES."""
+  if tactic == "wgmma":
+    boxes, rest = divmod(k, Q_WGMMA_SPLIT * Q_WGMMA_BOX_K)
+    return n % Q_WGMMA_ROWS == 0 and not rest and 1 <= boxes <= Q_WGMMA_MAX_BOXES
   blocks, rest = divmod(k, BLOCK_K * Q_WARPS)
   return n % Q_TILE_ROWS == 0 and not rest and 1 <= blocks <= Q_MAX_BLOCKS
+
+
+def q_tactic(rows: int, n: int, k: int, tactic: str | None = None) -> str:
+  """The tactic glm5_indexer_q runs for qr bf16[rows, k] and wq_b bf16[n, k]: `tactic` where
+  given, else "wgmma" where it tiles wq_b, else "mma". The rows do not choose (yet): the
+  H200 rows of both are in BENCHMARKS.md."""
+  if tactic is not None:
+    return tactic
+  return "wgmma" if q_kernel_tiles(n, k, "wgmma") else "mma"
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
@@ -178,39 +197,63 @@ _projection = Op(
     split=Split(("rows", None), ("rows",) * 3))
 
 
-def _q_shapes(qr, wq_b):
+def _q_shapes(qr, wq_b, *, tactic):
   op = "indexer_q"
   expect(op, "qr", qr, BF16, (None, None))
   m, k = qr.shape
   expect(op, "wq_b", wq_b, BF16, (None, k))
   if wq_b.shape[0] % DIM:
     fail(op, "wq_b", f"must have heads * {DIM} rows, got {wq_b.shape[0]}")
+  if tactic is not None:
+    if tactic not in Q_TACTICS:
+      fail(op, "tactic", f"must be one of {Q_TACTICS} or None, got {tactic!r}")
+    if not q_kernel_tiles(*wq_b.shape, tactic):
+      fail(op, "tactic", f"{tactic!r} does not tile wq_b {tuple(wq_b.shape)}: {_Q_TILING[tactic]}")
   return [((m, wq_b.shape[0]), BF16)]
 
 
+_Q_TILING = {
+    "mma": (f"N % {Q_TILE_ROWS} == 0, K = {BLOCK_K * Q_WARPS} * blocks with blocks in "
+            f"1..{Q_MAX_BLOCKS}"),
+    "wgmma": (f"N % {Q_WGMMA_ROWS} == 0, K = {Q_WGMMA_SPLIT * Q_WGMMA_BOX_K} * boxes with "
+              f"boxes in 1..{Q_WGMMA_MAX_BOXES}")}
+
+
+def _q_tactic(qr, wq_b, tactic):
+  return q_tactic(qr.shape[0], *wq_b.shape, tactic)
+
+
 _q = Op(
-    "indexer_q", lambda qr, wq_b: ref.indexer_q(qr, wq_b), _q_shapes,
+    "indexer_q", lambda qr, wq_b, *, tactic: ref.indexer_q(qr, wq_b), _q_shapes,
     rows=((0, None), (0,)), kernel="glm5_indexer_q",
-    kernel_supports=lambda qr, wq_b: q_kernel_tiles(*wq_b.shape),
-    kernel_limits=(f"N % {Q_TILE_ROWS} == 0, K = {BLOCK_K * Q_WARPS} * blocks with blocks in "
-                   f"1..{Q_MAX_BLOCKS}"),
+    attributes=dict(tactic=np.int32),
+    attribute_values=lambda qr, wq_b, *, tactic: dict(
+        tactic=Q_TACTICS.index(_q_tactic(qr, wq_b, tactic))),
+    kernel_supports=lambda qr, wq_b, *, tactic: q_kernel_tiles(
+        *wq_b.shape, _q_tactic(qr, wq_b, tactic)),
+    kernel_limits=(f"tactic \"wgmma\" (the default where it tiles): {_Q_TILING['wgmma']}; "
+                   f"\"mma\": {_Q_TILING['mma']}"),
     kernel_off=("slower than XLA's GEMM on the H200: 1.4-9.4 µs per layer inside the "
                 "stage (M 1-64), 3.0-7.7 in the stage's update part alone (M=1 11.5 vs "
                 "8.5, M=16 13.3 vs 9.8, M=64 22.3 vs 14.6), at parity alone at M 1-16 "
                 "and 13.7 vs 9.0 µs at M=64"),
+    # A device's block of rows runs the whole call's tactic: the same fp32 sums.
+    kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))
 
 
-def indexer_q(qr: jax.Array, wq_b: jax.Array, *, routing: Routing | None = None) -> jax.Array:
+def indexer_q(qr: jax.Array, wq_b: jax.Array, *, tactic: str | None = None,
+              routing: Routing | None = None) -> jax.Array:
   """q bf16[M, N] = qr bf16[M, K] @ wq_b bf16[N, K]^T (N = heads * 128): the query heads
   before the epilogue (indexer_query takes them as q.reshape(M, heads, 128)).
 
   The CUDA kernel streams wq_b through the TMA (cc/q_gemm.cu; limits: the README's op
   table) and reads it before the preceding kernel has finished (PDL): pass it as a model
   parameter. Its fp32 sums run in another order than XLA's GEMM: within SPEC D2, not
-  bit-equal. routing: where the op runs (None: from the env).
+  bit-equal. tactic: "wgmma" or "mma" (Q_TACTICS; None: q_tactic's choice); the two sum in
+  different orders. routing: where the op runs (None: from the env).
   """
-  return _q(qr, wq_b, routing=routing)[0]
+  return _q(qr, wq_b, tactic=tactic, routing=routing)[0]
 
 
 def _query_op_shapes(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps,

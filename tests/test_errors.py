@@ -166,7 +166,22 @@ BAD_PARAMS = [
     ("indexer_projection_fused", dict(tactic=(8, 2)), r"tactic must be \(warps 1..8, split 1..1\)"),
     ("indexer_projection_fused", dict(tactic=(4, 0)), r"tactic must be \(warps 1..8, split 1..1\)"),
     ("indexer_projection_fused", dict(tactic=(3, 1)), "tactic .* does not tile K = 1024"),
+    ("indexer_q", dict(tactic="tma"), r"tactic must be one of \('mma', 'wgmma'\) or None"),
 ]
+
+
+@pytest.mark.parametrize("tactic,k,message", [
+    ("wgmma", 2048, r"tactic 'wgmma' does not tile wq_b \(128, 2048\): N % 128 == 0, "
+                    r"K = 256 \* boxes with boxes in 1..7"),
+    ("mma", 2304, r"tactic 'mma' does not tile wq_b \(128, 2304\): N % 32 == 0, "
+                  r"K = 256 \* blocks with blocks in 1..8")])
+def test_q_tactic_must_tile(tactic, k, message):
+  """An explicit indexer_q tactic that does not tile wq_b is a trace-time error (None
+  chooses one that does, or the reference)."""
+  qr, wq_b = jnp.zeros((2, k), jnp.bfloat16), jnp.zeros((128, k), jnp.bfloat16)
+  with pytest.raises(ValueError, match=f"glm5_jax.indexer_q: {message}"):
+    jax.jit(functools.partial(glm5_jax.indexer_q, tactic=tactic))(qr, wq_b)
+  assert jax.jit(glm5_jax.indexer_q)(qr, wq_b).shape == (2, 128)
 
 
 @pytest.mark.parametrize("op,params,message", BAD_PARAMS,

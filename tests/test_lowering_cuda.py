@@ -14,7 +14,13 @@ from jax import export
 import glm5_jax
 from glm5_jax import Routing
 from glm5_jax._primitive import Op
-from glm5_jax.indexer import PROJECTION_KERNEL_ROWS, fused_warps, projection_tactic
+from glm5_jax.indexer import (
+  PROJECTION_KERNEL_ROWS,
+  Q_TACTICS,
+  fused_warps,
+  projection_tactic,
+  q_tactic,
+)
 from glm5_jax.logits import TOPK_MAX_POOLS
 from glm5_jax.testing.cases import CASES, stage_state
 
@@ -442,3 +448,21 @@ def test_projection_attributes(op, rows, k, tactic, expected, monkeypatch):
     folded = cuda_module(jax.vmap(fn, in_axes=axes), stacked)
     assert {n: int(v) for n, (v, t) in call_attributes(folded, f"glm5_{op}").items()
             if t == "i32"} == expected
+
+
+@pytest.mark.parametrize("n,k,tactic,expected", [
+    (4096, 1536, None, "wgmma"), (4096, 1536, "mma", "mma"), (256, 1536, "wgmma", "wgmma"),
+    (4096, 2048, None, "mma"), (384, 1536, None, "wgmma"), (384, 2048, "mma", "mma")])
+def test_q_tactic_attribute(n, k, tactic, expected, monkeypatch):
+  """indexer_q's tactic reaches glm5_indexer_q as the i32 attribute `tactic` (its index in
+  Q_TACTICS): the wgmma tactic by default where it tiles wq_b (N % 128, K = 256 * 1..7),
+  else mma; vmap's folded rows keep it."""
+  monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_q=1")
+  assert q_tactic(5, n, k, tactic) == expected
+  fn = functools.partial(glm5_jax.indexer_q, tactic=tactic)
+  qr, wq_b = jnp.zeros((6, k), jnp.bfloat16), jnp.zeros((n, k), jnp.bfloat16)
+  for module in (cuda_module(fn, (qr, wq_b)),
+                 cuda_module(jax.vmap(fn, in_axes=(0, None)), (qr.reshape(2, 3, k), wq_b))):
+    attrs = call_attributes(module, "glm5_indexer_q")
+    assert {n: int(v) for n, (v, t) in attrs.items() if t == "i32"} == {
+        "tactic": Q_TACTICS.index(expected)}

@@ -1,13 +1,17 @@
 """indexer_q as the CUDA kernel (glm5_indexer_q) on the GPU.
 
+Every test runs both tactics ("wgmma", "mma") where it concerns the kernel's arithmetic.
 (a) q within SPEC D2's GEMM bound of a float64 GEMM (oracle.check_q: |err| <= (K - 1) u
     sum|qr w| + half a bf16 ulp), as is the jitted reference; rerun bit-identical.
-(b) Every K the kernel tiles (256 * blocks, blocks 1..8) is within the bound and
-    deterministic.
-(c) M = 0, rows independent of the batch (64-row CTA chunks), vmap folded into rows, a K the
-    kernel does not tile (lowered to the reference), wq_b produced in the same jit
-    (PDL), and the FFI call inside a command buffer.
+(b) Every K a tactic tiles (256 * blocks, blocks 1..8 for mma, 1..7 for wgmma) is within
+    the bound and deterministic.
+(c) M = 0, rows independent of the batch (mma: 64-row CTA chunks; wgmma: its 16-, 32-, 64-
+    and 128-token instantiations and 128-row grid chunks), vmap folded into rows, a K no
+    tactic tiles (lowered to the reference), wq_b produced in the same jit (PDL), and the
+    FFI call inside a command buffer.
 """
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -15,7 +19,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.indexer import Q_MAX_BLOCKS, q_kernel_tiles
+from glm5_jax.indexer import Q_MAX_BLOCKS, Q_TACTICS, Q_WGMMA_MAX_BOXES, q_kernel_tiles
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -36,6 +40,8 @@ def _inputs(rng, m, n, k=K):
 
 
 _kernel_fn = jax.jit(glm5_jax.indexer_q)
+_tactic_fns = {t: jax.jit(functools.partial(glm5_jax.indexer_q, tactic=t)) for t in Q_TACTICS}
+MAX_PARTS = {"mma": Q_MAX_BLOCKS, "wgmma": Q_WGMMA_MAX_BOXES}   # K = 256 * parts
 
 
 def _check(qr, wq_b, got, label):
@@ -48,41 +54,54 @@ def _same(got, want, label):
 
 # --------------------------------------------------------------------------- (a)
 
-def test_lowers_to_the_kernel():
+@pytest.mark.parametrize("tactic", Q_TACTICS)
+def test_lowers_to_the_kernel(tactic):
   qr, wq_b = _inputs(np.random.default_rng(0), 3, 4096)
-  assert f'custom_call_target="{TARGET}"' in _kernel_fn.lower(qr, wq_b).compile().as_text()
+  text = _tactic_fns[tactic].lower(qr, wq_b).compile().as_text()
+  assert f'custom_call_target="{TARGET}"' in text
+  assert f"tactic = {Q_TACTICS.index(tactic)} : i32" in text
 
 
+@pytest.mark.parametrize("tactic", Q_TACTICS)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n", NS)
-def test_kernel_within_the_gemm_bound(n, m):
+def test_kernel_within_the_gemm_bound(n, m, tactic):
+  fn = _tactic_fns[tactic]
   for seed in (0, 1):
     qr, wq_b = _inputs(np.random.default_rng([n, m, seed]), m, n)
-    label = f"N {n} M {m} seed {seed}"
-    got = _kernel_fn(qr, wq_b)
+    label = f"{tactic} N {n} M {m} seed {seed}"
+    got = fn(qr, wq_b)
     kernel = _check(qr, wq_b, got, f"kernel {label}")
     want = jax.jit(ref.indexer_q)(qr, wq_b)
     reference = _check(qr, wq_b, want, f"reference {label}")
     same = float(np.mean(O.bits(got) == O.bits(want))) if m else 1.0
     print(f"\n[{label}] max err/bound: kernel {kernel:.3f}, reference {reference:.3f}; "
           f"{same:.2%} of q bit-equal to the reference")
-    _same(got, _kernel_fn(qr, wq_b), f"{label} rerun")
+    _same(got, fn(qr, wq_b), f"{label} rerun")
+
+
+def test_default_tactic_is_wgmma_where_it_tiles():
+  """The default (tactic None) runs the wgmma tactic at the model's shape: the same bits."""
+  qr, wq_b = _inputs(np.random.default_rng(2), 5, 4096)
+  _same(_kernel_fn(qr, wq_b), _tactic_fns["wgmma"](qr, wq_b), "default vs wgmma")
 
 
 # --------------------------------------------------------------------------- (b)
 
-@pytest.mark.parametrize("m", [1, 16, 65])
-def test_every_k_within_the_bound_and_deterministic(m):
-  """K = 256 * blocks for every blocks the kernel instantiates (one kernel each)."""
-  for blocks in range(1, Q_MAX_BLOCKS + 1):
-    k = 256 * blocks
-    assert q_kernel_tiles(256, k)
+@pytest.mark.parametrize("tactic", Q_TACTICS)
+@pytest.mark.parametrize("m", [1, 16, 65, 128])
+def test_every_k_within_the_bound_and_deterministic(m, tactic):
+  """K = 256 * parts for every part count the tactic instantiates or accepts."""
+  fn = _tactic_fns[tactic]
+  for parts in range(1, MAX_PARTS[tactic] + 1):
+    k = 256 * parts
+    assert q_kernel_tiles(256, k, tactic)
     qr, wq_b = _inputs(np.random.default_rng([7, m, k]), m, 256, k=k)
-    label = f"M {m} K {k}"
-    assert f'custom_call_target="{TARGET}"' in _kernel_fn.lower(qr, wq_b).compile().as_text()
-    got = _kernel_fn(qr, wq_b)
+    label = f"{tactic} M {m} K {k}"
+    assert f'custom_call_target="{TARGET}"' in fn.lower(qr, wq_b).compile().as_text()
+    got = fn(qr, wq_b)
     print(f"\n[{label}] max err/bound {_check(qr, wq_b, got, label):.3f}")
-    _same(got, _kernel_fn(qr, wq_b), f"{label} rerun")
+    _same(got, fn(qr, wq_b), f"{label} rerun")
 
 
 # --------------------------------------------------------------------------- (c)
@@ -92,13 +111,17 @@ def test_empty_batch():
   assert _kernel_fn(qr, wq_b).shape == (0, 4096)
 
 
-def test_rows_do_not_depend_on_the_batch():
-  """A row's sums do not depend on the batch: rows of a 300-row call (five 64-row CTA
-  chunks, the last partial) equal the same rows computed alone, bit for bit."""
+@pytest.mark.parametrize("tactic", Q_TACTICS)
+def test_rows_do_not_depend_on_the_batch(tactic):
+  """A row's sums do not depend on the batch: rows of a 300-row call (mma: five 64-row CTA
+  chunks; wgmma: three 128-row chunks, the last partial) equal the same rows computed in
+  smaller calls (wgmma: its 16-, 32-, 64- and 128-token instantiations), bit for bit."""
+  fn = _tactic_fns[tactic]
   qr, wq_b = _inputs(np.random.default_rng(3), 300, 4096)
-  full = _kernel_fn(qr, wq_b)
-  for rows in (slice(0, 1), slice(63, 66), slice(127, 130), slice(299, 300)):
-    _same(full[rows], _kernel_fn(qr[rows], wq_b), f"rows {rows}")
+  full = fn(qr, wq_b)
+  for rows in (slice(0, 1), slice(5, 21), slice(40, 72), slice(63, 66), slice(100, 228),
+               slice(127, 130), slice(299, 300)):
+    _same(full[rows], fn(qr[rows], wq_b), f"{tactic} rows {rows}")
 
 
 def test_vmap_folds_into_rows():
@@ -115,15 +138,17 @@ def test_vmap_folds_into_rows():
 
 @pytest.mark.parametrize("k", [1000, 2304])
 def test_untiled_k_uses_the_reference(k):
-  """K = 1000 is not 256 * blocks; K = 2304 needs 9 blocks (the kernel holds 8): no FFI
-  call, the reference's result. (N = heads * 128 always makes whole 32-row tiles.)"""
+  """K = 1000 is not 256 * blocks; K = 2304 needs 9 blocks (mma holds 8, wgmma 7 boxes a
+  quarter): no FFI call, the reference's result. (N = heads * 128 always makes whole 32-
+  and 128-row tiles.)"""
   qr, wq_b = _inputs(np.random.default_rng([7, k]), 5, 256, k=k)
-  assert not q_kernel_tiles(256, k)
+  assert not any(q_kernel_tiles(256, k, t) for t in Q_TACTICS)
   assert TARGET not in _kernel_fn.lower(qr, wq_b).compile().as_text()
   _check(qr, wq_b, _kernel_fn(qr, wq_b), f"untiled K {k}")
 
 
-def test_weights_computed_just_before():
+@pytest.mark.parametrize("tactic", Q_TACTICS)
+def test_weights_computed_just_before(tactic):
   """The kernel reads wq_b before its PDL wait: with wq_b produced in the same jit right
   before each call the results must still be right (see indexer_q's docstring)."""
   qr, wq_b = _inputs(np.random.default_rng(11), 16, 4096)
@@ -134,7 +159,7 @@ def test_weights_computed_just_before():
     for i in range(CALLS):
       dep = 0.0 * outs[-1][0, 0].astype(jnp.float32) if outs else 0.0
       w = (wq_b.astype(jnp.float32) * (1.0 + i) + dep).astype(jnp.bfloat16)
-      outs.append(glm5_jax.indexer_q(qr, w))
+      outs.append(glm5_jax.indexer_q(qr, w, tactic=tactic))
     return outs
 
   for i, got in enumerate(fn(qr, wq_b)):

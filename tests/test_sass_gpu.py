@@ -26,11 +26,12 @@ pytestmark = pytest.mark.gpu
 # Kernel families (mangled-name pattern) and the instructions that must come before their
 # first ACQBULK: a projection kernel's lane loads 2 x blocks 16-byte weight fragments (rows
 # g and g + 8, `blocks` K blocks: its first template argument), the GEMV's lane `loads`
-# fragments of its row (its template argument); indexer_q issues its TMA bulk copies;
-# mqa_logits its tensor-map prefetch.
+# fragments of its row (its template argument); indexer_q issues its TMA bulk copies (the
+# mma tactic) or tensor copies (the wgmma tactic); mqa_logits its tensor-map prefetch.
 PROJECTION = {re.compile(r"indexer_projection(?:_fused)?_kernelILi(\d+)E"): 2,
               re.compile(r"indexer_projection_gemvILi(\d+)E"): 1}
 BEFORE_WAIT = {re.compile(r"indexer_q_kernelILi\d+E"): r"^(@\S+\s+)?UBLKCP",
+               re.compile(r"indexer_q_wgmma_kernelILi\d+E"): r"^(@\S+\s+)?UTMALDG",
                re.compile(r"mqa_logits_kernelILi\d+E"): r"^(@\S+\s+)?UTMACCTL\.PF"}
 WAIT = "ACQBULK"
 
@@ -95,7 +96,7 @@ def test_weight_loads_precede_the_pdl_wait(functions):
         assert _before_wait(instructions, pattern), f"{name}: no {pattern} before {WAIT}"
         checked[kernel.pattern] += 1
   # Every family found (a renamed kernel must not make this test pass by matching nothing):
-  # 9 projection and 18 fused instantiations, 8 GEMVs, 8 of indexer_q, 2 of mqa_logits.
+  # 9 projection and 18 fused instantiations, 8 GEMVs, 8 + 4 of indexer_q, 2 of mqa_logits.
   mma, gemv = (checked[k.pattern] for k in PROJECTION)
   assert mma >= 27 and gemv >= 8 and all(checked.values()), checked
 
@@ -107,3 +108,16 @@ def test_projection_cluster_kernels_have_no_membar(functions):
   for name, instructions in kernels.items():
     assert not [x for x in instructions if "MEMBAR" in x], name
     assert any("STAS" in x for x in instructions), f"{name}: no st.async of the cluster's sums"
+
+
+def test_q_wgmma_kernels_fence_only_the_cta(functions):
+  """indexer_q's wgmma tactic: HGMMA, the cluster's partial sums handed over by the TMA
+  (UBLKCP) after a relaxed cluster barrier, and no GPU-scope MEMBAR (its one fence, before
+  the TMA reads the sums it wrote, is CTA-scope)."""
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"indexer_q_wgmma_kernelILi\d+E", name)}
+  assert len(kernels) == 4, sorted(functions)  # 16, 32, 64 and 128 token rows
+  for name, instructions in kernels.items():
+    assert any(x.startswith("HGMMA") for x in instructions), name
+    assert any("UBLKCP" in x for x in instructions), name
+    assert not [x for x in instructions if "MEMBAR" in x and ".CTA" not in x], name
