@@ -170,36 +170,41 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The wgmma tactic (kWgmma). Each CTA of kGroups warpgroups owns kRows = 64 * kGroups wq_b
-// rows (one m64 tile a warpgroup) and a quarter of K: a cluster of kSplit = 4 CTAs covers
-// the rows' whole K, and N / kRows clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's
-// N = 4096, one wave on the H200's 132 SMs). The TMA copies every 64-column box of the
-// CTA's weights (kRows x 128 B) before the PDL wait, then the token rows' boxes (kN x 128 B,
-// rows past M zero-filled) after it, each pair counted on its own mbarrier, so the
-// warpgroups start on box 0 while the rest are in flight. Both operands are K-major in the
-// 128-byte swizzle; one wgmma m64nNk16 (N = the token rows, 16-128) per 16 K.
+// The wgmma tactic (kWgmma). Each CTA (one warpgroup) owns kRows = 64 wq_b rows (one m64
+// tile) and half of K: a cluster of kSplit = 2 CTAs covers the rows' whole K, and N / kRows
+// clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's N = 4096, one wave on the H200's
+// 132 SMs). The TMA copies every 64-column box of the CTA's weights (kRows x 128 B) before the
+// PDL wait, then the token rows' boxes (kN x 128 B, rows past M zero-filled) after it, each
+// pair counted on its own mbarrier, so the warpgroup starts on box 0 while the rest are in
+// flight. Both operands are K-major in the 128-byte swizzle; one wgmma m64nNk16 (N = the
+// token rows, 16-64) per 16 K; more than kMaxTokens rows take more grid rows.
 //
-// The quarters meet in shared memory: once every CTA of the cluster has finished reading its
-// operands (one relaxed cluster barrier), each CTA writes its partial sums, row-block by
-// row-block, over its operand buffers, and the TMA copies the block of rows that rank r owns
-// (kOwned = 32 rows) into rank r's receive slot for this rank, counted on rank r's mbarrier.
-// Rank r adds the four quarters in rank order, rounds once to bf16 and writes its rows.
+// Measured on the H200 (bench, µs per call at M = 1 / 16 / 64 / 128, bench/NOTES.md): this
+// shape 7.5 / 7.7 / 9.0 / 14.8; 128 rows a CTA in clusters of 4 (two warpgroups, K in
+// quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4 whose CTAs fill an SM cost 2-3 µs more
+// to place (the same kernel launched without clusters ran 2.6 µs faster at M=64), and the
+// 4-way exchange 2.6 µs more at M=64. The halves' exchange costs 0.3-0.7 µs here.
 //
-// Order of the sums: per (token, row), one fp32 accumulator from +0 per quarter of K takes
-// the quarter's 16-K wgmma steps in K order (the order of the 16 products inside a step is
-// the tensor core's), then q = ((s0 + s1) + s2) + s3 over the quarters, one RNE rounding.
-// The same for every N instantiation and every token position: a token's bits do not depend
-// on the rows beside it (tested).
+// The halves meet in shared memory: once both CTAs have finished reading their operands (one
+// relaxed cluster barrier), each CTA writes its partial sums over its operand buffers, and
+// the TMA copies the block of rows that the peer owns (kOwned = 32 rows) into the peer's
+// receive slot, counted on the peer's mbarrier. Rank r adds the halves in rank order, rounds
+// once to bf16 and writes its rows.
+//
+// Order of the sums: per (token, row), one fp32 accumulator from +0 per half of K takes the
+// half's 16-K wgmma steps in K order (the order of the 16 products inside a step is the
+// tensor core's), then q = s0 + s1 over the halves, one RNE rounding. The same for every N
+// instantiation and every token position: a token's bits do not depend on the rows beside
+// it (tested).
 namespace wg {
 
-constexpr int kGroups = 2;                    // warpgroups per CTA
-constexpr int kThreads = kGroups * 128;
-constexpr int kRows = 64 * kGroups;           // wq_b rows per CTA
-constexpr int kSplit = 4;                     // CTAs per cluster: quarters of K
+constexpr int kThreads = 128;                 // one warpgroup
+constexpr int kRows = 64;                     // wq_b rows per CTA: one m64 tile
+constexpr int kSplit = 2;                     // CTAs per cluster: halves of K
 constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
 constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
-constexpr int kMaxBoxes = 7;                  // boxes per quarter: K <= 4 * 7 * 64 = 1792
-constexpr int kMaxTokens = 128;               // token rows per CTA; grid y covers more
+constexpr int kMaxBoxes = 14;                 // boxes per half: K <= 2 * 14 * 64 = 1792
+constexpr int kMaxTokens = 64;                // token rows per CTA; grid y covers more
 constexpr int kSumStride = kOwned + 4;        // floats per token row of a partial block
                                               // (+4: a warp's fragment stores hit 32 banks)
 static_assert(kOwned * kSplit == kRows && kOwned % 16 == 0, "owned rows are whole warps'");
@@ -208,7 +213,7 @@ struct Args {
   uint16_t* q;          // bf16[M, N]
   int64_t rows;         // M
   int64_t n;            // N
-  int32_t boxes;        // K boxes per quarter
+  int32_t boxes;        // K boxes per half
 };
 
 // Dynamic shared memory from a 1024-aligned base: the weights' boxes [box][kRows][128 B],
@@ -264,13 +269,13 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   __syncthreads();          // the barriers are initialised
 
-  const int group = threadIdx.x / 128, warp = threadIdx.x % 128 / kWarp;
+  const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   float d[kN / 2];  // the first wgmma writes it (accumulate = false)
   wgmma::fence();
   for (int b = 0; b < a.boxes; ++b) {
     bulk::wait(full + 8 * b, 0);
-    const uint32_t wb = base + b * L::kWeightBox + group * 64 * 128;
+    const uint32_t wb = base + b * L::kWeightBox;
     const uint32_t xb = tokens + b * L::kTokenBox;
 #pragma unroll
     for (int s = 0; s < kBoxK / 16; ++s)
@@ -282,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   // Every CTA of the cluster is done with its operands: their bytes take the partial sums.
   cluster::arrive_relaxed();
   cluster::wait();
-  const int row = group * 64 + warp * 16 + g;          // and row + 8: one owner's block
+  const int row = warp * 16 + g;                       // and row + 8: one owner's block
   const int owner = row / kOwned, local = row % kOwned;
   const uint32_t send = base, received = base + kSplit * L::kBlock;
   const uint32_t block = (owner == rank ? received : send) + owner * L::kBlock;
@@ -308,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   }
   bulk::wait(receive_bar, 0);
 
-  // This rank's kOwned rows: the quarters in rank order, two rows a thread.
+  // This rank's kOwned rows: the halves in rank order, two rows a thread.
   const float* const parts = reinterpret_cast<const float*>(smem_raw + (received - raw));
   const int valid = static_cast<int>(min(static_cast<int64_t>(kN), a.rows - chunk0));
   const int64_t col = n0 + rank * kOwned;
@@ -359,13 +364,13 @@ ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
   if (!aligned(qr.untyped_data(), 16) || !aligned(wq_b.untyped_data(), 16))
     return check.fail("qr and wq_b must be 16 B aligned");
   if (tactic == kWgmma) {
-    const int64_t quarter = int64_t{wg::kSplit} * wg::kBoxK;
+    const int64_t part = int64_t{wg::kSplit} * wg::kBoxK;
     if (n <= 0 || n % wg::kRows != 0 || n / wg::kRows * wg::kSplit > kI32Max)
       return check.fail("tactic wgmma: wq_b's rows N must be a multiple of " +
                         std::to_string(wg::kRows));
-    if (k % quarter != 0 || k / quarter < 1 || k / quarter > wg::kMaxBoxes)
+    if (k % part != 0 || k / part < 1 || k / part > wg::kMaxBoxes)
       return check.fail("tactic wgmma: K = " + std::to_string(k) + " must be " +
-                        std::to_string(quarter) + " * boxes, boxes in 1.." +
+                        std::to_string(part) + " * boxes, boxes in 1.." +
                         std::to_string(wg::kMaxBoxes));
     if (rows == 0) return ffi::Error::Success();
     if ((rows + wg::kMaxTokens - 1) / wg::kMaxTokens > 65535 || !fits_i32(rows))
@@ -374,14 +379,13 @@ ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
     args.q = reinterpret_cast<uint16_t*>(q->untyped_data());
     args.rows = rows;
     args.n = n;
-    args.boxes = static_cast<int32_t>(k / quarter);
+    args.boxes = static_cast<int32_t>(k / part);
     const void* x = qr.untyped_data();
     const void* w = wq_b.untyped_data();
     // The narrowest instantiation that holds the rows (more rows: kMaxTokens per grid row).
     const cudaError_t err =
         rows <= 16   ? wg::launch_as<16>(stream, pdl, args, x, w, k)
         : rows <= 32 ? wg::launch_as<32>(stream, pdl, args, x, w, k)
-        : rows <= 64 ? wg::launch_as<64>(stream, pdl, args, x, w, k)
                      : wg::launch_as<wg::kMaxTokens>(stream, pdl, args, x, w, k);
     return check.cuda(err);
   }

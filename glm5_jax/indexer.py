@@ -68,11 +68,11 @@ PROJECTION_KERNEL_ROWS = (2, 64)
 # the matching compile-time sizes and checks them).
 # - "mma": 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS
 #   blocks of BLOCK_K, mma.sync.
-# - "wgmma": Q_WGMMA_ROWS wq_b rows per CTA (two warpgroups), K split in Q_WGMMA_SPLIT over a
+# - "wgmma": Q_WGMMA_ROWS wq_b rows per CTA (one warpgroup), K split in Q_WGMMA_SPLIT over a
 #   cluster, each part 1..Q_WGMMA_MAX_BOXES TMA boxes of Q_WGMMA_BOX_K; wgmma m64nNk16.
 Q_TACTICS = ("mma", "wgmma")
 Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
-Q_WGMMA_ROWS, Q_WGMMA_SPLIT, Q_WGMMA_BOX_K, Q_WGMMA_MAX_BOXES = 128, 4, 64, 7
+Q_WGMMA_ROWS, Q_WGMMA_SPLIT, Q_WGMMA_BOX_K, Q_WGMMA_MAX_BOXES = 64, 2, 64, 14
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:

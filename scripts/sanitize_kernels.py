@@ -61,6 +61,14 @@ def _variants():
                 lambda rng, rows=rows: tuple(a[:rows] if i == 0 else a for i, a in
                                              enumerate(projection.make(rng))),
                 None, False))
+  # indexer_q's tactics: the case (M=3, the wgmma tactic's 16-token instantiation), mma,
+  # and wgmma at 70 and 130 tokens (its 64-token instantiation; two and three grid rows, the
+  # last of 6 and 2 tokens).
+  q = cases.CASES["indexer_q"]
+  for tactic, rows in (("mma", 3), ("wgmma", 70), ("wgmma", 130)):
+    out.append((f"indexer_q {tactic} M={rows}", functools.partial(q.fn, tactic=tactic),
+                lambda rng, rows=rows: (cases.bf16(rng, rows, 1536), q.make(rng)[1]),
+                None, False))
   # mqa_logits with several times more work items than the persistent grid has CTAs (8
   # rows x 448 items): each CTA of the streamed kernel reuses every stage of its ring,
   # flips the barriers' parity and changes rows; short rows, a missing page and one past

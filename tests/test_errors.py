@@ -171,8 +171,8 @@ BAD_PARAMS = [
 
 
 @pytest.mark.parametrize("tactic,k,message", [
-    ("wgmma", 2048, r"tactic 'wgmma' does not tile wq_b \(128, 2048\): N % 128 == 0, "
-                    r"K = 256 \* boxes with boxes in 1..7"),
+    ("wgmma", 2048, r"tactic 'wgmma' does not tile wq_b \(128, 2048\): N % 64 == 0, "
+                    r"K = 128 \* boxes with boxes in 1..14"),
     ("mma", 2304, r"tactic 'mma' does not tile wq_b \(128, 2304\): N % 32 == 0, "
                   r"K = 256 \* blocks with blocks in 1..8")])
 def test_q_tactic_must_tile(tactic, k, message):

@@ -455,7 +455,7 @@ def test_projection_attributes(op, rows, k, tactic, expected, monkeypatch):
     (4096, 2048, None, "mma"), (384, 1536, None, "wgmma"), (384, 2048, "mma", "mma")])
 def test_q_tactic_attribute(n, k, tactic, expected, monkeypatch):
   """indexer_q's tactic reaches glm5_indexer_q as the i32 attribute `tactic` (its index in
-  Q_TACTICS): the wgmma tactic by default where it tiles wq_b (N % 128, K = 256 * 1..7),
+  Q_TACTICS): the wgmma tactic by default where it tiles wq_b (N % 64, K = 128 * 1..14),
   else mma; vmap's folded rows keep it."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_q=1")
   assert q_tactic(5, n, k, tactic) == expected

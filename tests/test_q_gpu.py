@@ -3,12 +3,13 @@
 Every test runs both tactics ("wgmma", "mma") where it concerns the kernel's arithmetic.
 (a) q within SPEC D2's GEMM bound of a float64 GEMM (oracle.check_q: |err| <= (K - 1) u
     sum|qr w| + half a bf16 ulp), as is the jitted reference; rerun bit-identical.
-(b) Every K a tactic tiles (256 * blocks, blocks 1..8 for mma, 1..7 for wgmma) is within
-    the bound and deterministic.
-(c) M = 0, rows independent of the batch (mma: 64-row CTA chunks; wgmma: its 16-, 32-, 64-
-    and 128-token instantiations and 128-row grid chunks), vmap folded into rows, a K no
-    tactic tiles (lowered to the reference), wq_b produced in the same jit (PDL), and the
-    FFI call inside a command buffer.
+(b) Every K the mma tactic tiles (256 * blocks, blocks 1..8: one kernel each) and K = 128 *
+    boxes for wgmma (boxes 1..14, a run-time count: the ends and two between) is within the
+    bound and deterministic.
+(c) M = 0, rows independent of the batch (mma: 64-row CTA chunks; wgmma: its 16-, 32- and
+    64-token instantiations and 64-row grid chunks), vmap folded into rows, a K no tactic
+    tiles (lowered to the reference), wq_b produced in the same jit (PDL), and the FFI call
+    inside a command buffer.
 """
 import functools
 
@@ -19,7 +20,16 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.indexer import Q_MAX_BLOCKS, Q_TACTICS, Q_WGMMA_MAX_BOXES, q_kernel_tiles
+from glm5_jax.indexer import (
+  BLOCK_K,
+  Q_MAX_BLOCKS,
+  Q_TACTICS,
+  Q_WARPS,
+  Q_WGMMA_BOX_K,
+  Q_WGMMA_MAX_BOXES,
+  Q_WGMMA_SPLIT,
+  q_kernel_tiles,
+)
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -41,7 +51,10 @@ def _inputs(rng, m, n, k=K):
 
 _kernel_fn = jax.jit(glm5_jax.indexer_q)
 _tactic_fns = {t: jax.jit(functools.partial(glm5_jax.indexer_q, tactic=t)) for t in Q_TACTICS}
-MAX_PARTS = {"mma": Q_MAX_BLOCKS, "wgmma": Q_WGMMA_MAX_BOXES}   # K = 256 * parts
+# The K each tactic is tested at: every mma instantiation; wgmma's box count is a run-time
+# value (the ends and two between).
+KS = {"mma": [BLOCK_K * Q_WARPS * b for b in range(1, Q_MAX_BLOCKS + 1)],
+      "wgmma": [Q_WGMMA_SPLIT * Q_WGMMA_BOX_K * b for b in (1, 3, 12, Q_WGMMA_MAX_BOXES)]}
 
 
 def _check(qr, wq_b, got, label):
@@ -91,10 +104,9 @@ def test_default_tactic_is_wgmma_where_it_tiles():
 @pytest.mark.parametrize("tactic", Q_TACTICS)
 @pytest.mark.parametrize("m", [1, 16, 65, 128])
 def test_every_k_within_the_bound_and_deterministic(m, tactic):
-  """K = 256 * parts for every part count the tactic instantiates or accepts."""
+  """The tactic at each K of KS: within the bound and deterministic."""
   fn = _tactic_fns[tactic]
-  for parts in range(1, MAX_PARTS[tactic] + 1):
-    k = 256 * parts
+  for k in KS[tactic]:
     assert q_kernel_tiles(256, k, tactic)
     qr, wq_b = _inputs(np.random.default_rng([7, m, k]), m, 256, k=k)
     label = f"{tactic} M {m} K {k}"
@@ -113,9 +125,9 @@ def test_empty_batch():
 
 @pytest.mark.parametrize("tactic", Q_TACTICS)
 def test_rows_do_not_depend_on_the_batch(tactic):
-  """A row's sums do not depend on the batch: rows of a 300-row call (mma: five 64-row CTA
-  chunks; wgmma: three 128-row chunks, the last partial) equal the same rows computed in
-  smaller calls (wgmma: its 16-, 32-, 64- and 128-token instantiations), bit for bit."""
+  """A row's sums do not depend on the batch: rows of a 300-row call (five 64-row CTA chunks,
+  the last partial) equal the same rows computed in smaller calls (wgmma: its 16-, 32- and
+  64-token instantiations), bit for bit."""
   fn = _tactic_fns[tactic]
   qr, wq_b = _inputs(np.random.default_rng(3), 300, 4096)
   full = fn(qr, wq_b)
@@ -138,9 +150,9 @@ def test_vmap_folds_into_rows():
 
 @pytest.mark.parametrize("k", [1000, 2304])
 def test_untiled_k_uses_the_reference(k):
-  """K = 1000 is not 256 * blocks; K = 2304 needs 9 blocks (mma holds 8, wgmma 7 boxes a
-  quarter): no FFI call, the reference's result. (N = heads * 128 always makes whole 32-
-  and 128-row tiles.)"""
+  """K = 1000 is not 128 * boxes; K = 2304 needs 9 blocks (mma holds 8) and 18 boxes
+  (wgmma holds 14): no FFI call, the reference's result. (N = heads * 128 always makes
+  whole 32- and 64-row tiles.)"""
   qr, wq_b = _inputs(np.random.default_rng([7, k]), 5, 256, k=k)
   assert not any(q_kernel_tiles(256, k, t) for t in Q_TACTICS)
   assert TARGET not in _kernel_fn.lower(qr, wq_b).compile().as_text()
