@@ -175,15 +175,21 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's N = 4096, one wave on the H200's
 // 132 SMs). The TMA copies every 64-column box of the CTA's weights (kRows x 128 B) before the
 // PDL wait, then the token rows' boxes (kN x 128 B, rows past M zero-filled) after it, each
-// pair counted on its own mbarrier, so the warpgroup starts on box 0 while the rest are in
-// flight. Both operands are K-major in the 128-byte swizzle; one wgmma m64nNk16 (N = the
-// token rows, 16-64) per 16 K; more than kMaxTokens rows take more grid rows.
+// pair counted on its own mbarrier. At most kWindow boxes are in flight: thread 0 issues box
+// b + kWindow once box b has landed. With every box issued at once (12 at K = 1536) they
+// landed together at the end and the wgmma work (0.4-0.9 µs at M 16-64) ran after the last
+// one; 6 in flight overlap them (H200 bench, µs at M = 1 / 16 / 64 / 128: all 7.5 / 7.8 /
+// 8.8 / 14.3, 10 7.2 / 7.4 / 8.3 / 13.8, 8 6.8 / 7.1 / 8.0 / 13.0, 6 6.7 / 7.0 / 7.7 / 12.5,
+// 4 7.1 / 7.2 / 7.8 at M <= 64). Both operands are K-major in the 128-byte swizzle; one
+// wgmma m64nNk16 (N = the token rows, 16-64) per 16 K; more than kMaxTokens rows take more
+// grid rows.
 //
-// Measured on the H200 (bench, µs per call at M = 1 / 16 / 64 / 128, bench/NOTES.md): this
-// shape 7.5 / 7.7 / 9.0 / 14.8; 128 rows a CTA in clusters of 4 (two warpgroups, K in
-// quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4 whose CTAs fill an SM cost 2-3 µs more
-// to place (the same kernel launched without clusters ran 2.6 µs faster at M=64), and the
-// 4-way exchange 2.6 µs more at M=64. The halves' exchange costs 0.3-0.7 µs here.
+// The shape, measured on the H200 (bench, µs per call at M = 1 / 16 / 64 / 128, every box in
+// flight, bench/NOTES.md): this one 7.5 / 7.7 / 9.0 / 14.8; 128 rows a CTA in clusters of 4
+// (two warpgroups, K in quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4 whose CTAs fill an
+// SM cost 2-3 µs more to place (the same kernel launched without clusters ran 2.6 µs faster
+// at M=64), and the 4-way exchange 2.6 µs more at M=64. The halves' exchange costs 0.3-0.7
+// µs here.
 //
 // The halves meet in shared memory: once both CTAs have finished reading their operands (one
 // relaxed cluster barrier), each CTA writes its partial sums over its operand buffers, and
@@ -205,6 +211,7 @@ constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writ
 constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
 constexpr int kMaxBoxes = 14;                 // boxes per half: K <= 2 * 14 * 64 = 1792
 constexpr int kMaxTokens = 64;                // token rows per CTA; grid y covers more
+constexpr int kWindow = 6;                    // boxes in flight (see the note above)
 constexpr int kSumStride = kOwned + 4;        // floats per token row of a partial block
                                               // (+4: a warp's fragment stores hit 32 banks)
 static_assert(kOwned * kSplit == kRows && kOwned % 16 == 0, "owned rows are whole warps'");
@@ -256,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
     // The peers' blocks for this rank, expected before any peer can send (cluster barrier).
     bulk::arrive_expect(receive_bar, (kSplit - 1) * L::kBlock);
     // Model parameters, not written by the preceding kernel: before the PDL wait.
-    for (int b = 0; b < a.boxes; ++b) {
+    for (int b = 0; b < min(a.boxes, kWindow); ++b) {
       bulk::arrive_expect(full + 8 * b, L::kWeightBox + L::kTokenBox);
       bulk::copy_box(base + b * L::kWeightBox, &w_map, k0 + b * kBoxK,
                      static_cast<int32_t>(n0), full + 8 * b);
@@ -264,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   }
   pdl_wait();
   if (threadIdx.x == 0)
-    for (int b = 0; b < a.boxes; ++b)
+    for (int b = 0; b < min(a.boxes, kWindow); ++b)
       bulk::copy_box(tokens + b * L::kTokenBox, &x_map, k0 + b * kBoxK, chunk0, full + 8 * b);
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   __syncthreads();          // the barriers are initialised
@@ -275,6 +282,13 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   wgmma::fence();
   for (int b = 0; b < a.boxes; ++b) {
     bulk::wait(full + 8 * b, 0);
+    if (threadIdx.x == 0 && b + kWindow < a.boxes) {
+      const int nb = b + kWindow;
+      bulk::arrive_expect(full + 8 * nb, L::kWeightBox + L::kTokenBox);
+      bulk::copy_box(base + nb * L::kWeightBox, &w_map, k0 + nb * kBoxK,
+                     static_cast<int32_t>(n0), full + 8 * nb);
+      bulk::copy_box(tokens + nb * L::kTokenBox, &x_map, k0 + nb * kBoxK, chunk0, full + 8 * nb);
+    }
     const uint32_t wb = base + b * L::kWeightBox;
     const uint32_t xb = tokens + b * L::kTokenBox;
 #pragma unroll
