@@ -121,8 +121,10 @@ def q_kernel_tiles(n: int, k: int, tactic: str = "mma") -> bool:
 
 def q_tactic(rows: int, n: int, k: int, tactic: str | None = None) -> str:
   """The tactic glm5_indexer_q runs for qr bf16[rows, k] and wq_b bf16[n, k]: `tactic` where
-  given, else "wgmma" where it tiles wq_b, else "mma". The rows do not choose (yet): the
-  H200 rows of both are in BENCHMARKS.md."""
+  given, else "wgmma" where it tiles wq_b, else "mma". The rows do not choose: one tactic
+  for every M keeps a token's sums independent of the batch, and on the H200 wgmma is the
+  faster from M=16 on (7.0 / 7.8 / 12.7 µs at M 16 / 64 / 128 vs mma's 7.7 / 14.3 / 24.3;
+  6.8 vs 6.5 at M=1, BENCHMARKS.md)."""
   if tactic is not None:
     return tactic
   return "wgmma" if q_kernel_tiles(n, k, "wgmma") else "mma"
@@ -233,10 +235,11 @@ _q = Op(
         *wq_b.shape, _q_tactic(qr, wq_b, tactic)),
     kernel_limits=(f"tactic \"wgmma\" (the default where it tiles): {_Q_TILING['wgmma']}; "
                    f"\"mma\": {_Q_TILING['mma']}"),
-    kernel_off=("slower than XLA's GEMM on the H200: 1.4-9.4 µs per layer inside the "
-                "stage (M 1-64), 3.0-7.7 in the stage's update part alone (M=1 11.5 vs "
-                "8.5, M=16 13.3 vs 9.8, M=64 22.3 vs 14.6), at parity alone at M 1-16 "
-                "and 13.7 vs 9.0 µs at M=64"),
+    kernel_off=("slower than XLA's GEMM inside the stage, what users run (H200, 1K context, "
+                "11 layers, µs per layer with it / without: M=1 12.4 / 8.7, M=16 13.7 / 10.3, "
+                "M=64 16.5 / 13.6; PDL off the same), though alone its wgmma tactic beats "
+                "XLA's GEMM at M 16-128 (7.0 / 7.6 / 12.6 vs 7.9 / 9.1 / <= 13.1 µs) and "
+                "loses at M=1 (6.8 vs 5.4)"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))
