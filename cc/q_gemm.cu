@@ -173,29 +173,34 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // The wgmma tactic (kWgmma). Each CTA (one warpgroup) owns kRows = 64 wq_b rows (one m64
 // tile) and half of K: a cluster of kSplit = 2 CTAs covers the rows' whole K, and N / kRows
 // clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's N = 4096, one wave on the H200's
-// 132 SMs). The TMA copies every 64-column box of the CTA's weights (kRows x 128 B) before the
-// PDL wait, then the token rows' boxes (kN x 128 B, rows past M zero-filled) after it, each
-// pair counted on its own mbarrier. At most kWindow boxes are in flight: thread 0 issues box
-// b + kWindow once box b has landed. With every box issued at once (12 at K = 1536) they
-// landed together at the end and the wgmma work (0.4-0.9 µs at M 16-64) ran after the last
-// one; 6 in flight overlap them (H200 bench, µs at M = 1 / 16 / 64 / 128: all 7.5 / 7.8 /
-// 8.8 / 14.3, 10 7.2 / 7.4 / 8.3 / 13.8, 8 6.8 / 7.1 / 8.0 / 13.0, 6 6.7 / 7.0 / 7.7 / 12.5,
-// 4 7.1 / 7.2 / 7.8 at M <= 64). Both operands are K-major in the 128-byte swizzle; one
-// wgmma m64nNk16 (N = the token rows, 16-64) per 16 K; more than kMaxTokens rows take more
-// grid rows.
+// 132 SMs). The K half streams through a ring of kSlots slots in shared memory: slot s holds
+// one 64-column box of the CTA's weights (kRows x 128 B) and of the token rows (kN x 128 B,
+// rows past M zero-filled by the TMA), counted on the slot's mbarrier. The first kSlots
+// weight boxes are copied before the PDL wait, their token boxes after it; thread 0 refills
+// the slot of box b - 1 with box b - 1 + kSlots once the wgmma group of box b - 1 has
+// completed (the group of box b still running). Both operands are K-major in the 128-byte
+// swizzle; one wgmma m64nNk16 (N = the token rows, 16-64) per 16 K; more than kMaxTokens rows
+// take more grid rows.
 //
-// The shape, measured on the H200 (bench, µs per call at M = 1 / 16 / 64 / 128, every box in
-// flight, bench/NOTES.md): this one 7.5 / 7.7 / 9.0 / 14.8; 128 rows a CTA in clusters of 4
-// (two warpgroups, K in quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4 whose CTAs fill an
-// SM cost 2-3 µs more to place (the same kernel launched without clusters ran 2.6 µs faster
-// at M=64), and the 4-way exchange 2.6 µs more at M=64. The halves' exchange costs 0.3-0.7
-// µs here.
+// Why a ring of 6 (H200 bench, µs at M = 1 / 16 / 64 / 128, bench/NOTES.md): with every box
+// of K = 1536 (12) issued at once they landed together and the wgmma work (0.4-0.9 µs at M
+// 16-64) ran after the last one: 7.5 / 7.8 / 8.8 / 14.3; at most W in flight: W=10 7.2 / 7.4 /
+// 8.3 / 13.8, W=8 6.8 / 7.1 / 8.0 / 13.0, W=6 6.7 / 7.0 / 7.7 / 12.5, W=4 7.1 / 7.2 / 7.8.
+// Holding only those 6 boxes (97 KB at kN = 64, 193 KB with all 12) lets two CTAs share an
+// SM (M=128's two grid rows run at once: 9.5 µs, was 12.5; M 1-64 6.8 / 7.2 / 8.0), and K is
+// no longer bounded by shared memory.
+//
+// The shape (same bench, every box in flight): this one 7.5 / 7.7 / 9.0 / 14.8; 128 rows a
+// CTA in clusters of 4 (two warpgroups, K in quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4
+// whose CTAs fill an SM cost 2-3 µs more to place (the same kernel launched without clusters
+// ran 2.6 µs faster at M=64), and the 4-way exchange 2.6 µs more at M=64. The halves'
+// exchange costs 0.3-0.7 µs here.
 //
 // The halves meet in shared memory: once both CTAs have finished reading their operands (one
-// relaxed cluster barrier), each CTA writes its partial sums over its operand buffers, and
-// the TMA copies the block of rows that the peer owns (kOwned = 32 rows) into the peer's
-// receive slot, counted on the peer's mbarrier. Rank r adds the halves in rank order, rounds
-// once to bf16 and writes its rows.
+// relaxed cluster barrier), each CTA writes its partial sums over its ring, and the TMA
+// copies the block of rows that the peer owns (kOwned = 32 rows) into the peer's receive
+// slot, counted on the peer's mbarrier. Rank r adds the halves in rank order, rounds once to
+// bf16 and writes its rows.
 //
 // Order of the sums: per (token, row), one fp32 accumulator from +0 per half of K takes the
 // half's 16-K wgmma steps in K order (the order of the 16 products inside a step is the
@@ -209,9 +214,8 @@ constexpr int kRows = 64;                     // wq_b rows per CTA: one m64 tile
 constexpr int kSplit = 2;                     // CTAs per cluster: halves of K
 constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
 constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
-constexpr int kMaxBoxes = 14;                 // boxes per half: K <= 2 * 14 * 64 = 1792
+constexpr int kSlots = 6;                     // the ring: boxes in flight (see above)
 constexpr int kMaxTokens = 64;                // token rows per CTA; grid y covers more
-constexpr int kWindow = 6;                    // boxes in flight (see the note above)
 constexpr int kSumStride = kOwned + 4;        // floats per token row of a partial block
                                               // (+4: a warp's fragment stores hit 32 banks)
 static_assert(kOwned * kSplit == kRows && kOwned % 16 == 0, "owned rows are whole warps'");
@@ -223,19 +227,19 @@ struct Args {
   int32_t boxes;        // K boxes per half
 };
 
-// Dynamic shared memory from a 1024-aligned base: the weights' boxes [box][kRows][128 B],
-// then the tokens' [box][kN][128 B]; after the cluster barrier, the same bytes hold the
-// partial blocks: send[rank][kN][kSumStride] f32 (the slot of this rank unused), then
+// Dynamic shared memory from a 1024-aligned base: the ring's slots, each the weights' box
+// [kRows][128 B] then the tokens' [kN][128 B]; after the cluster barrier, the same bytes hold
+// the partial blocks: send[rank][kN][kSumStride] f32 (the slot of this rank unused), then
 // receive[rank][kN][kSumStride].
 template <int kN>
 struct Layout {
   static constexpr int kWeightBox = kRows * 128;
   static constexpr int kTokenBox = kN * 128;
+  static constexpr int kSlot = kWeightBox + kTokenBox;           // 1024-multiple: atoms align
   static constexpr int kBlock = kN * kSumStride * 4;            // one partial block, bytes
-  static int bytes(int boxes) {
-    const int operands = boxes * (kWeightBox + kTokenBox), sums = 2 * kSplit * kBlock;
-    return wgmma::kAtom + (operands > sums ? operands : sums);
-  }
+  static constexpr int kOperands = kSlots * kSlot, kSums = 2 * kSplit * kBlock;
+  static constexpr int kBytes = wgmma::kAtom + (kOperands > kSums ? kOperands : kSums);
+  static_assert(kSlot % wgmma::kAtom == 0, "each box starts on a swizzle atom");
 };
 
 template <int kN>
@@ -243,36 +247,43 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
     const Args a, const __grid_constant__ CUtensorMap w_map,
     const __grid_constant__ CUtensorMap x_map) {
   using L = Layout<kN>;
-  __shared__ __align__(8) uint64_t bars[kMaxBoxes + 1];   // boxes' full barriers, receive
+  __shared__ __align__(8) uint64_t bars[kSlots + 1];   // the slots' full barriers, receive
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw = bulk::smem_address(smem_raw);
   const uint32_t base = raw + (wgmma::kAtom - raw % wgmma::kAtom) % wgmma::kAtom;
-  const uint32_t tokens = base + a.boxes * L::kWeightBox;
-  const uint32_t full = bulk::smem_address(bars), receive_bar = full + 8 * kMaxBoxes;
+  const uint32_t full = bulk::smem_address(bars), receive_bar = full + 8 * kSlots;
   const int rank = static_cast<int>(cluster::rank());
   const int64_t n0 = static_cast<int64_t>(blockIdx.x / kSplit) * kRows;
   const int32_t k0 = rank * a.boxes * kBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
+  const int first = min(a.boxes, kSlots);          // boxes issued before the loop
+  // Box b's weights and tokens land in slot b % kSlots, counted on its barrier.
+  const auto load_weights = [&](int b) {
+    const int s = b % kSlots;
+    bulk::arrive_expect(full + 8 * s, L::kSlot);
+    bulk::copy_box(base + s * L::kSlot, &w_map, k0 + b * kBoxK, static_cast<int32_t>(n0),
+                   full + 8 * s);
+  };
+  const auto load_tokens = [&](int b) {
+    const int s = b % kSlots;
+    bulk::copy_box(base + s * L::kSlot + L::kWeightBox, &x_map, k0 + b * kBoxK, chunk0,
+                   full + 8 * s);
+  };
 
   if (threadIdx.x == 0) {
     bulk::prefetch_map(&w_map);
     bulk::prefetch_map(&x_map);
-    for (int b = 0; b < a.boxes; ++b) bulk::init(full + 8 * b);
+    for (int s = 0; s < kSlots; ++s) bulk::init(full + 8 * s);
     bulk::init(receive_bar);
     bulk::fence_init();
     // The peers' blocks for this rank, expected before any peer can send (cluster barrier).
     bulk::arrive_expect(receive_bar, (kSplit - 1) * L::kBlock);
     // Model parameters, not written by the preceding kernel: before the PDL wait.
-    for (int b = 0; b < min(a.boxes, kWindow); ++b) {
-      bulk::arrive_expect(full + 8 * b, L::kWeightBox + L::kTokenBox);
-      bulk::copy_box(base + b * L::kWeightBox, &w_map, k0 + b * kBoxK,
-                     static_cast<int32_t>(n0), full + 8 * b);
-    }
+    for (int b = 0; b < first; ++b) load_weights(b);
   }
   pdl_wait();
   if (threadIdx.x == 0)
-    for (int b = 0; b < min(a.boxes, kWindow); ++b)
-      bulk::copy_box(tokens + b * L::kTokenBox, &x_map, k0 + b * kBoxK, chunk0, full + 8 * b);
+    for (int b = 0; b < first; ++b) load_tokens(b);
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   __syncthreads();          // the barriers are initialised
 
@@ -281,21 +292,23 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   float d[kN / 2];  // the first wgmma writes it (accumulate = false)
   wgmma::fence();
   for (int b = 0; b < a.boxes; ++b) {
-    bulk::wait(full + 8 * b, 0);
-    if (threadIdx.x == 0 && b + kWindow < a.boxes) {
-      const int nb = b + kWindow;
-      bulk::arrive_expect(full + 8 * nb, L::kWeightBox + L::kTokenBox);
-      bulk::copy_box(base + nb * L::kWeightBox, &w_map, k0 + nb * kBoxK,
-                     static_cast<int32_t>(n0), full + 8 * nb);
-      bulk::copy_box(tokens + nb * L::kTokenBox, &x_map, k0 + nb * kBoxK, chunk0, full + 8 * nb);
-    }
-    const uint32_t wb = base + b * L::kWeightBox;
-    const uint32_t xb = tokens + b * L::kTokenBox;
+    bulk::wait(full + 8 * (b % kSlots), (b / kSlots) & 1);
+    const uint32_t wb = base + (b % kSlots) * L::kSlot, xb = wb + L::kWeightBox;
 #pragma unroll
     for (int s = 0; s < kBoxK / 16; ++s)
       wgmma::mma_bf16<kN>(d, wgmma::desc(wb + 32 * s), wgmma::desc(xb + 32 * s), b + s > 0);
+    wgmma::commit();
+    // Box b - 1's group has completed in every warp (box b's may still run): its slot takes
+    // box b - 1 + kSlots.
+    wgmma::wait_pending<1>();
+    if (b >= 1 && b - 1 + kSlots < a.boxes) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        load_weights(b - 1 + kSlots);
+        load_tokens(b - 1 + kSlots);
+      }
+    }
   }
-  wgmma::commit();
   wgmma::wait();
 
   // Every CTA of the cluster is done with its operands: their bytes take the partial sums.
@@ -354,7 +367,7 @@ cudaError_t launch_as(cudaStream_t stream, bool pdl, const Args& args, const voi
   if (cudaError_t err = wgmma::bf16_map(&x_map, x, args.rows, k, kN); err != cudaSuccess)
     return err;
   const auto kernel = indexer_q_wgmma_kernel<kN>;
-  const size_t smem = Layout<kN>::bytes(args.boxes);
+  const size_t smem = Layout<kN>::kBytes;
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(args.n / kRows * kSplit),
                   static_cast<unsigned>((args.rows + kN - 1) / kN));
@@ -382,10 +395,9 @@ ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
     if (n <= 0 || n % wg::kRows != 0 || n / wg::kRows * wg::kSplit > kI32Max)
       return check.fail("tactic wgmma: wq_b's rows N must be a multiple of " +
                         std::to_string(wg::kRows));
-    if (k % part != 0 || k / part < 1 || k / part > wg::kMaxBoxes)
+    if (k % part != 0 || k / part < 1 || k / part * wg::kBoxK > kI32Max)
       return check.fail("tactic wgmma: K = " + std::to_string(k) + " must be " +
-                        std::to_string(part) + " * boxes, boxes in 1.." +
-                        std::to_string(wg::kMaxBoxes));
+                        std::to_string(part) + " * boxes, boxes >= 1");
     if (rows == 0) return ffi::Error::Success();
     if ((rows + wg::kMaxTokens - 1) / wg::kMaxTokens > 65535 || !fits_i32(rows))
       return check.fail("too many rows for one grid");

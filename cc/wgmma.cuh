@@ -33,6 +33,12 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 
+// Waits until at most kPending of the most recent committed groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wait_pending() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
 // d[64 x N] += a[64 x 32] b[N x 32]^T on e4m3 (fp32 accumulators, the m64nNk32 fragment).
 template <int kN>
 __device__ void mma_e4m3(float (&d)[kN / 2], uint64_t a, uint64_t b);

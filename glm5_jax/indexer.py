@@ -69,10 +69,11 @@ PROJECTION_KERNEL_ROWS = (2, 64)
 # - "mma": 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS
 #   blocks of BLOCK_K, mma.sync.
 # - "wgmma": Q_WGMMA_ROWS wq_b rows per CTA (one warpgroup), K split in Q_WGMMA_SPLIT over a
-#   cluster, each part 1..Q_WGMMA_MAX_BOXES TMA boxes of Q_WGMMA_BOX_K; wgmma m64nNk16.
+#   cluster, each part >= 1 TMA boxes of Q_WGMMA_BOX_K streamed through a ring; wgmma
+#   m64nNk16. It tiles every wq_b the mma tactic tiles.
 Q_TACTICS = ("mma", "wgmma")
 Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
-Q_WGMMA_ROWS, Q_WGMMA_SPLIT, Q_WGMMA_BOX_K, Q_WGMMA_MAX_BOXES = 64, 2, 64, 14
+Q_WGMMA_ROWS, Q_WGMMA_SPLIT, Q_WGMMA_BOX_K = 64, 2, 64
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -110,24 +111,22 @@ def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
 def q_kernel_tiles(n: int, k: int, tactic: str = "mma") -> bool:
   """Whether glm5_indexer_q's tactic tiles wq_b bf16[N, K]: "mma", N a multiple of
   Q_TILE_ROWS and K = BLOCK_K * Q_WARPS * blocks with blocks in 1..Q_MAX_BLOCKS; "wgmma", N a
-  multiple of Q_WGMMA_ROWS and K = Q_WGMMA_SPLIT * Q_WGMMA_BOX_K * boxes with boxes in
-  1..Q_WGMMA_MAX_BOXES."""
+  multiple of Q_WGMMA_ROWS and K = Q_WGMMA_SPLIT * Q_WGMMA_BOX_K * boxes, boxes >= 1."""
   if tactic == "wgmma":
     boxes, rest = divmod(k, Q_WGMMA_SPLIT * Q_WGMMA_BOX_K)
-    return n % Q_WGMMA_ROWS == 0 and not rest and 1 <= boxes <= Q_WGMMA_MAX_BOXES
+    return n % Q_WGMMA_ROWS == 0 and not rest and boxes >= 1
   blocks, rest = divmod(k, BLOCK_K * Q_WARPS)
   return n % Q_TILE_ROWS == 0 and not rest and 1 <= blocks <= Q_MAX_BLOCKS
 
 
 def q_tactic(rows: int, n: int, k: int, tactic: str | None = None) -> str:
   """The tactic glm5_indexer_q runs for qr bf16[rows, k] and wq_b bf16[n, k]: `tactic` where
-  given, else "wgmma" where it tiles wq_b, else "mma". The rows do not choose: one tactic
-  for every M keeps a token's sums independent of the batch, and on the H200 wgmma is the
-  faster from M=16 on (7.0 / 7.8 / 12.7 µs at M 16 / 64 / 128 vs mma's 7.7 / 14.3 / 24.3;
-  6.8 vs 6.5 at M=1, BENCHMARKS.md)."""
-  if tactic is not None:
-    return tactic
-  return "wgmma" if q_kernel_tiles(n, k, "wgmma") else "mma"
+  given, else "wgmma" (it tiles every wq_b that "mma" tiles; where it does not tile, the op
+  runs the reference). The rows do not choose: one tactic for every M keeps a token's sums
+  independent of the batch, and on the H200 wgmma is the faster from M=16 on (7.2 / 8.0 /
+  9.5 µs at M 16 / 64 / 128 vs mma's 7.7 / 14.3 / 24.3; 6.8 vs 6.5 at M=1, BENCHMARKS.md)."""
+  del rows, n, k
+  return "wgmma" if tactic is None else tactic
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
@@ -218,7 +217,7 @@ _Q_TILING = {
     "mma": (f"N % {Q_TILE_ROWS} == 0, K = {BLOCK_K * Q_WARPS} * blocks with blocks in "
             f"1..{Q_MAX_BLOCKS}"),
     "wgmma": (f"N % {Q_WGMMA_ROWS} == 0, K = {Q_WGMMA_SPLIT * Q_WGMMA_BOX_K} * boxes with "
-              f"boxes in 1..{Q_WGMMA_MAX_BOXES}")}
+              "boxes >= 1")}
 
 
 def _q_tactic(qr, wq_b, tactic):
@@ -233,13 +232,13 @@ _q = Op(
         tactic=Q_TACTICS.index(_q_tactic(qr, wq_b, tactic))),
     kernel_supports=lambda qr, wq_b, *, tactic: q_kernel_tiles(
         *wq_b.shape, _q_tactic(qr, wq_b, tactic)),
-    kernel_limits=(f"tactic \"wgmma\" (the default where it tiles): {_Q_TILING['wgmma']}; "
+    kernel_limits=(f"tactic \"wgmma\" (the default): {_Q_TILING['wgmma']}; "
                    f"\"mma\": {_Q_TILING['mma']}"),
     kernel_off=("slower than XLA's GEMM inside the stage, what users run (H200, 1K context, "
-                "11 layers, µs per layer with it / without: M=1 12.4 / 8.7, M=16 13.7 / 10.3, "
-                "M=64 16.5 / 13.6; PDL off the same), though alone its wgmma tactic beats "
-                "XLA's GEMM at M 16-128 (7.0 / 7.6 / 12.6 vs 7.9 / 9.1 / <= 13.1 µs) and "
-                "loses at M=1 (6.8 vs 5.4)"),
+                "11 layers, µs per layer with it / without: M=1 12.4 / 8.7, M=16 14.0 / 9.5, "
+                "M=64 16.7 / 13.6; PDL off no better), though alone its wgmma tactic beats "
+                "XLA's GEMM at M 16-128 (7.2 / 8.0 / 9.5 vs 8.0 / <= 9.1 / <= 13.1 µs) and "
+                "loses at M=1 (6.8 vs <= 5.6)"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))

@@ -452,11 +452,11 @@ def test_projection_attributes(op, rows, k, tactic, expected, monkeypatch):
 
 @pytest.mark.parametrize("n,k,tactic,expected", [
     (4096, 1536, None, "wgmma"), (4096, 1536, "mma", "mma"), (256, 1536, "wgmma", "wgmma"),
-    (4096, 2048, None, "mma"), (384, 1536, None, "wgmma"), (384, 2048, "mma", "mma")])
+    (4096, 2304, None, "wgmma"), (384, 1536, None, "wgmma"), (384, 2048, "mma", "mma")])
 def test_q_tactic_attribute(n, k, tactic, expected, monkeypatch):
   """indexer_q's tactic reaches glm5_indexer_q as the i32 attribute `tactic` (its index in
-  Q_TACTICS): the wgmma tactic by default where it tiles wq_b (N % 64, K = 128 * 1..14),
-  else mma; vmap's folded rows keep it."""
+  Q_TACTICS): wgmma by default (it tiles every wq_b mma tiles), mma where asked; vmap's
+  folded rows keep it."""
   monkeypatch.setenv("GLM5_JAX_KERNELS", "indexer_q=1")
   assert q_tactic(5, n, k, tactic) == expected
   fn = functools.partial(glm5_jax.indexer_q, tactic=tactic)
