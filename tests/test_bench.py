@@ -290,3 +290,22 @@ def test_max_sets_and_calls_bound_the_chains(capsys):
   with pytest.raises(SystemExit):
     cli.sizes_from(p, p.parse_args(["--max-sets", "0"]))
   assert "--max-sets must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_sweep_q_times_each_tactic_that_tiles(tmp_path, monkeypatch):
+  """--sweep-q: one indexer_q row per tactic of Q_TACTICS that tiles the model's wq_b, per
+  shape, named "kernel <tactic>" (on the CPU the op runs its reference; the rows' names and
+  their count are what is checked here)."""
+  from bench import __main__ as cli
+  from bench import sweep
+  from bench.driver import Bench
+  from glm5_jax.indexer import Q_TACTICS
+  parser = cli.parser()
+  args = parser.parse_args(["--sweep-q", "--rows", "1,3", "--quick", "--cpu-smoke",
+                            "--cache-dir", "", "--out", str(tmp_path / "b.json")])
+  bench = Bench(cli.sizes_from(parser, args), args)
+  monkeypatch.setattr(bench, "has_kernel", lambda op: op == "indexer_q")
+  sweep.run(bench)
+  got = sorted((r["shape"], r["variant"]) for r in bench.rows)
+  assert got == sorted((f"M={m}", f"kernel {t}") for m in (1, 3) for t in Q_TACTICS), got
+  assert all(r["device_us"] and r["device_us"] > 0 for r in bench.rows), bench.rows
