@@ -1,4 +1,4 @@
-"""Kernel bodies of the indexer projection family, measured by Nsight Compute.
+"""Kernel bodies of the indexer projection family and indexer_q, measured by Nsight Compute.
 
   scripts/profile_projection.py [--tokens 1 16 64] [--tactics 4x8,8x4]
 
@@ -6,7 +6,8 @@ runs itself under `ncu` (caches flushed before every kernel, i.e. weights not
 L2-resident; no command buffers), once per call after compiling everything:
 indexer_projection at each tactic that tiles K, indexer_projection_fused,
 indexer_query, and the jitted references (one dot of the pre-concatenated W_cat, and
-the three dots), at K 4096, H 32. It prints, per call, the duration and DRAM bytes read
+the three dots), at K 4096, H 32; indexer_q at each tactic and its reference (one dot) at
+GLM-5.3-Flash's q_lora 1536 and 32 heads. It prints, per call, the duration and DRAM bytes read
 of each kernel it launched: the kernel body without the per-call cost of the
 benchmark's harness (BENCHMARKS.md, calibration). A marker kernel (upcast_logits on
 1 x 8) is launched before each call to attribute the kernels to it.
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-K, HEADS, DIM = 4096, 32, 128
+K, HEADS, DIM, Q_LORA = 4096, 32, 128, 1536
 MARKER = "upcast_logits"
 METRICS = "gpu__time_duration.sum,dram__bytes_read.sum"
 KERNELS = "glm5|indexer|upcast|gemm|Gemm|dot|fusion|cutlass|xmma|nvjet|triton"
@@ -32,10 +33,11 @@ def run_calls(tokens, tactics):
 
   import glm5_jax
   from glm5_jax import reference as ref
-  from glm5_jax.indexer import tile_k
+  from glm5_jax.indexer import Q_TACTICS, q_kernel_tiles, tile_k
 
   rng = np.random.default_rng(0)
   w_cat = jnp.asarray(rng.standard_normal((2 * DIM + HEADS, K)) * 0.02, jnp.bfloat16)
+  wq_b = jnp.asarray(rng.standard_normal((HEADS * DIM, Q_LORA)) * 0.02, jnp.bfloat16)
   nw = jnp.asarray(1 + 0.1 * rng.standard_normal(DIM), jnp.float32)
   nb = jnp.asarray(0.1 * rng.standard_normal(DIM), jnp.float32)
   query = dict(scale=DIM ** -0.5 * HEADS ** -0.5, eps=1e-6)
@@ -60,6 +62,12 @@ def run_calls(tokens, tactics):
         x, w, q, nw, nb, heads=HEADS, **query)))
     calls += [(f"M={m} {name}", jax.jit(fn).lower(x, w_cat).compile(), (x, w_cat))
               for name, fn in fns]
+    qr = jnp.asarray(rng.standard_normal((m, Q_LORA)), jnp.bfloat16)
+    qfns = [("q reference", ref.indexer_q)] + [
+        (f"q kernel {t}", lambda qr, w, t=t: glm5_jax.indexer_q(qr, w, tactic=t))
+        for t in Q_TACTICS if q_kernel_tiles(HEADS * DIM, Q_LORA, t)]
+    calls += [(f"M={m} {name}", jax.jit(fn).lower(qr, wq_b).compile(), (qr, wq_b))
+              for name, fn in qfns]
     for name, fn in (("query kernel", glm5_jax.indexer_query), ("query reference",
                                                                  ref.indexer_query)):
       qfn = lambda q, k, w, fn=fn: fn(q, k, w, nw, nb, **query)
