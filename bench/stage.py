@@ -20,7 +20,10 @@ update part only, indexer_update" (update="fused", its kernel routed on); with
 expand_and_remap (Routing(ops={"select_slots": False})) where the default runs
 select_slots' one call; with --stage-q-kernel also "kernel, q kernel" = the default with
 indexer_q's kernel on, with --stage-pdl-off as well "kernel, q kernel, PDL off", with
---stage-update-only as well "kernel, update part only, q kernel"."""
+--stage-update-only as well "kernel, update part only, q kernel"; with --stage-q-epilogue
+also "kernel, q in epilogue" = the default with update_epilogue_q's kernel on (q's GEMM in
+the epilogue's FFI call), with --stage-update-only as well "kernel, update part only, q in
+epilogue"."""
 import gc
 
 import numpy as np
@@ -36,6 +39,7 @@ from .sizes import CONFIG, POOL, Sizes
 from .variants import (
   KERNEL,
   NO_PDL,
+  Q_EPILOGUE,
   Q_KERNEL,
   Q_KERNEL_NO_PDL,
   REFERENCE,
@@ -44,6 +48,7 @@ from .variants import (
   UPDATE_ONLY,
   UPDATE_ONLY_FUSED,
   UPDATE_ONLY_OPS,
+  UPDATE_ONLY_Q_EPILOGUE,
   UPDATE_ONLY_Q_KERNEL,
   UPDATE_OPS,
 )
@@ -92,6 +97,9 @@ def add_arguments(parser):
                       help="also time the stage with indexer_q's kernel on (off by "
                            "default: slower in the stage on the H200); with --stage-pdl-off "
                            "also with PDL off")
+  parser.add_argument("--stage-q-epilogue", action="store_true",
+                      help="also time the stage with update_epilogue_q's kernel on (q's GEMM "
+                           "and the epilogue in one FFI call)")
   parser.add_argument("--stage-steps", type=int, default=STEPS,
                       help=f"decode steps per timed run (default {STEPS}); each step its own "
                            "inputs, so a run's dispatch grows with them too")
@@ -112,12 +120,15 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             SELECT_OPS: glm5_jax.Routing(ops={"select_slots": False}),
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True}),
-            UPDATE_ONLY_Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True})}
+            UPDATE_ONLY_Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
+            Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True}),
+            UPDATE_ONLY_Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops",
            UPDATE_ONLY_FUSED: "fused"}
 # The variants that time the update part alone.
-UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KERNEL)
+UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KERNEL,
+               UPDATE_ONLY_Q_EPILOGUE)
 
 
 # Decode steps per timed run (one executable): a run costs the host a fixed ~200 µs plus
@@ -209,6 +220,9 @@ def run(bench):
                         + ([Q_KERNEL_NO_PDL] if bench.args.stage_q_kernel
                            and bench.args.stage_pdl_off else [])
                         + ([UPDATE_ONLY_Q_KERNEL] if bench.args.stage_q_kernel
+                           and bench.args.stage_update_only else [])
+                        + ([Q_EPILOGUE] if bench.args.stage_q_epilogue else [])
+                        + ([UPDATE_ONLY_Q_EPILOGUE] if bench.args.stage_q_epilogue
                            and bench.args.stage_update_only else [])
                         if bench.module else [REFERENCE])
   steps, chained = bench.args.stage_steps, bench.args.stage_chained

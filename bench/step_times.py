@@ -36,6 +36,7 @@ from .kernel_times import durations
 from .sizes import sizes_for
 from .variants import (
   KERNEL,
+  Q_EPILOGUE,
   Q_KERNEL,
   Q_KERNEL_NO_PDL,
   SELECT_OPS,
@@ -44,7 +45,8 @@ from .variants import (
   UPDATE_OPS,
 )
 
-VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL)
+VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL,
+            Q_EPILOGUE)
 # Runs before a section: XLA runs an executable's first runs thunk by thunk, then as its
 # command buffer (under ncu on the H200, after two warm-up runs the first timed run was
 # still thunk by thunk).

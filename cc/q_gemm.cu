@@ -27,6 +27,7 @@
 #include "common.h"
 #include "handlers.h"
 #include "projection.cuh"
+#include "q_gemm.cuh"
 #include "wgmma.cuh"
 
 namespace glm5 {
@@ -377,70 +378,86 @@ cudaError_t launch_as(cudaStream_t stream, bool pdl, const Args& args, const voi
 
 }  // namespace wg
 
-// Tactics (the "tactic" attribute; glm5_jax.indexer.Q_TACTICS names them).
-constexpr int32_t kMma = 0, kWgmma = 1;
-
 ffi::Error IndexerQImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF16> qr,
                         ffi::BufferR2<ffi::BF16> wq_b, ffi::ResultBufferR2<ffi::BF16> q,
                         int32_t tactic, bool pdl) {
   const Check check{targets::glm5_indexer_q};
-  const auto xd = qr.dimensions(), wd = wq_b.dimensions(), qd = q->dimensions();
-  const int64_t rows = xd[0], k = xd[1], n = wd[0];
-  if (wd[1] != k) return check.fail("wq_b must be bf16[N, K] with qr's K");
-  if (qd[0] != rows || qd[1] != n) return check.fail("q result must be bf16[M, N]");
-  if (!aligned(qr.untyped_data(), 16) || !aligned(wq_b.untyped_data(), 16))
-    return check.fail("qr and wq_b must be 16 B aligned");
-  if (tactic == kWgmma) {
-    const int64_t part = int64_t{wg::kSplit} * wg::kBoxK;
-    if (n <= 0 || n % wg::kRows != 0 || n / wg::kRows * wg::kSplit > kI32Max)
-      return check.fail("tactic wgmma: wq_b's rows N must be a multiple of " +
-                        std::to_string(wg::kRows));
-    if (k % part != 0 || k / part < 1 || k / part * wg::kBoxK > kI32Max)
-      return check.fail("tactic wgmma: K = " + std::to_string(k) + " must be " +
-                        std::to_string(part) + " * boxes, boxes >= 1");
-    if (rows == 0) return ffi::Error::Success();
-    if ((rows + wg::kMaxTokens - 1) / wg::kMaxTokens > 65535 || !fits_i32(rows))
-      return check.fail("too many rows for one grid");
-    wg::Args args;
-    args.q = reinterpret_cast<uint16_t*>(q->untyped_data());
-    args.rows = rows;
-    args.n = n;
-    args.boxes = static_cast<int32_t>(k / part);
-    const void* x = qr.untyped_data();
-    const void* w = wq_b.untyped_data();
-    // The narrowest instantiation that holds the rows (more rows: kMaxTokens per grid row).
-    const cudaError_t err =
-        rows <= 16   ? wg::launch_as<16>(stream, pdl, args, x, w, k)
-        : rows <= 32 ? wg::launch_as<32>(stream, pdl, args, x, w, k)
-                     : wg::launch_as<wg::kMaxTokens>(stream, pdl, args, x, w, k);
-    return check.cuda(err);
-  }
-  if (tactic != kMma) return check.fail("tactic must be 0 (mma) or 1 (wgmma)");
-  if (n <= 0 || n % kRows != 0) return check.fail("wq_b's rows N must be a multiple of 32");
-  if (n / kRows > kI32Max) return check.fail("wq_b has too many rows");
-  const int64_t per_block = int64_t{kWarps} * kBlockK;
-  if (k % per_block != 0 || k / per_block < 1 || k / per_block > kMaxBlocks)
-    return check.fail("K = " + std::to_string(k) + " must be 256 * blocks, blocks in 1.." +
-                      std::to_string(kMaxBlocks));
-  if (rows == 0) return ffi::Error::Success();
-  const int64_t chunks = (rows + kChunk - 1) / kChunk;
-  if (chunks > 65535) return check.fail("too many rows for one grid");
-
-  QArgs args;
-  args.x = reinterpret_cast<const uint16_t*>(qr.untyped_data());
-  args.w = reinterpret_cast<const uint16_t*>(wq_b.untyped_data());
-  args.q = reinterpret_cast<uint16_t*>(q->untyped_data());
-  args.rows = rows;
-  args.n = n;
-  const int blocks = static_cast<int>(k / per_block);
-  const Pick p = pick(blocks, std::make_integer_sequence<int, kMaxBlocks>());
-  if (cudaError_t err = allow_smem(p.kernel, p.smem); err != cudaSuccess)
-    return check.cuda(err);
-  const dim3 grid(static_cast<unsigned>(n / kRows), static_cast<unsigned>(chunks));
-  return check.cuda(launch(p.kernel, grid, dim3(kWarps * kWarp), p.smem, stream, pdl, args));
+  const ffi::ErrorOr<QGemmLaunch> plan = prepare_q_gemm(check, qr, wq_b, q, tactic);
+  if (plan.has_error()) return plan.error();
+  return check.cuda(launch_q_gemm(stream, pdl, *plan));
 }
 
 }  // namespace
+
+ffi::ErrorOr<QGemmLaunch> prepare_q_gemm(const Check& check, ffi::BufferR2<ffi::BF16> qr,
+                                         ffi::BufferR2<ffi::BF16> wq_b,
+                                         ffi::ResultBufferR2<ffi::BF16> q, int32_t tactic) {
+  const auto fail = [&](std::string_view what) { return ffi::Unexpected(check.fail(what)); };
+  const auto xd = qr.dimensions(), wd = wq_b.dimensions(), qd = q->dimensions();
+  QGemmLaunch plan;
+  plan.x = qr.untyped_data();
+  plan.w = wq_b.untyped_data();
+  plan.q = q->untyped_data();
+  plan.rows = xd[0];
+  plan.k = xd[1];
+  plan.n = wd[0];
+  plan.tactic = tactic;
+  const int64_t rows = plan.rows, k = plan.k, n = plan.n;
+  if (wd[1] != k) return fail("wq_b must be bf16[N, K] with qr's K");
+  if (qd[0] != rows || qd[1] != n) return fail("q result must be bf16[M, N]");
+  if (!aligned(plan.x, 16) || !aligned(plan.w, 16))
+    return fail("qr and wq_b must be 16 B aligned");
+  if (tactic == kQWgmma) {
+    const int64_t part = int64_t{wg::kSplit} * wg::kBoxK;
+    if (n <= 0 || n % wg::kRows != 0 || n / wg::kRows * wg::kSplit > kI32Max)
+      return fail("tactic wgmma: wq_b's rows N must be a multiple of " +
+                        std::to_string(wg::kRows));
+    if (k % part != 0 || k / part < 1 || k / part * wg::kBoxK > kI32Max)
+      return fail("tactic wgmma: K = " + std::to_string(k) + " must be " +
+                        std::to_string(part) + " * boxes, boxes >= 1");
+    if ((rows + wg::kMaxTokens - 1) / wg::kMaxTokens > 65535 || !fits_i32(rows))
+      return fail("too many rows for one grid");
+    return plan;
+  }
+  if (tactic != kQMma) return fail("tactic must be 0 (mma) or 1 (wgmma)");
+  if (n <= 0 || n % kRows != 0) return fail("wq_b's rows N must be a multiple of 32");
+  if (n / kRows > kI32Max) return fail("wq_b has too many rows");
+  const int64_t per_block = int64_t{kWarps} * kBlockK;
+  if (k % per_block != 0 || k / per_block < 1 || k / per_block > kMaxBlocks)
+    return fail("K = " + std::to_string(k) + " must be 256 * blocks, blocks in 1.." +
+                      std::to_string(kMaxBlocks));
+  if ((rows + kChunk - 1) / kChunk > 65535) return fail("too many rows for one grid");
+  return plan;
+}
+
+cudaError_t launch_q_gemm(cudaStream_t stream, bool pdl, const QGemmLaunch& plan) {
+  if (plan.rows == 0) return cudaSuccess;
+  if (plan.tactic == kQWgmma) {
+    wg::Args args;
+    args.q = static_cast<uint16_t*>(plan.q);
+    args.rows = plan.rows;
+    args.n = plan.n;
+    args.boxes = static_cast<int32_t>(plan.k / (int64_t{wg::kSplit} * wg::kBoxK));
+    // The narrowest instantiation that holds the rows (more rows: kMaxTokens per grid row).
+    return plan.rows <= 16   ? wg::launch_as<16>(stream, pdl, args, plan.x, plan.w, plan.k)
+           : plan.rows <= 32 ? wg::launch_as<32>(stream, pdl, args, plan.x, plan.w, plan.k)
+                             : wg::launch_as<wg::kMaxTokens>(stream, pdl, args, plan.x,
+                                                             plan.w, plan.k);
+  }
+  QArgs args;
+  args.x = static_cast<const uint16_t*>(plan.x);
+  args.w = static_cast<const uint16_t*>(plan.w);
+  args.q = static_cast<uint16_t*>(plan.q);
+  args.rows = plan.rows;
+  args.n = plan.n;
+  const int blocks = static_cast<int>(plan.k / (int64_t{kWarps} * kBlockK));
+  const Pick p = pick(blocks, std::make_integer_sequence<int, kMaxBlocks>());
+  if (cudaError_t err = allow_smem(p.kernel, p.smem); err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(plan.n / kRows),
+                  static_cast<unsigned>((plan.rows + kChunk - 1) / kChunk));
+  return launch(p.kernel, grid, dim3(kWarps * kWarp), p.smem, stream, pdl, args);
+}
+
 }  // namespace glm5
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5IndexerQ, glm5::IndexerQImpl,

@@ -25,6 +25,7 @@
 #include "handlers.h"
 #include "kpool.cuh"
 #include "projection.cuh"
+#include "q_gemm.cuh"
 #include "query.cuh"
 
 namespace glm5 {
@@ -94,6 +95,55 @@ ffi::Error IndexerUpdateImpl(
   return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
 }
 
+// The epilogue's two plans on the projection's f32 sums raw[M, 256 + H] and q bf16[M, H, 128]
+// (update_epilogue's and update_epilogue_q's), reading raw in place of key_raw, head_w and
+// gate.
+struct EpiloguePlans {
+  QueryLaunch query;
+  UpdateLaunch update;
+};
+
+ffi::ErrorOr<EpiloguePlans> prepare_epilogue(
+    const Check& check, ffi::BufferR2<ffi::F32> raw, ffi::BufferR3<ffi::BF16> q,
+    ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+    ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, float scale, float eps, bool ue8m0,
+    bool round_scale) {
+  const auto fail = [&](std::string_view what) { return ffi::Unexpected(check.fail(what)); };
+  const auto td = tslot.dimensions(), qd = q.dimensions(), rd = raw.dimensions();
+  const int64_t requests = td[0], next_n = td[1], rows = qd[0], heads = qd[1];
+  if (rows != requests * next_n)
+    return fail("q must have requests x next_n rows (tslot is s32[B, N])");
+  if (rd[0] != rows || rd[1] != 2 * kDim + heads)
+    return fail("raw must be f32[M, 256 + H] (q is bf16[M, H, 128])");
+  // 16-byte loads at every row's key, head and gate columns.
+  if (heads % kRawHeadsMultiple != 0 || !aligned(raw.untyped_data(), 16))
+    return fail("raw needs H % " + std::to_string(kRawHeadsMultiple) +
+                " == 0 and a 16 B aligned buffer");
+  // The plans check every other buffer by their ops' rules. Their key_raw, head_w and gate
+  // operands are views that only carry the shapes (over the key result and raw); the kernel
+  // reads raw instead, and the views' pointers are cleared below so that nothing reads them.
+  const Reshaped<ffi::DataType::BF16, 2> key_raw(key->untyped_data(), {rows, kDim});
+  const Reshaped<ffi::DataType::F32, 2> head_w(raw.untyped_data(), {rows, heads});
+  ffi::ErrorOr<QueryLaunch> query =
+      prepare_query(check, q, key_raw.buffer(), head_w.buffer(), norm_weight, norm_bias, q_out,
+                    w_out, key, scale, eps);
+  if (query.has_error()) return ffi::Unexpected(query.error());
+  const Reshaped<ffi::DataType::BF16, 3> key3(key->untyped_data(), {requests, next_n, kDim});
+  ffi::ErrorOr<UpdateLaunch> update =
+      prepare_kpool_update(check, kv_cache, tail, tslot, key3.buffer(), key3.buffer(), ape, loc,
+                           pos, kv_out, tail_out, ue8m0, round_scale);
+  if (update.has_error()) return ffi::Unexpected(update.error());
+  query->args.key_raw = nullptr;
+  query->args.head_w = nullptr;
+  query->args.raw = raw.typed_data();
+  update->args.gate = nullptr;
+  return EpiloguePlans{*query, *update};
+}
+
 // update_epilogue: indexer_update's epilogue alone, after a projection GEMM of XLA's (the
 // stage's default update part: XLA's GEMM beats the projection kernel at every M). It reads the
 // GEMM's f32 sums raw[M, 256 + H] in place of key_raw, head_w and gate, so that XLA does not
@@ -110,44 +160,53 @@ ffi::Error UpdateEpilogueImpl(
     ffi::ResultBufferR4<ffi::BF16> tail_out, float scale, float eps, bool ue8m0, bool round_scale,
     bool pdl) {
   const Check check{targets::glm5_update_epilogue};
-  const auto td = tslot.dimensions(), qd = q.dimensions(), rd = raw.dimensions();
-  const int64_t requests = td[0], next_n = td[1], rows = qd[0], heads = qd[1];
-  if (rows != requests * next_n)
-    return check.fail("q must have requests x next_n rows (tslot is s32[B, N])");
-  if (rd[0] != rows || rd[1] != 2 * kDim + heads)
-    return check.fail("raw must be f32[M, 256 + H] (q is bf16[M, H, 128])");
-  // 16-byte loads at every row's key, head and gate columns.
-  if (heads % kRawHeadsMultiple != 0 || !aligned(raw.untyped_data(), 16))
-    return check.fail("raw needs H % " + std::to_string(kRawHeadsMultiple) +
-                      " == 0 and a 16 B aligned buffer");
-  // The plans check every other buffer by their ops' rules. Their key_raw, head_w and gate
-  // operands are views that only carry the shapes (over the key result and raw); the kernel
-  // reads raw instead, and the views' pointers are cleared below so that nothing reads them.
-  const Reshaped<ffi::DataType::BF16, 2> key_raw(key->untyped_data(), {rows, kDim});
-  const Reshaped<ffi::DataType::F32, 2> head_w(raw.untyped_data(), {rows, heads});
-  ffi::ErrorOr<QueryLaunch> query =
-      prepare_query(check, q, key_raw.buffer(), head_w.buffer(), norm_weight, norm_bias, q_out,
-                    w_out, key, scale, eps);
-  if (query.has_error()) return query.error();
-  const Reshaped<ffi::DataType::BF16, 3> key3(key->untyped_data(), {requests, next_n, kDim});
-  ffi::ErrorOr<UpdateLaunch> update =
-      prepare_kpool_update(check, kv_cache, tail, tslot, key3.buffer(), key3.buffer(), ape, loc,
-                           pos, kv_out, tail_out, ue8m0, round_scale);
-  if (update.has_error()) return update.error();
-  query->args.key_raw = nullptr;
-  query->args.head_w = nullptr;
-  query->args.raw = raw.typed_data();
-  update->args.gate = nullptr;
-  return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
+  const ffi::ErrorOr<EpiloguePlans> plans =
+      prepare_epilogue(check, raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                       pos, q_out, w_out, key, kv_out, tail_out, scale, eps, ue8m0, round_scale);
+  if (plans.has_error()) return plans.error();
+  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
 }
 
-// The two update handlers' shared bindings, in their order: after the projection's
-// inputs (x and w_cat, or raw) q and the epilogue's operands, after the projection's results
-// the epilogue's, after the projection's tactic the epilogue's attributes.
+// update_epilogue_q: indexer_q's GEMM, then update_epilogue's kernel on its q, launched by one
+// handler so that XLA records both kernels in the one child graph of a single FFI call (a
+// separate indexer_q call costs a child-graph launch of its own per layer, bench/NOTES.md),
+// with PDL between them: the epilogue reads q only after its griddepcontrol.wait. The GEMM
+// writes the q result bf16[M, H * 128]; the epilogue reads it as [M, H, 128] (H from raw's
+// columns). Bit for bit indexer_q's kernel (the same tactic) followed by update_epilogue's.
+ffi::Error UpdateEpilogueQImpl(
+    cudaStream_t stream, ffi::BufferR2<ffi::F32> raw, ffi::BufferR2<ffi::BF16> qr,
+    ffi::BufferR2<ffi::BF16> wq_b, ffi::BufferR1<ffi::F32> norm_weight,
+    ffi::BufferR1<ffi::F32> norm_bias, ffi::BufferR3<ffi::U8> kv_cache,
+    ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot, ffi::BufferR2<ffi::F32> ape,
+    ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos, ffi::ResultBufferR2<ffi::BF16> q,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, int32_t tactic, float scale, float eps, bool ue8m0,
+    bool round_scale, bool pdl) {
+  const Check check{targets::glm5_update_epilogue_q};
+  const ffi::ErrorOr<QGemmLaunch> gemm = prepare_q_gemm(check, qr, wq_b, q, tactic);
+  if (gemm.has_error()) return gemm.error();
+  const int64_t rows = q->dimensions()[0], width = q->dimensions()[1];
+  const int64_t heads = raw.dimensions()[1] - 2 * kDim;
+  if (heads <= 0 || width != heads * kDim)
+    return check.fail("wq_b must have H * 128 rows, H = raw's columns - 256");
+  const Reshaped<ffi::DataType::BF16, 3> q3(q->untyped_data(), {rows, heads, kDim});
+  const ffi::ErrorOr<EpiloguePlans> plans =
+      prepare_epilogue(check, raw, q3.buffer(), norm_weight, norm_bias, kv_cache, tail, tslot,
+                       ape, loc, pos, q_out, w_out, key, kv_out, tail_out, scale, eps, ue8m0,
+                       round_scale);
+  if (plans.has_error()) return plans.error();
+  if (cudaError_t err = launch_q_gemm(stream, pdl, *gemm); err != cudaSuccess)
+    return check.cuda(err);
+  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
+}
+
+// The three update handlers' shared bindings, in their order: after the projection's inputs
+// (x and w_cat, or raw) and q's (q, or qr and wq_b) the epilogue's operands, after the
+// projection's or q's results the epilogue's, after a GEMM's tactic the epilogue's attributes.
 template <typename Binding>
 auto bind_epilogue_args(Binding binding) {
   return std::move(binding)
-      .template Arg<ffi::BufferR3<ffi::BF16>>()  // q
       .template Arg<ffi::BufferR1<ffi::F32>>()   // norm_weight
       .template Arg<ffi::BufferR1<ffi::F32>>()   // norm_bias
       .template Arg<ffi::BufferR3<ffi::U8>>()    // kv_cache
@@ -186,7 +245,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     glm5::bind_epilogue_attrs(glm5::bind_epilogue_results(glm5::bind_epilogue_args(
         ffi::Ffi::Bind()
             .Ctx<ffi::PlatformStream<cudaStream_t>>()
-            .Arg<ffi::BufferR2<ffi::F32>>()))),  // raw
+            .Arg<ffi::BufferR2<ffi::F32>>()       // raw
+            .Arg<ffi::BufferR3<ffi::BF16>>()))),  // q
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Glm5UpdateEpilogueQ, glm5::UpdateEpilogueQImpl,
+    glm5::bind_epilogue_attrs(
+        glm5::bind_epilogue_results(
+            glm5::bind_epilogue_args(ffi::Ffi::Bind()
+                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                         .Arg<ffi::BufferR2<ffi::F32>>()    // raw
+                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // qr
+                                         .Arg<ffi::BufferR2<ffi::BF16>>())  // wq_b
+                .Ret<ffi::BufferR2<ffi::BF16>>())                           // q
+            .Attr<int32_t>("tactic")),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -196,7 +269,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
             glm5::bind_epilogue_args(ffi::Ffi::Bind()
                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                          .Arg<ffi::BufferR2<ffi::BF16>>()   // x
-                                         .Arg<ffi::BufferR2<ffi::BF16>>())  // w_cat
+                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // w_cat
+                                         .Arg<ffi::BufferR3<ffi::BF16>>())  // q
                 .Ret<ffi::BufferR2<ffi::BF16>>()                            // key_raw
                 .Ret<ffi::BufferR2<ffi::F32>>()                             // head_w
                 .Ret<ffi::BufferR2<ffi::BF16>>())                           // gate

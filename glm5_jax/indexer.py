@@ -198,8 +198,7 @@ _projection = Op(
     split=Split(("rows", None), ("rows",) * 3))
 
 
-def _q_shapes(qr, wq_b, *, tactic):
-  op = "indexer_q"
+def _q_shapes(qr, wq_b, *, tactic, op="indexer_q"):
   expect(op, "qr", qr, BF16, (None, None))
   m, k = qr.shape
   expect(op, "wq_b", wq_b, BF16, (None, k))

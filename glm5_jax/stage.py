@@ -25,7 +25,7 @@ from .indexer import (
 from .kpool import kpool_update
 from .logits import select_pools, select_slots, select_slots_kernel_chosen
 from .reference.numerics import DIM, POOL
-from .update import indexer_update
+from .update import indexer_update, update_epilogue_q
 
 MQA_MIN_HEADS = 32
 # IndexerConfig.update: the stage's update part as the routing chooses (indexer_update's
@@ -242,7 +242,7 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         indexer_update, select_pools, select_slots, expand_and_remap)
+         indexer_update, update_epilogue_q, select_pools, select_slots, expand_and_remap)
   # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
   # routing; the reference composition runs the three ops).
   if use_reference:
@@ -343,6 +343,18 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   or as three ops (config.update, decided here so that every composition of update_path
   honours it). Returns (q_fp8, w_out, IndexerCache)."""
   b, n = batch.positions.shape
+  query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
+               w_out_dtype=np.dtype(config.w_out_dtype))
+  auto = config.update == "auto" and ops.kernels and not config.fused
+  cache_args = (weights.norm_weight, weights.norm_bias, cache.kv_cache, cache.tail,
+                batch.tslot, weights.ape, batch.loc, batch.positions)
+  if auto and _q_in_epilogue(config, weights, x, qr, cache_args, query):
+    # XLA's projection GEMM, then q's GEMM and the epilogue in one FFI call (no q GEMM of
+    # XLA's, no FFI call of its own for q: glm5_jax.update.EPILOGUE_Q_MEASURED).
+    raw = reference.projection_sums(x, weights.w_cat)
+    _, q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue_q(
+        raw, qr, weights.wq_b, *cache_args, scale_format=config.scale_format, **query)
+    return q_fp8, w_out, IndexerCache(kv_cache, tail)
   # q = qr wq_b^T (indexer_q; its reference is one dot_general, the same HLO eagerly and
   # under jit, see reference.indexer_q).
   q = ops.indexer_q(qr, weights.wq_b)
@@ -352,13 +364,10 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   # differed in one fp8 code in 14% of a row's values on the H200 (2026-11-30). With it
   # both programs run the same GEMM + convert; it costs nothing where a kernel reads q.
   q = lax.optimization_barrier(q).reshape(rows, config.heads, DIM)
-  query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
-               w_out_dtype=np.dtype(config.w_out_dtype))
   update_args = (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
                  cache.kv_cache, cache.tail, batch.tslot, weights.ape, batch.loc,
                  batch.positions)
   update = dict(heads=config.heads, scale_format=config.scale_format, **query)
-  auto = config.update == "auto" and ops.kernels and not config.fused
   # indexer_update where "fused" asks for it, and where "auto" finds its kernel chosen or
   # update_epilogue's: the op runs its kernel where the routing chooses it, else XLA's GEMM
   # with its f32 sums straight into update_epilogue (no slice copies, one launch for the
@@ -385,6 +394,20 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
         gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
         scale_format=config.scale_format)
   return q_fp8, w_out, IndexerCache(kv_cache, tail)
+
+
+def _q_in_epilogue(config, weights, x, qr, cache_args, query):
+  """Whether update "auto" runs update_epilogue_q's one call (the routing chooses its kernel
+  at these shapes) where indexer_update's kernel is not chosen. Decided from avals: no GEMM
+  is traced for the decision."""
+  raw = jax.eval_shape(reference.projection_sums, x, weights.w_cat)
+  q = jax.ShapeDtypeStruct((qr.shape[0], config.heads, DIM), weights.wq_b.dtype)
+  update_args = (x, weights.w_cat, q) + cache_args
+  return (not _update_op.kernel_chosen(*update_args, routing=config.routing, heads=config.heads,
+                                       scale_format=config.scale_format, **query)
+          and _update_op.epilogue_q_kernel_chosen(
+              raw, qr, weights.wq_b, *cache_args, routing=config.routing,
+              scale_format=config.scale_format, **query))
 
 
 def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=None):

@@ -221,10 +221,10 @@ def _epilogue_parts(raw, q, *rest, **params):
 
 
 def _epilogue_shapes(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
-                     scale, eps, padded, w_out_dtype, scale_format, round_scale):
+                     scale, eps, padded, w_out_dtype, scale_format, round_scale,
+                     op=EPILOGUE_OP):
   """(q_fp8, w_out, key, kv_cache, tail): the query's and kpool_update's result shapes by
-  their rules (errors name update_epilogue), raw f32[M, 256 + H] and M = B * N."""
-  op = EPILOGUE_OP
+  their rules (errors name `op`), raw f32[M, 256 + H] and M = B * N."""
   expect(op, "q", q, BF16, (None, None, DIM))
   m, heads = q.shape[:2]
   expect(op, "tslot", tslot, I32, (None, None))
@@ -303,3 +303,113 @@ def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
                             round_scale)
   return _epilogue.kernel_chosen(Routing.resolve(routing, EPILOGUE_OP),
                                  [jax.typeof(a) for a in args], params)
+
+
+# update_epilogue_q: indexer_q's GEMM and update_epilogue's kernel launched by one FFI call.
+# In a jitted step XLA records every FFI call as a CUDA graph of its own, a child node of the
+# command buffer (bench/NOTES.md, eighteenth session), so indexer_q's kernel as its own call
+# cost the stage a child graph per layer; inside the call the stage already makes it costs
+# one more kernel, with PDL between the two.
+EPILOGUE_Q_OP = "update_epilogue_q"
+# Why update_epilogue_q's kernel is off by default (the stage's "auto" then runs XLA's q GEMM
+# and update_epilogue): not yet timed in the stage on the H200.
+EPILOGUE_Q_MEASURED = "not yet timed inside indexer_stage on the H200"
+
+
+def _q_aval(qr, wq_b):
+  """q bf16[M, H, 128] as the epilogue sees indexer_q's bf16[M, H * 128]."""
+  return jax.core.ShapedArray((qr.shape[0], wq_b.shape[0] // DIM, DIM), BF16)
+
+
+def _epilogue_q_parts(raw, qr, wq_b, *rest, tactic, **params):
+  """[(Op, operand avals, params)] of the three ops whose work one call does: indexer_q,
+  indexer_query and kpool_update."""
+  return ([(indexer._q, (qr, wq_b), dict(tactic=tactic))]
+          + _epilogue_parts(raw, _q_aval(qr, wq_b), *rest, **params))
+
+
+def _epilogue_q_shapes(raw, qr, wq_b, *rest, tactic, **params):
+  """(q, q_fp8, w_out, key, kv_cache, tail): indexer_q's result shape by its rule, then
+  update_epilogue's on q as [M, H, 128] (errors name update_epilogue_q)."""
+  out = indexer._q_shapes(qr, wq_b, tactic=tactic, op=EPILOGUE_Q_OP)
+  return out + _epilogue_shapes(raw, _q_aval(qr, wq_b), *rest, op=EPILOGUE_Q_OP, **params)
+
+
+def _epilogue_q_kernel_supports(raw, qr, wq_b, *avals, tactic, **params):
+  """indexer_q's kernel's rule at the call's tactic and update_epilogue's."""
+  (q_op, q_avals, q_params), *_ = _epilogue_q_parts(raw, qr, wq_b, *avals, tactic=tactic,
+                                                    **params)
+  return (q_op.kernel_supports(*q_avals, **q_params)
+          and _epilogue_kernel_supports(raw, _q_aval(qr, wq_b), *avals, **params))
+
+
+def _epilogue_q_attribute_values(*avals, **params):
+  """The three kernels' attribute values (q's tactic index, the scale format flags)."""
+  values = {}
+  for op, a, p in _epilogue_q_parts(*avals, **params):
+    values.update(op.attribute_values(*a, **p))
+  return values
+
+
+def _epilogue_q_kernel_params(raw, qr, wq_b, *avals, tactic, **params):
+  """q's tactic taken for the whole call (Split: every device's block sums as it would)."""
+  return indexer._q.kernel_params(qr, wq_b, tactic=tactic)
+
+
+_epilogue_q = Op(
+    EPILOGUE_Q_OP, lambda *args, tactic, **params: ref.update_epilogue_q(*args, **params),
+    _epilogue_q_shapes, aliases={5: 4, 6: 5}, kernel="glm5_update_epilogue_q",
+    attributes={name: typ for op in (indexer._q, _epilogue) for name, typ in op.attributes.items()
+                if name != "pdl"},
+    attribute_values=_epilogue_q_attribute_values, kernel_supports=_epilogue_q_kernel_supports,
+    kernel_limits="those of indexer_q (its tactic) and update_epilogue",
+    kernel_off=EPILOGUE_Q_MEASURED,
+    kernel_params=_epilogue_q_kernel_params,
+    split=Split(("rows", "rows", None, None, None, "pages", "blocks", "requests", None,
+                 "requests", "requests"), ("rows",) * 4 + ("pages", "blocks"), _cache_localize))
+
+
+def update_epilogue_q(raw: jax.Array, qr: jax.Array, wq_b: jax.Array, norm_weight: jax.Array,
+                      norm_bias: jax.Array, kv_cache: jax.Array, tail: jax.Array,
+                      tslot: jax.Array, ape: jax.Array, loc: jax.Array, pos: jax.Array, *,
+                      scale: float, eps: float = 1e-6, padded: int | None = None,
+                      w_out_dtype: DTypeLike = jnp.float32, scale_format: str = "fp32",
+                      round_scale: bool = True, tactic: str | None = None,
+                      routing: Routing | None = None) -> tuple[jax.Array, ...]:
+  """indexer_q -> update_epilogue as one op: (q bf16[M, H * 128], q_fp8 e4m3[M, padded,
+  128], w_out[M, padded], key bf16[M, 128], kv_cache, tail); raw f32[M, 256 + H] (the
+  projection's sums), qr bf16[M, K], wq_b bf16[H * 128, K], the rest as update_epilogue. See
+  glm5_jax.reference.update_epilogue_q.
+
+  The CUDA kernel (glm5_update_epilogue_q) launches indexer_q's GEMM (tactic: as
+  indexer_q's) and update_epilogue's kernel in one FFI call with PDL between them: its
+  results are bit-identical to indexer_q(tactic=...) and update_epilogue each run as its
+  kernel. q's sums run in the kernel's order, not XLA's (within SPEC D2). wq_b is read
+  before the preceding kernel has finished (PDL): pass it as a model parameter. The caches
+  are updated in place (donate them). routing: None = Routing.from_env().
+  """
+  params = _epilogue_q_params(wq_b, scale, eps, padded, w_out_dtype, scale_format,
+                              round_scale, tactic)
+  return tuple(_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape,
+                           loc, pos, routing=routing, **params))
+
+
+def _epilogue_q_params(wq_b, scale, eps, padded, w_out_dtype, scale_format, round_scale,
+                       tactic):
+  """update_epilogue_q's keyword arguments as the primitive takes them (wq_b: its heads)."""
+  heads = jax.typeof(wq_b).shape[0] // DIM
+  return dict(indexer._query_params(EPILOGUE_Q_OP, scale, eps, padded, heads, w_out_dtype),
+              scale_format=scale_format, round_scale=bool(round_scale), tactic=tactic)
+
+
+def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
+                             padded: int | None = None, w_out_dtype: DTypeLike = jnp.float32,
+                             scale_format: str = "fp32", round_scale: bool = True,
+                             tactic: str | None = None, routing: Routing | None = None) -> bool:
+  """Whether update_epilogue_q(*args, ...) would call its kernel on a GPU (the routing, its
+  limits), decided from shapes at trace time: indexer_stage's update path runs XLA's
+  projection GEMM and this op where it would (no separate q GEMM)."""
+  params = _epilogue_q_params(args[2], scale, eps, padded, w_out_dtype, scale_format,
+                              round_scale, tactic)
+  return _epilogue_q.kernel_chosen(Routing.resolve(routing, EPILOGUE_Q_OP),
+                                   [jax.typeof(a) for a in args], params)

@@ -72,7 +72,8 @@ def _vmap_cases():
   for op in OPS:
     for which in ["all"] + list(range(len(CASES[op].make(np.random.default_rng(0))))):
       # The caches' ops map over the examples under vmap: seconds per operand
-      slow = op in ("kpool_update", "indexer_update", "update_epilogue") and which != "all"
+      slow = op in ("kpool_update", "indexer_update", "update_epilogue",
+                    "update_epilogue_q") and which != "all"
       yield pytest.param(op, which, marks=[pytest.mark.slow] if slow else [])
 
 

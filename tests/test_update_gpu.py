@@ -217,3 +217,71 @@ def test_epilogue_bit_identical_to_the_two_kernels(b, n, scale_format, round_sca
     diff = g != w
     assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
   assert np.asarray(got[3] != rest[3]).any() or b * n < 4, "some pool must complete"
+
+
+# (d) update_epilogue_q: indexer_q's GEMM and update_epilogue's kernel in one FFI call.
+Q_LORA = 1536                  # GLM-5.3-Flash's q_lora: K of the q GEMM
+Q_GRIDS = [(1, 1), (2, 1), (1, 4), (16, 1), (4, 4), (64, 1), (16, 4), (35, 2), (64, 2)]
+
+
+def q_then_epilogue(raw, qr, wq_b, *rest, tactic, routing, **params):
+  """update_epilogue_q as two FFI calls: indexer_q's kernel (the same tactic), then
+  update_epilogue's kernel on its q seen as [M, H, 128]."""
+  q = glm5_jax.indexer_q(qr, wq_b, tactic=tactic, routing=routing)
+  return (q,) + glm5_jax.update_epilogue(raw, q.reshape(q.shape[0], -1, 128), *rest,
+                                         routing=routing, **params)
+
+
+def q_epilogue_args(b, n, seed):
+  """update_epilogue_q's operands at the stage's shapes: XLA's projection sums, random qr
+  and wq_b (K = Q_LORA, scaled so that q is O(1)), the decode cache of update_args."""
+  x, w_cat, _, *rest = update_args(b, n, seed=seed)
+  rng = np.random.default_rng(seed)
+  raw = jax.jit(glm5_jax.reference.projection_sums)(x, w_cat)
+  qr = jnp.asarray(rng.standard_normal((b * n, Q_LORA)), jnp.bfloat16)
+  wq_b = jnp.asarray(rng.standard_normal((HEADS * 128, Q_LORA)) * Q_LORA ** -0.5, jnp.bfloat16)
+  return (raw, qr, wq_b, *rest)
+
+
+def assert_q_epilogue_bits(args, routing, **params):
+  params = dict(scale=PARAMS["scale"], padded=PADDED, routing=routing, **params)
+  one = functools.partial(glm5_jax.update_epilogue_q, **params)
+  two = functools.partial(q_then_epilogue, **params)
+  assert targets(one, args) == ["glm5_update_epilogue_q"]
+  assert targets(two, args) == ["glm5_indexer_q", "glm5_update_epilogue"]
+  copies = lambda: [jnp.copy(a) for a in args]     # each run its own caches
+  got, want = jax.jit(one)(*copies()), jax.jit(two)(*copies())
+  names = ["q", "q_fp8", "w_out", "key", "kv_cache", "tail"]
+  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
+    diff = g != w
+    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
+  return got
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("tactic", [None, "mma"])
+@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype",
+                         [("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16),
+                          ("fp32", False, jnp.float32)])
+@pytest.mark.parametrize("b,n", Q_GRIDS)
+def test_q_epilogue_bit_identical_to_q_then_epilogue(b, n, scale_format, round_scale,
+                                                     w_out_dtype, tactic, pdl):
+  """Every byte of every result (q, q_fp8, w_out, key, both caches) as indexer_q's kernel
+  then update_epilogue's, each its own FFI call: M = 1..128 (one and two grid rows of the
+  wgmma tactic), both tactics, both scale formats, f32 and bf16 w_out, PDL on and off."""
+  args = q_epilogue_args(b, n, seed=13 * b + n)
+  got = assert_q_epilogue_bits(args, Routing(kernels=True, pdl=pdl), tactic=tactic,
+                               w_out_dtype=w_out_dtype, scale_format=scale_format,
+                               round_scale=round_scale)
+  assert np.asarray(got[4] != args[5]).any() or b * n < 4, "some pool must complete"
+  q = np.asarray(got[0], np.float32)
+  assert np.abs(q).max() > 0.5, "q must carry the GEMM's values"
+
+
+def test_q_epilogue_no_rows():
+  """M = 0: nothing launched, the (empty) results and the caches as the two ops leave them."""
+  args = list(q_epilogue_args(1, 1, seed=3))
+  for i in (0, 1, 7, 9, 10):                     # raw, qr, tslot, loc, pos: no rows
+    args[i] = args[i][:0]
+  assert_q_epilogue_bits(tuple(args), Routing(kernels=True), tactic=None,
+                         w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True)

@@ -1,10 +1,10 @@
 """The update part of a decode step after the q GEMM (issue 12): indexer_projection,
 indexer_query and kpool_update composed, as indexer_stage composes them; update_epilogue
 the last two on the projection's GEMM sums (indexer_update = the GEMM, its split, then
-update_epilogue)."""
+update_epilogue); update_epilogue_q the q GEMM (indexer_q) then update_epilogue."""
 import jax.numpy as jnp
 
-from .indexer import indexer_query, projection_sums, split_projection
+from .indexer import indexer_q, indexer_query, projection_sums, split_projection
 from .kpool import kpool_update
 from .numerics import DIM
 
@@ -46,3 +46,21 @@ def update_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, 
                                 ape, loc, pos, scale_format=scale_format,
                                 round_scale=round_scale)
   return q_fp8, w_out, key, kv_cache, tail
+
+
+def update_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                      pos, *, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                      scale_format="fp32", round_scale=True):
+  """indexer_q -> update_epilogue (SPEC §1, §2, §3): the update part after the projection's
+  GEMM, q's GEMM included.
+
+  raw f32[M, 256 + heads] (projection_sums); qr bf16[M, K]; wq_b bf16[heads * 128, K]; the
+  rest as update_epilogue. Returns (q bf16[M, heads * 128], q_fp8 e4m3[M, padded, 128],
+  w_out w_out_dtype[M, padded], key bf16[M, 128], kv_cache, tail): indexer_q's result, then
+  update_epilogue's on q seen as [M, heads, 128].
+  """
+  q = indexer_q(qr, wq_b)
+  return (q,) + update_epilogue(
+      raw, q.reshape(q.shape[0], -1, DIM), norm_weight, norm_bias, kv_cache, tail, tslot, ape,
+      loc, pos, scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype,
+      scale_format=scale_format, round_scale=round_scale)

@@ -230,6 +230,14 @@ def _epilogue_args(rng):
   return (raw, q, norm_weight, norm_bias, kv, tail, tslot, ape, loc, pos)
 
 
+def _epilogue_q_args(rng):
+  """update_epilogue_q's operands: update_epilogue's with qr and wq_b for q (K = 256, which
+  both indexer_q tactics tile; exact GEMM inputs, so any summation order gives q's bits)."""
+  raw, q, *rest = _epilogue_args(rng)
+  rows, heads = q.shape[:2]
+  return (raw, _exact_bf16(rng, rows, 256), _exact_bf16(rng, heads * 128, 256), *rest)
+
+
 # Tolerance of the non-exact cases against the reference (the GEMM and einsum sum in
 # another order than XLA: SPEC D2).
 TOLERANCE = dict(rtol=2e-2, atol=1e-3)
@@ -275,6 +283,8 @@ CASES = {
                              padded=32), _indexer_update_args),
     "update_epilogue": Case(P(glm5_jax.update_epilogue, scale=2.0 ** -6, padded=32),
                             _epilogue_args),
+    "update_epilogue_q": Case(P(glm5_jax.update_epilogue_q, scale=2.0 ** -6, padded=32),
+                              _epilogue_q_args),
     "indexer_projection_fused": Case(
         P(glm5_jax.indexer_projection_fused, heads=PROJECTION_HEADS, scale=2.0 ** -6,
           padded=32), _fused_args,
