@@ -262,6 +262,26 @@ def update_epilogue(r, s, b, next_n):
                   m * W_ROWS * 4 + bytes_query(m) + upd.nbytes)
 
 
+def update_epilogue_q(r, s, b, next_n):
+  """update_epilogue's workload with qr and wq_b for q (each rotation its own wq_b, as
+  indexer_q's). Floor: indexer_q's bytes plus update_epilogue's (q goes through memory)."""
+  upd = update(r, s, b, next_n)
+  m = b * next_n
+  rot = [(r.normal((m, W_ROWS), F32), r.normal((m, Q_LORA)),
+          r.normal((HEADS * DIM, Q_LORA), scale=Q_LORA ** -0.5), tslot, loc, pos)
+         for tslot, _, _, loc, pos in upd.rotated]
+
+  def call(st, f, a):
+    raw, qr, wq_b, tslot, loc, pos = a
+    outs = glm5_jax.update_epilogue_q(raw, qr, wq_b, f[0], f[1], st[0], st[1], tslot, f[2],
+                                      loc, pos, scale=CONFIG.scale, padded=PADDED)
+    return outs[4:], outs[:4]
+
+  return Workload("update_epilogue_q", "", call, upd.state, _norm(r) + upd.fixed, rot, None,
+                  bytes_q(m) + m * W_ROWS * 4 + bytes_query(m) + upd.nbytes,
+                  2 * m * HEADS * DIM * Q_LORA, r_min=WQ_B_COPIES)
+
+
 def compress(r, s, n):
   """n pools to slots on distinct random pages of a >= 1 GB cache, 7/8 written."""
   kv = r.kv_cache(s.cache_bytes)
@@ -421,6 +441,7 @@ WORKLOADS = {
     "kpool_update": (update, _requests),
     "indexer_update": (indexer_update, _requests),
     "update_epilogue": (update_epilogue, _requests),
+    "update_epilogue_q": (update_epilogue_q, _requests),
     "kpool_compress": (compress, lambda s: _rows(s, "n", "n={}") + [
         (f"n={n}", {"n": n}) for n in s.compress_rows]),
     "kpool_seed_tail": (seed, lambda s: _rows(s, "n", "n={}")),

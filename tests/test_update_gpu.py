@@ -228,7 +228,7 @@ def q_then_epilogue(raw, qr, wq_b, *rest, tactic, routing, **params):
   """update_epilogue_q as two FFI calls: indexer_q's kernel (the same tactic), then
   update_epilogue's kernel on its q seen as [M, H, 128]."""
   q = glm5_jax.indexer_q(qr, wq_b, tactic=tactic, routing=routing)
-  return (q,) + glm5_jax.update_epilogue(raw, q.reshape(q.shape[0], -1, 128), *rest,
+  return (q,) + glm5_jax.update_epilogue(raw, q.reshape(q.shape[0], HEADS, 128), *rest,
                                          routing=routing, **params)
 
 

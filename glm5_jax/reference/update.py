@@ -61,6 +61,6 @@ def update_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tsl
   """
   q = indexer_q(qr, wq_b)
   return (q,) + update_epilogue(
-      raw, q.reshape(q.shape[0], -1, DIM), norm_weight, norm_bias, kv_cache, tail, tslot, ape,
+      raw, q.reshape(q.shape[0], wq_b.shape[0] // DIM, DIM), norm_weight, norm_bias, kv_cache, tail, tslot, ape,
       loc, pos, scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype,
       scale_format=scale_format, round_scale=round_scale)
