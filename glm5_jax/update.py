@@ -312,8 +312,15 @@ def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # one more kernel, with PDL between the two.
 EPILOGUE_Q_OP = "update_epilogue_q"
 # Why update_epilogue_q's kernel is off by default (the stage's "auto" then runs XLA's q GEMM
-# and update_epilogue): not yet timed in the stage on the H200.
-EPILOGUE_Q_MEASURED = "not yet timed inside indexer_stage on the H200"
+# and update_epilogue): slower in the stage at every M and context measured on the H200
+# (2026-12-01, 11 layers, 16 steps a run, µs per layer with it / without, rows the device
+# bounds): 8K M=1 15.8 / 12.9, M=16 17.4 / 14.6, M=64 22.8 / 21.4; 32K 19.4 / 16.6, 24.0 /
+# 21.0, 44.5 / 41.6; layers chained, 8K 17.0 / 13.7, 18.6 / 14.4, 24.3 / 21.5. Under ncu its
+# q GEMM alone takes 6.8 / 7.2 / 8.0 µs at M = 1 / 16 / 64 against XLA's 5.7 / 9.2 / 10.4 (GEMM
+# + split-K reduction), so the loss inside the step is not the kernel's time alone
+# (bench/NOTES.md, nineteenth session).
+EPILOGUE_Q_MEASURED = ("slower inside indexer_stage on the H200 at every M and context "
+                       "measured (M 1-64, 1K-32K: +1.4 to +4.7 µs per layer)")
 
 
 def _q_aval(qr, wq_b):

@@ -105,6 +105,21 @@ def test_update_switch_is_bit_equal(contexts, next_n, scale_format):
       np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([40, 2999, 514], 4)])
+def test_q_in_epilogue_is_bit_equal_to_the_q_kernel(contexts, next_n):
+  """update_epilogue_q's kernel routed on (q's GEMM inside the epilogue's FFI call) gives the
+  stage's every output byte and both caches as indexer_q's kernel routed on (q's GEMM its
+  own FFI call, then XLA's projection GEMM and update_epilogue): on a GPU the same kernels
+  on the same arguments; on the CPU both the reference."""
+  args = state(contexts, next_n)
+  base = dict(max_pools=1024)
+  outs = [gemm_pinned(STEP, *args, config=glm5_jax.IndexerConfig(
+              routing=glm5_jax.Routing(ops={op: True}), **base))
+          for op in ("update_epilogue_q", "indexer_q")]
+  for g, w in zip(tree_bytes(outs[0]), tree_bytes(outs[1]), strict=True):
+    np.testing.assert_array_equal(g, w)
+
+
 def test_causal_branch_selects_every_token():
   """All contexts within topk_tokens: each row lists tokens 0..pos in order."""
   weights, cache, x, qr, batch = state([5, 2046, 700])

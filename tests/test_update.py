@@ -103,10 +103,14 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   composition with both kernels off; the stage's update part follows IndexerConfig.update:
   "auto" as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
   GEMM and update_epilogue where that kernel is chosen, else the three ops; "ops" the
-  three ops, "fused" indexer_update as routed; the reference composition runs no kernel."""
+  three ops, "fused" indexer_update as routed; with update_epilogue_q's kernel routed on,
+  "auto" runs XLA's projection GEMM and its one call (q's GEMM inside; no indexer_q call)
+  where indexer_update's kernel is not chosen; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   fused = Routing(ops={"indexer_update": True})
   no_epilogue = Routing(ops={"update_epilogue": False})
+  q_inside = Routing(ops={"update_epilogue_q": True})
+  fused_q_inside = Routing(ops={"indexer_update": True, "update_epilogue_q": True})
   fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
   for rows in (1, 16, 17, 64):
     args = update_args(rows, 1)
@@ -117,8 +121,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
     assert update.kernel_chosen(*args, routing=fused, **PARAMS), rows
     assert cuda_calls(functools.partial(fn, routing=no_epilogue), args) == [], rows
   config = dict(heads=HEADS, max_pools=1024)
-  kernels = ("glm5_indexer_update", "glm5_update_epilogue", "glm5_indexer_query",
-             "glm5_kpool_update")
+  kernels = ("glm5_indexer_q", "glm5_indexer_update", "glm5_update_epilogue",
+             "glm5_update_epilogue_q", "glm5_indexer_query", "glm5_kpool_update")
   one, epilogue, ops = ["glm5_indexer_update"], ["glm5_update_epilogue"], [
       "glm5_indexer_query", "glm5_kpool_update"]
   # (requests, routing, update) -> the update kernels the stage calls.
@@ -128,7 +132,10 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
                                  (17, Routing(), "auto", epilogue),
                                  (3, fused, "auto", one), (3, no_epilogue, "auto", ops),
                                  (3, Routing(), "ops", ops), (3, Routing(), "fused", epilogue),
-                                 (3, fused, "fused", one)):
+                                 (3, fused, "fused", one),
+                                 (3, q_inside, "auto", ["glm5_update_epilogue_q"]),
+                                 (17, q_inside, "auto", ["glm5_update_epilogue_q"]),
+                                 (3, q_inside, "ops", ops), (3, fused_q_inside, "auto", one)):
     contexts = ([10, 1500, 77] * b)[:b]
     state = stage_state(contexts, 1, 0, config=glm5_jax.IndexerConfig(**config),
                         hidden=HIDDEN, q_lora=256)
