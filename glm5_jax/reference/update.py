@@ -60,7 +60,8 @@ def update_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tsl
   update_epilogue's on q seen as [M, heads, 128].
   """
   q = indexer_q(qr, wq_b)
+  q3 = q.reshape(q.shape[0], wq_b.shape[0] // DIM, DIM)
   return (q,) + update_epilogue(
-      raw, q.reshape(q.shape[0], wq_b.shape[0] // DIM, DIM), norm_weight, norm_bias, kv_cache, tail, tslot, ape,
-      loc, pos, scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype,
+      raw, q3, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos,
+      scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype,
       scale_format=scale_format, round_scale=round_scale)
