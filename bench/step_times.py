@@ -21,9 +21,24 @@ outside the sections (XLA's compile-time autotuning, the warm-up runs) is droppe
   ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none \\
       python -m bench.step_times --runs 1 > steps.csv
   python -m bench.step_times --parse steps.csv --runs 1
+
+With --timeline DIR the same sections run under jax.profiler instead (CUPTI, XLA's command
+buffers kept: KEEP_COMMAND_BUFFERS), and each kernel's start and end inside the real step
+come back: the step's span, the time the GPU ran kernels and the idle gaps between them,
+and per kernel name its time and the gap before it (negative where PDL overlapped it with
+the kernel before). This is what ncu's node mode cannot say: why a step whose kernels sum
+to less takes longer. CUPTI's records cost some time per kernel, so compare variants of
+one run, not these spans with the stage group's.
+
+  python -m bench.step_times --runs 3 ...           # fills the compilation cache
+  python -m bench.step_times --runs 3 --timeline tl ... --json timeline.json
+  python -m bench.step_times --parse-timeline tl/plugins/profile/*/perfetto_trace.json.gz ...
 """
 import argparse
+import glob
+import gzip
 import json
+import os
 import re
 import statistics
 
@@ -53,6 +68,9 @@ VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY, SELECT_OPS, Q_KERNEL,
 # still thunk by thunk).
 WARMUP = 4
 MARKER = re.compile(r"cosine")   # the marker kernel: XLA names a lone op's fusion after it
+# Without it XLA runs every command buffer thunk by thunk while a profiler is attached, which
+# is not the step users run.
+KEEP_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def sections(contexts, rows, variants):
@@ -100,10 +118,28 @@ def parse(text, order, runs, layers):
   """ncu's CSV -> [{shape, variant, step_us, layer_us, launches, kernels}]: per section
   the median over its runs of the summed durations of a run's launches (graphs or
   kernels), and (node mode) each kernel name's total µs per step."""
-  rows = durations(text, "bench.step_times")
-  cuts = [i for i, (name, _) in enumerate(rows) if MARKER.search(name)]
+  out = []
+  for shape, variant, per_run in _split(durations(text, "bench.step_times"), order, runs,
+                                        "the CSV"):
+    totals = [sum(us for _, us in run) for run in per_run]
+    kernels = {}
+    for run in per_run:
+      for name, us in run:
+        kernels[name] = kernels.get(name, 0.0) + us / runs
+    step = statistics.median(totals)
+    out.append(dict(shape=shape, variant=variant, step_us=round(step, 2),
+                    layer_us=round(step / layers, 2), launches=len(per_run[0]),
+                    kernels={n: round(v, 2) for n, v in
+                             sorted(kernels.items(), key=lambda kv: -kv[1])}))
+  return out
+
+
+def _split(rows, order, runs, source):
+  """rows [(kernel name, ...)] in launch order -> [(shape, variant, [a run's rows] * runs)]:
+  each section's launches lie between two markers, and its runs launch alike."""
+  cuts = [i for i, row in enumerate(rows) if MARKER.search(row[0])]
   if len(cuts) != 2 * len(order):
-    raise SystemExit(f"bench.step_times: {len(cuts)} markers in the CSV, expected "
+    raise SystemExit(f"bench.step_times: {len(cuts)} markers in {source}, expected "
                      f"{2 * len(order)} (two a section)")
   out = []
   for k, (shape, variant) in enumerate(order):
@@ -112,16 +148,67 @@ def parse(text, order, runs, layers):
       raise SystemExit(f"bench.step_times: {shape} {variant}: {len(body)} launches for "
                        f"{runs} runs")
     per = len(body) // runs
-    totals = [sum(us for _, us in body[r * per:(r + 1) * per]) for r in range(runs)]
-    kernels = {}
-    for name, us in body:
-      kernels[name] = kernels.get(name, 0.0) + us / runs
-    step = statistics.median(totals)
-    out.append(dict(shape=shape, variant=variant, step_us=round(step, 2),
-                    layer_us=round(step / layers, 2), launches=per,
-                    kernels={n: round(v, 2) for n, v in
-                             sorted(kernels.items(), key=lambda kv: -kv[1])}))
+    out.append((shape, variant, [body[r * per:(r + 1) * per] for r in range(runs)]))
   return out
+
+
+def gpu_kernels(trace):
+  """jax.profiler's Perfetto trace (the JSON's dict) -> [(kernel name, start µs, µs)] of the
+  GPU's stream lines, by start. The device's derived lines (XLA Ops, XLA Modules: the same
+  time again under HLO names) are left out."""
+  events = trace["traceEvents"]
+  meta = [e for e in events if e.get("ph") == "M"]
+  gpus = {e["pid"] for e in meta if e.get("name") == "process_name"
+          and e["args"]["name"].startswith("/device:GPU")}
+  names = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta
+           if e.get("name") == "thread_name" and e["pid"] in gpus}
+  streams = {line for line, name in names.items() if name.startswith("Stream")}
+  if not streams:
+    raise SystemExit("bench.step_times: no GPU stream line in the trace (the GPU's lines: "
+                     f"{sorted(set(names.values()))})")
+  kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+  return [(name, ts, dur) for ts, dur, name in kernels]
+
+
+def timeline(kernels, order, runs, layers):
+  """gpu_kernels()' list -> [{shape, variant, step_us, layer_us, busy_us, idle_us, launches,
+  kernels}]: per section the medians over its runs of a step's span (first kernel's start to
+  last kernel's end), of the time some kernel ran (busy) and of the rest (idle: launch gaps,
+  waits); per kernel name its µs per step and the sum of the gaps before its launches (from
+  the latest end of an earlier kernel of the run; negative: overlapped), as [µs, gap µs]."""
+  out = []
+  for shape, variant, per_run in _split(kernels, order, runs, "the trace"):
+    spans, busy, per_name = [], [], {}
+    for run in per_run:
+      start, end, ran = run[0][1], run[0][1], 0.0
+      for name, ts, dur in run:
+        gap = ts - end                                # 0 for the run's first kernel
+        ran += max(0.0, ts + dur - max(ts, end))      # the part no earlier kernel covered
+        end = max(end, ts + dur)
+        us, gaps = per_name.get(name, (0.0, 0.0))
+        per_name[name] = (us + dur / runs, gaps + gap / runs)
+      spans.append(end - start)
+      busy.append(ran)
+    step, ran = statistics.median(spans), statistics.median(busy)
+    out.append(dict(shape=shape, variant=variant, step_us=round(step, 2),
+                    layer_us=round(step / layers, 2), busy_us=round(ran, 2),
+                    idle_us=round(step - ran, 2), launches=len(per_run[0]),
+                    kernels={n: [round(us, 2), round(gap, 2)] for n, (us, gap) in
+                             sorted(per_name.items(), key=lambda kv: -kv[1][0])}))
+  return out
+
+
+def _trace_file(path):
+  """The Perfetto trace at `path`, or the newest one jax.profiler wrote under it."""
+  if os.path.isdir(path):
+    found = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not found:
+      raise SystemExit(f"bench.step_times: no perfetto_trace.json.gz under {path}")
+    path = found[-1]
+  with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+    return json.load(f)
 
 
 def _ints(text):
@@ -131,6 +218,10 @@ def _ints(text):
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--parse", help="ncu CSV to read instead of running the steps")
+  p.add_argument("--timeline", help="run the sections under jax.profiler, the trace into this "
+                                    "folder, and read it")
+  p.add_argument("--parse-timeline", help="a --timeline trace (its folder or its "
+                                          "perfetto_trace.json.gz) to read instead of running")
   p.add_argument("--json", help="write the parsed rows here")
   p.add_argument("--contexts", default="1024", help="comma-separated contexts (tokens)")
   p.add_argument("--rows", default="1,16,64", help="comma-separated M")
@@ -145,23 +236,40 @@ def main():
                  help="persistent XLA compilation cache ('' = off): run once without ncu "
                       "to fill it, so that under ncu no compile autotunes (launches)")
   args = p.parse_args()
+  if args.timeline:   # before the backend starts: XLA reads its flags once
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {KEEP_COMMAND_BUFFERS}".strip()
   variants = tuple(v.strip() for v in args.variants.split(";") if v.strip())
   if not set(variants) <= set(VARIANTS):
     p.error(f"--variants: choose from {'; '.join(VARIANTS)}")
   sizes = sizes_for(False, args.cpu_smoke)
   layers = args.layers or sizes.stage_layers
   contexts, rows = _ints(args.contexts), _ints(args.rows)
-  if not args.parse:
+  order = sections(contexts, rows, variants)
+  if not (args.parse or args.parse_timeline):
     use_cache(args.cache_dir, min_compile_s=0)
-    run(sizes, contexts, rows, variants, args.runs, layers)
-    return
-  table = parse(open(args.parse).read(), sections(contexts, rows, variants), args.runs, layers)
-  print(f"device µs per step of {layers} layers (ncu), and per layer")
+    if not args.timeline:
+      run(sizes, contexts, rows, variants, args.runs, layers)
+      return
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level, options.host_tracer_level = 0, 1
+    with jax.profiler.trace(args.timeline, create_perfetto_trace=True,
+                            profiler_options=options):
+      run(sizes, contexts, rows, variants, args.runs, layers)
+  if args.parse:
+    table = parse(open(args.parse).read(), order, args.runs, layers)
+  else:
+    trace = _trace_file(args.parse_timeline or args.timeline)
+    table = timeline(gpu_kernels(trace), order, args.runs, layers)
+  print(f"device µs per step of {layers} layers ({'ncu' if args.parse else 'timeline'}), "
+        "and per layer" + ("" if args.parse else "; per kernel: µs a step, gaps before it"))
   for r in table:
-    print(f"{r['shape']:>16}  {r['variant']:<28} {r['step_us']:>9.2f} {r['layer_us']:>8.2f}"
-          f"  ({r['launches']} launches a step)")
-    for name, us in list(r["kernels"].items())[:args.top if r["launches"] > 1 else 0]:
-      print(f"{'':>18}{us:>9.2f}  {name[:110]}")
+    extra = ("" if args.parse else
+             f"  busy {r['busy_us'] / layers:.2f}, idle {r['idle_us'] / layers:.2f} a layer")
+    print(f"{r['shape']:>16}  {r['variant']:<40} {r['step_us']:>9.2f} {r['layer_us']:>8.2f}"
+          f"  ({r['launches']} launches a step){extra}")
+    for name, v in list(r["kernels"].items())[:args.top if r["launches"] > 1 else 0]:
+      us, gap = (v, None) if args.parse else v
+      print(f"{'':>18}{us:>9.2f}" + ("" if gap is None else f" {gap:>8.2f}") + f"  {name[:100]}")
   if args.json:
     json.dump(table, open(args.json, "w"), indent=1)
 

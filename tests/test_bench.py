@@ -170,6 +170,46 @@ def test_step_times_splits_sections_at_the_markers():
     step_times.parse(csv(body), order, runs=2, layers=2)
 
 
+def test_step_times_timeline_reads_spans_gaps_and_overlap():
+  """bench.step_times --timeline: from a jax.profiler trace only the GPU's stream lines are
+  read (not the host, not the device's derived XLA Ops line); per section the median step
+  span, the time some kernel ran, the idle rest, and per kernel name µs a step and the gaps
+  before it (negative where it started before the kernel before it ended: PDL)."""
+  from bench import step_times
+  order = step_times.sections((1024,), (1,), ("kernel", "kernel, q in epilogue"))
+  meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/host:CPU")),
+          dict(ph="M", pid=7, name="process_name", args=dict(name="/device:GPU:0 (NVIDIA)")),
+          dict(ph="M", pid=7, tid=3, name="thread_name", args=dict(name="Stream #3(Compute)")),
+          dict(ph="M", pid=7, tid=9, name="thread_name", args=dict(name="XLA Ops")),
+          dict(ph="M", pid=1, tid=3, name="thread_name", args=dict(name="python"))]
+  def k(name, ts, dur, tid=3, pid=7):
+    return dict(ph="X", pid=pid, tid=tid, ts=ts, dur=dur, name=name)
+  runs_a = [[("gemm", 0, 4), ("topk", 6, 2)], [("gemm", 0, 4), ("topk", 5, 2)],
+            [("gemm", 0, 4), ("topk", 7, 2)]]           # spans 8, 7, 9; busy 6; idle 2
+  runs_b = [[("q", 0, 5), ("epi", 4, 3)]] * 3            # overlapped by 1: span 7, busy 7
+  events, t = [k("autotune", 0, 1), k("cosine_fusion", 10, 1)], 100
+  for name, ts, dur in (r for run in runs_a for r in run):
+    events.append(k(name, t + ts, dur))
+    t += 10 if name == "topk" else 0
+  events += [k("cosine_fusion", 500, 1), k("warmup", 600, 3), k("cosine_fusion", 700, 1)]
+  t = 1000
+  for run in runs_b:
+    events += [k(name, t + ts, dur) for name, ts, dur in run]
+    t += 10
+  events += [k("cosine_fusion", 2000, 1), k("fusion.7", 100, 999, tid=9),
+             k("python_call", 100, 999, pid=1)]
+  trace = dict(traceEvents=meta + events[::-1])          # the parser orders them by start
+  table = step_times.timeline(step_times.gpu_kernels(trace), order, runs=3, layers=2)
+  a, b = table
+  assert (a["step_us"], a["layer_us"], a["busy_us"], a["idle_us"], a["launches"]) == (
+      8, 4, 6, 2, 2)
+  assert a["kernels"] == {"gemm": [4, 0], "topk": [2, 2]}
+  assert (b["step_us"], b["busy_us"], b["idle_us"]) == (7, 7, 0)
+  assert b["kernels"] == {"q": [5, 0], "epi": [3, -1]}
+  with pytest.raises(SystemExit, match="no GPU stream line"):
+    step_times.gpu_kernels(dict(traceEvents=meta[:2] + events))
+
+
 def test_step_times_runs_the_sections_in_the_parsers_order():
   """bench.step_times runs every section (CPU smoke shapes) in the order its parser
   splits the CSV by (sections()): the sections' names come from that order alone."""
