@@ -3,7 +3,9 @@
 in place, threaded from step to step), batch metadata already on the device; steps
 dispatched back to back (harness.time_step: STEPS decode steps per executable, so the
 host's dispatch of each run is amortised; a step returns one scalar that reads every
-layer's output, consumed()). Rows "M=<m>,ctx=<tokens>": µs per layer
+layer's output, consumed()); layers and steps chained by default (--stage-chained: each
+layer's inputs read the output before it, as in a model, so XLA cannot batch one layer's
+GEMMs over the steps of a run). Rows "M=<m>,ctx=<tokens>": µs per layer
 (step time / layers) in device_us, M requests of one decode token each, every request
 at the same context; variant "kernel" = the default config and routing (the update part
 as IndexerConfig(update="auto") chooses), "reference" = every op on its pure-JAX
@@ -24,6 +26,7 @@ indexer_q's kernel on, with --stage-pdl-off as well "kernel, q kernel, PDL off",
 also "kernel, q in epilogue" = the default with update_epilogue_q's kernel on (q's GEMM in
 the epilogue's FFI call), with --stage-update-only as well "kernel, update part only, q in
 epilogue"."""
+import argparse
 import gc
 
 import numpy as np
@@ -103,9 +106,11 @@ def add_arguments(parser):
   parser.add_argument("--stage-steps", type=int, default=STEPS,
                       help=f"decode steps per timed run (default {STEPS}); each step its own "
                            "inputs, so a run's dispatch grows with them too")
-  parser.add_argument("--stage-chained", action="store_true",
-                      help="layer l + 1's inputs read layer l's output (_step's chained): "
-                           "for runs under a concurrent command-buffer schedule")
+  parser.add_argument("--stage-chained", action=argparse.BooleanOptionalAction, default=True,
+                      help="layer l + 1's inputs read layer l's output, the first layer's the "
+                           "last layer's cache of the step before (_step's chained), as in a "
+                           "model; --no-stage-chained: independent layers and steps, which "
+                           "XLA's dot merger batches across the steps of a run")
   parser.add_argument("--stage-update-only", action="store_true",
                       help="also time the stage's update part alone (q, projection, "
                            "query epilogue, kpool_update; no selection)")
@@ -172,17 +177,26 @@ def _step(config, update_only=False, consume=True, chained=False):
   layer (layer l on xs[k][l], qrs[k][l]): indexer_stage (out reads every layer's counts),
   or with update_only its update part alone (out reads every layer's w_out): consumed(),
   or without consume the list of those outputs. chained: layer l + 1's x and qr also read
-  layer l's output (as in a model, where they are computed from it), so that a graph
-  scheduled for concurrency cannot overlap layers; without it the layers are independent
-  and only XLA's serial command-buffer order (the default) keeps them apart."""
+  layer l's output (as in a model, where they are computed from it), and the first layer's
+  read the last layer's cache as the step before left it, so that neither a graph scheduled
+  for concurrency nor XLA's dot merger (which batches GEMMs that share a weight and do not
+  depend on each other: one layer's over the steps of a run) can join work that a model
+  runs one after the other; without it the layers and steps are independent."""
   ops = glm5_stage._ops(config, use_reference=False)
 
   def step(caches, k, weights, xs, qrs, batch):
     outs, new = [], []
     for w, c, x, qr in zip(weights, caches, xs[k], qrs[k]):
-      if chained and outs:
-        # + 0 * (the last layer's first output element): a float multiply XLA does not fold.
-        dep = outs[-1].reshape(-1)[0].astype(jnp.float32) * 0.0
+      if chained:
+        # + 0 * (the last layer's first output element): a float multiply XLA does not fold
+        # (NaN * 0 is NaN). The first layer reads the last layer's tail ring as the step
+        # before left it (a model's next token comes from its last step's output): without
+        # it XLA's GPU dot merger batches one layer's GEMMs of all the steps of a run into
+        # one (H200 timeline: 56 -> 25 launches a step, q's GEMM 0.55 µs a layer, under
+        # its 12.6 MB's 2.6 µs floor). Not a pred converted to f32: XLA turns that times 0
+        # into a select of two zeros, which it may fold.
+        prev = outs[-1] if outs else caches[-1].tail
+        dep = prev.reshape(-1)[0].astype(jnp.float32) * 0.0
         x, qr = (x + dep).astype(x.dtype), (qr + dep).astype(qr.dtype)
       if update_only:
         rows = batch.positions.size
@@ -243,8 +257,9 @@ def run(bench):
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
-                        "timed run, µs per layer" + ("; layers chained (each reads the last "
-                                                     "one's output)" if chained else "")
+                        "timed run, µs per layer" + ("; layers and steps chained (each reads "
+                                                     "the output before it)" if chained else
+                                                     "; layers and steps independent")
                         + (f"; {host}" if host else ""))
         bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
                   f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")

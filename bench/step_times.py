@@ -85,19 +85,30 @@ def _marker():
   return lambda: jax.block_until_ready(fn(x))
 
 
-def run(sizes, contexts, rows, variants, runs, layers):
-  """Runs the sections; returns [(shape, variant)] in the order it timed them (what
-  parse() reads the CSV by: sections())."""
+def _steps(step, n):
+  """fn(caches, *args) -> (caches, f32 scalar): decode steps 0..n-1 back to back in one
+  executable (as the stage group runs them), the scalar reading every step's output."""
+  def fn(caches, *args):
+    total = 0.0
+    for k in range(n):
+      caches, out = step(caches, k, *args)
+      total = total + out
+    return caches, total
+  return fn
+
+
+def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=False):
+  """Runs the sections, steps_per_run decode steps in each run; returns [(shape, variant)]
+  in the order it timed them (what parse() reads the CSV by: sections())."""
   marker, timed = _marker(), []
   for ctx in contexts:
     for m in rows:
-      weights, caches, xs, qrs, batch = stage._state(m, ctx, layers, seed=m * 7 + ctx)
-      xs, qrs = xs[:1], qrs[:1]
+      weights, caches, xs, qrs, batch = stage._state(m, ctx, layers, seed=m * 7 + ctx,
+                                                     steps=steps_per_run)
       steps = {}
       for v in variants:   # every compile (and its autotuning) before the first marker
         config = stage._config(ctx, stage.ROUTINGS[v], stage.UPDATES.get(v))
-        step = stage._step(config, v in stage.UPDATE_PART)
-        fn = lambda c, *a, step=step: step(c, 0, *a)   # noqa: E731
+        fn = _steps(stage._step(config, v in stage.UPDATE_PART, chained=chained), steps_per_run)
         steps[v], _, _ = compile_fn(fn, caches, weights, xs, qrs, batch,
                                     options=sizes.compiler_options)
         for _ in range(WARMUP):
@@ -114,21 +125,22 @@ def run(sizes, contexts, rows, variants, runs, layers):
   return timed
 
 
-def parse(text, order, runs, layers):
+def parse(text, order, runs, layers, steps_per_run=1):
   """ncu's CSV -> [{shape, variant, step_us, layer_us, launches, kernels}]: per section
   the median over its runs of the summed durations of a run's launches (graphs or
-  kernels), and (node mode) each kernel name's total µs per step."""
+  kernels) per step, and (node mode) each kernel name's total µs per step."""
   out = []
   for shape, variant, per_run in _split(durations(text, "bench.step_times"), order, runs,
                                         "the CSV"):
-    totals = [sum(us for _, us in run) for run in per_run]
+    totals = [sum(us for _, us in run) / steps_per_run for run in per_run]
     kernels = {}
     for run in per_run:
       for name, us in run:
-        kernels[name] = kernels.get(name, 0.0) + us / runs
+        kernels[name] = kernels.get(name, 0.0) + us / runs / steps_per_run
     step = statistics.median(totals)
     out.append(dict(shape=shape, variant=variant, step_us=round(step, 2),
-                    layer_us=round(step / layers, 2), launches=len(per_run[0]),
+                    layer_us=round(step / layers, 2),
+                    launches=len(per_run[0]) // steps_per_run,
                     kernels={n: round(v, 2) for n, v in
                              sorted(kernels.items(), key=lambda kv: -kv[1])}))
   return out
@@ -171,12 +183,13 @@ def gpu_kernels(trace):
   return [(name, ts, dur) for ts, dur, name in kernels]
 
 
-def timeline(kernels, order, runs, layers):
+def timeline(kernels, order, runs, layers, steps_per_run=1):
   """gpu_kernels()' list -> [{shape, variant, step_us, layer_us, busy_us, idle_us, launches,
-  kernels}]: per section the medians over its runs of a step's span (first kernel's start to
+  kernels}]: per section the medians over its runs of a run's span (first kernel's start to
   last kernel's end), of the time some kernel ran (busy) and of the rest (idle: launch gaps,
-  waits); per kernel name its µs per step and the sum of the gaps before its launches (from
-  the latest end of an earlier kernel of the run; negative: overlapped), as [µs, gap µs]."""
+  waits), each per step; per kernel name its µs per step and the sum of the gaps before its
+  launches (from the latest end of an earlier kernel of the run; negative: overlapped), as
+  [µs, gap µs]."""
   out = []
   for shape, variant, per_run in _split(kernels, order, runs, "the trace"):
     spans, busy, per_name = [], [], {}
@@ -187,13 +200,13 @@ def timeline(kernels, order, runs, layers):
         ran += max(0.0, ts + dur - max(ts, end))      # the part no earlier kernel covered
         end = max(end, ts + dur)
         us, gaps = per_name.get(name, (0.0, 0.0))
-        per_name[name] = (us + dur / runs, gaps + gap / runs)
-      spans.append(end - start)
-      busy.append(ran)
+        per_name[name] = (us + dur / runs / steps_per_run, gaps + gap / runs / steps_per_run)
+      spans.append((end - start) / steps_per_run)
+      busy.append(ran / steps_per_run)
     step, ran = statistics.median(spans), statistics.median(busy)
     out.append(dict(shape=shape, variant=variant, step_us=round(step, 2),
                     layer_us=round(step / layers, 2), busy_us=round(ran, 2),
-                    idle_us=round(step - ran, 2), launches=len(per_run[0]),
+                    idle_us=round(step - ran, 2), launches=len(per_run[0]) // steps_per_run,
                     kernels={n: [round(us, 2), round(gap, 2)] for n, (us, gap) in
                              sorted(per_name.items(), key=lambda kv: -kv[1][0])}))
   return out
@@ -228,6 +241,12 @@ def main():
   p.add_argument("--variants", default=";".join(VARIANTS),
                  help=f"';'-separated (the names hold commas), of: {'; '.join(VARIANTS)}")
   p.add_argument("--runs", type=int, default=3, help="timed runs per section")
+  p.add_argument("--steps", type=int, default=1,
+                 help="decode steps a run (one executable; the stage group runs 16): more "
+                      "keep the GPU busy, and its clock up, through a run")
+  p.add_argument("--chained", action=argparse.BooleanOptionalAction, default=True,
+                 help="layers and steps read the output before them (the stage group's "
+                      "--stage-chained, its default)")
   p.add_argument("--layers", type=int, default=0,
                  help="layers per step (default: the stage group's, 11)")
   p.add_argument("--top", type=int, default=8, help="kernels listed per section (node mode)")
@@ -248,18 +267,18 @@ def main():
   if not (args.parse or args.parse_timeline):
     use_cache(args.cache_dir, min_compile_s=0)
     if not args.timeline:
-      run(sizes, contexts, rows, variants, args.runs, layers)
+      run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained)
       return
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level, options.host_tracer_level = 0, 1
     with jax.profiler.trace(args.timeline, create_perfetto_trace=True,
                             profiler_options=options):
-      run(sizes, contexts, rows, variants, args.runs, layers)
+      run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained)
   if args.parse:
-    table = parse(open(args.parse).read(), order, args.runs, layers)
+    table = parse(open(args.parse).read(), order, args.runs, layers, args.steps)
   else:
     trace = _trace_file(args.parse_timeline or args.timeline)
-    table = timeline(gpu_kernels(trace), order, args.runs, layers)
+    table = timeline(gpu_kernels(trace), order, args.runs, layers, args.steps)
   print(f"device µs per step of {layers} layers ({'ncu' if args.parse else 'timeline'}), "
         "and per layer" + ("" if args.parse else "; per kernel: µs a step, gaps before it"))
   for r in table:

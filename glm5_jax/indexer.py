@@ -223,6 +223,15 @@ def _q_tactic(qr, wq_b, tactic):
   return q_tactic(qr.shape[0], *wq_b.shape, tactic)
 
 
+# The stage rows behind indexer_q's and update_epilogue_q's kernel_off: their bench let
+# XLA's dot merger batch one layer's q GEMM over a run's 16 independent steps (an H200
+# timeline of 2026-12-02: 0.55 µs a layer for wq_b's 12.6 MB, under its 2.6 µs floor), so the
+# XLA side paid one sixteenth of its GEMM. The stage bench now chains its steps.
+STAGE_STEPS_BATCHED = ("; measured before the stage bench chained its steps, while XLA "
+                       "batched its q GEMM over a run's 16 steps (bench/NOTES.md, twentieth "
+                       "session): to be measured again")
+
+
 _q = Op(
     "indexer_q", lambda qr, wq_b, *, tactic: ref.indexer_q(qr, wq_b), _q_shapes,
     rows=((0, None), (0,)), kernel="glm5_indexer_q",
@@ -237,7 +246,7 @@ _q = Op(
                 "11 layers, µs per layer with it / without: M=1 12.4 / 8.7, M=16 14.0 / 9.5, "
                 "M=64 16.7 / 13.6; PDL off no better), though alone its wgmma tactic beats "
                 "XLA's GEMM at M 16-128 (7.2 / 8.0 / 9.5 vs 8.0 / <= 9.1 / <= 13.1 µs) and "
-                "loses at M=1 (6.8 vs <= 5.6)"),
+                "loses at M=1 (6.8 vs <= 5.6)" + STAGE_STEPS_BATCHED),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))

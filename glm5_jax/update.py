@@ -320,7 +320,8 @@ EPILOGUE_Q_OP = "update_epilogue_q"
 # + split-K reduction), so the loss inside the step is not the kernel's time alone
 # (bench/NOTES.md, nineteenth session).
 EPILOGUE_Q_MEASURED = ("slower inside indexer_stage on the H200 at every M and context "
-                       "measured (M 1-64, 1K-32K: +1.4 to +4.7 µs per layer)")
+                       "measured (M 1-64, 1K-32K: +1.4 to +4.7 µs per layer)"
+                       + indexer.STAGE_STEPS_BATCHED)
 
 
 def _q_aval(qr, wq_b):

@@ -143,6 +143,32 @@ def test_kernel_times_parses_a_subset_of_the_ops():
     kernel_times.parse(csv([1000]), sizes, ("pool_topk",))
 
 
+def test_stage_chained_steps_read_the_step_before():
+  """--stage-chained: the first layer's inputs read the last layer's tail ring as the step
+  before left it (+ 0 * its first element), so no two steps' GEMMs are independent (XLA's
+  GPU dot merger joined them). A NaN there reaches every layer's w_out (which reads only
+  x and the weights) when chained, none when not: the dependency is in the compiled step,
+  not folded away."""
+  import dataclasses
+
+  import numpy as np
+  import jax
+  import jax.numpy as jnp
+
+  import glm5_jax
+  from bench import stage
+
+  config = stage._config(1024, glm5_jax.Routing())
+  weights, caches, xs, qrs, batch = stage._state(2, 1024, 2, seed=3)
+  last = caches[-1]
+  caches[-1] = dataclasses.replace(last, tail=last.tail.at[0, 0, 0, 0].set(jnp.nan))
+  for chained in (False, True):
+    copy = [jax.tree.map(jnp.copy, c) for c in caches]
+    _, outs = jax.jit(stage._step(config, update_only=True, consume=False, chained=chained),
+                      static_argnums=1)(copy, 0, weights, xs, qrs, batch)
+    assert [bool(np.isnan(np.asarray(o, np.float32)).all()) for o in outs] == [chained] * 2
+
+
 def test_step_times_splits_sections_at_the_markers():
   """bench.step_times --parse: each section's launches lie between two marker kernels;
   per section the median of its runs' summed µs, per layer, and each kernel name's µs
@@ -206,6 +232,11 @@ def test_step_times_timeline_reads_spans_gaps_and_overlap():
   assert a["kernels"] == {"gemm": [4, 0], "topk": [2, 2]}
   assert (b["step_us"], b["busy_us"], b["idle_us"]) == (7, 7, 0)
   assert b["kernels"] == {"q": [5, 0], "epi": [3, -1]}
+  # Two decode steps a run: the same spans, gaps and kernels, per step.
+  a2 = step_times.timeline(step_times.gpu_kernels(trace), order, runs=3, layers=2,
+                           steps_per_run=2)[0]
+  assert (a2["step_us"], a2["layer_us"], a2["busy_us"], a2["launches"]) == (4, 2, 3, 1)
+  assert a2["kernels"] == {"gemm": [2, 0], "topk": [1, 1]}
   with pytest.raises(SystemExit, match="no GPU stream line"):
     step_times.gpu_kernels(dict(traceEvents=meta[:2] + events))
 
@@ -216,7 +247,7 @@ def test_step_times_runs_the_sections_in_the_parsers_order():
   from bench import step_times
   from bench.sizes import sizes_for
   timed = step_times.run(sizes_for(False, True), (1024,), (1, 2), step_times.VARIANTS,
-                         runs=1, layers=2)
+                         runs=1, layers=2, steps_per_run=2)
   assert timed == step_times.sections((1024,), (1, 2), step_times.VARIANTS)
   assert len(timed) == 2 * len(step_times.VARIANTS)
 
