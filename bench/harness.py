@@ -163,6 +163,16 @@ def host_note(info):
           "run): an upper bound")
 
 
+def run_steps(step, state, steps, *args):
+  """(state, [each step's outputs]): steps 0..steps-1 of step(state, k, *args) -> (state,
+  outs), back to back (traced into one executable), the state threaded."""
+  outs = []
+  for k in range(steps):
+    state, out = step(state, k, *args)
+    outs.append(out)
+  return state, outs
+
+
 def time_step(step, state, args, sizes, units=1, steps=1):
   """Seconds per unit of a whole jitted step, e.g. a decode step of 11 layers with
   units=11 for µs per layer. step(state, k, *args) -> (state, outs) is step k of
@@ -176,10 +186,8 @@ def time_step(step, state, args, sizes, units=1, steps=1):
   flag = jnp.zeros((), jnp.bool_)
 
   def fn(state, flag, *args):
-    outs = []     # every step's outputs: an output nothing reads is dead code to XLA
-    for k in range(steps):
-      state, out = step(state, k, *args)
-      outs.append(out)
+    # every step's outputs: an output nothing reads is dead code to XLA
+    state, outs = run_steps(step, state, steps, *args)
     return state, (~flag, outs)
 
   compiled, _, seconds = compile_fn(fn, state, flag, *args, options=sizes.compiler_options)

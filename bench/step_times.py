@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from . import stage
-from .harness import CACHE_DIR, compile_fn, use_cache
+from .harness import CACHE_DIR, compile_fn, run_steps, use_cache
 from .kernel_times import durations
 from .sizes import sizes_for
 from .variants import (
@@ -85,19 +85,7 @@ def _marker():
   return lambda: jax.block_until_ready(fn(x))
 
 
-def _steps(step, n):
-  """fn(caches, *args) -> (caches, f32 scalar): decode steps 0..n-1 back to back in one
-  executable (as the stage group runs them), the scalar reading every step's output."""
-  def fn(caches, *args):
-    total = 0.0
-    for k in range(n):
-      caches, out = step(caches, k, *args)
-      total = total + out
-    return caches, total
-  return fn
-
-
-def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=False):
+def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=True):
   """Runs the sections, steps_per_run decode steps in each run; returns [(shape, variant)]
   in the order it timed them (what parse() reads the CSV by: sections())."""
   marker, timed = _marker(), []
@@ -108,7 +96,11 @@ def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=
       steps = {}
       for v in variants:   # every compile (and its autotuning) before the first marker
         config = stage._config(ctx, stage.ROUTINGS[v], stage.UPDATES.get(v))
-        fn = _steps(stage._step(config, v in stage.UPDATE_PART, chained=chained), steps_per_run)
+        step = stage._step(config, v in stage.UPDATE_PART, chained=chained)
+
+        def fn(c, *a, step=step):   # one f32 scalar that reads every step's output
+          c, outs = run_steps(step, c, steps_per_run, *a)
+          return c, sum(outs)
         steps[v], _, _ = compile_fn(fn, caches, weights, xs, qrs, batch,
                                     options=sizes.compiler_options)
         for _ in range(WARMUP):
