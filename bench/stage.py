@@ -22,7 +22,9 @@ update part only, indexer_update" (update="fused", its kernel routed on); with
 expand_and_remap (Routing(ops={"select_slots": False})) where the default runs
 select_slots' one call; with --stage-q-kernel also "kernel, q kernel" = the default with
 indexer_q's kernel on, with --stage-pdl-off as well "kernel, q kernel, PDL off", with
---stage-update-only as well "kernel, update part only, q kernel"; with --stage-q-epilogue
+--stage-update-only as well "kernel, update part only, q kernel" (and with
+--stage-update-fused too "kernel, update part only, indexer_update, q kernel": indexer_q's
+kernel then indexer_update's, two FFI calls); with --stage-q-epilogue
 also "kernel, q in epilogue" = the default with update_epilogue_q's kernel on (q's GEMM in
 the epilogue's FFI call), with --stage-update-only as well "kernel, update part only, q in
 epilogue"."""
@@ -50,6 +52,7 @@ from .variants import (
   UPDATE_FUSED,
   UPDATE_ONLY,
   UPDATE_ONLY_FUSED,
+  UPDATE_ONLY_FUSED_Q_KERNEL,
   UPDATE_ONLY_OPS,
   UPDATE_ONLY_Q_EPILOGUE,
   UPDATE_ONLY_Q_KERNEL,
@@ -126,14 +129,16 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
             Q_KERNEL_NO_PDL: glm5_jax.Routing(pdl=False, ops={"indexer_q": True}),
             UPDATE_ONLY_Q_KERNEL: glm5_jax.Routing(ops={"indexer_q": True}),
+            UPDATE_ONLY_FUSED_Q_KERNEL: glm5_jax.Routing(ops={"indexer_update": True,
+                                                              "indexer_q": True}),
             Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True}),
             UPDATE_ONLY_Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops",
-           UPDATE_ONLY_FUSED: "fused"}
+           UPDATE_ONLY_FUSED: "fused", UPDATE_ONLY_FUSED_Q_KERNEL: "fused"}
 # The variants that time the update part alone.
 UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KERNEL,
-               UPDATE_ONLY_Q_EPILOGUE)
+               UPDATE_ONLY_FUSED_Q_KERNEL, UPDATE_ONLY_Q_EPILOGUE)
 
 
 # Decode steps per timed run (one executable): a run costs the host a fixed ~200 µs plus
@@ -235,6 +240,9 @@ def run(bench):
                            and bench.args.stage_pdl_off else [])
                         + ([UPDATE_ONLY_Q_KERNEL] if bench.args.stage_q_kernel
                            and bench.args.stage_update_only else [])
+                        + ([UPDATE_ONLY_FUSED_Q_KERNEL] if bench.args.stage_q_kernel
+                           and bench.args.stage_update_only
+                           and bench.args.stage_update_fused else [])
                         + ([Q_EPILOGUE] if bench.args.stage_q_epilogue else [])
                         + ([UPDATE_ONLY_Q_EPILOGUE] if bench.args.stage_q_epilogue
                            and bench.args.stage_update_only else [])

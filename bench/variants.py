@@ -31,13 +31,15 @@ SELECT_OPS = "kernel, select as two ops"
 Q_KERNEL = "kernel, q kernel"                 # the stage with indexer_q's kernel on
 Q_KERNEL_NO_PDL = "kernel, q kernel, PDL off"  # the same without PDL (does it cost there?)
 UPDATE_ONLY_Q_KERNEL = "kernel, update part only, q kernel"   # the update part, indexer_q on
+# The update part as indexer_q's kernel, then indexer_update's (both FFI calls, PDL between).
+UPDATE_ONLY_FUSED_Q_KERNEL = "kernel, update part only, indexer_update, q kernel"
 # The stage with update_epilogue_q's kernel on: q's GEMM inside the epilogue's FFI call.
 Q_EPILOGUE = "kernel, q in epilogue"
 UPDATE_ONLY_Q_EPILOGUE = "kernel, update part only, q in epilogue"   # its update part alone
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
             UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED,
-            SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL, Q_EPILOGUE,
-            UPDATE_ONLY_Q_EPILOGUE)
+            SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL,
+            UPDATE_ONLY_FUSED_Q_KERNEL, Q_EPILOGUE, UPDATE_ONLY_Q_EPILOGUE)
 
 
 def three_dots(x, w_cat):
