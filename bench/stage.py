@@ -107,8 +107,9 @@ def add_arguments(parser):
                       help="also time the stage with update_epilogue_q's kernel on (q's GEMM "
                            "and the epilogue in one FFI call)")
   parser.add_argument("--stage-steps", type=int, default=STEPS,
-                      help=f"decode steps per timed run (default {STEPS}); each step its own "
-                           "inputs, so a run's dispatch grows with them too")
+                      help=f"decode steps per timed run (default {STEPS}; the reference at "
+                           f"most {REFERENCE_STEPS}); each step its own inputs, so a run's "
+                           "dispatch grows with them too")
   parser.add_argument("--stage-chained", action=argparse.BooleanOptionalAction, default=True,
                       help="layer l + 1's inputs read layer l's output, the first layer's the "
                            "last layer's cache of the step before (_step's chained), as in a "
@@ -145,6 +146,11 @@ UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KE
 # ~35-50 µs a step (H200, 1K context, M = 1, session 15: 414 µs of dispatch per 4-step run,
 # 806 per 16): 4 steps left every 1K row host-bound; 16 amortise the fixed part.
 STEPS = 16
+# Decode steps a run of the reference variant (at most --stage-steps): with layers and steps
+# chained, XLA took over 130 s to compile the reference's 16 steps of 11 layers on the H200
+# (2026-12-02; the kernels' 4 s), and a reference step (70-1800 µs) is long enough that two
+# steps a run amortise the host's dispatch.
+REFERENCE_STEPS = 2
 
 
 def _config(ctx, routing, update=None):
@@ -258,13 +264,14 @@ def run(bench):
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
         step = _step(config, variant in UPDATE_PART, chained=chained)
+        runs = min(steps, REFERENCE_STEPS) if variant == REFERENCE else steps
         sec, caches, info = time_step(step, caches, (weights, xs, qrs, batch), s,
-                                      units=s.stage_layers, steps=steps)
+                                      units=s.stage_layers, steps=runs)
         host = host_note(info)
         bench.row(NAME, shape, variant, sec * 1e6, None, None, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
-                  notes=f"{s.stage_layers} layers per decode step, {steps} steps per "
+                  notes=f"{s.stage_layers} layers per decode step, {runs} steps per "
                         "timed run, µs per layer" + ("; layers and steps chained (each reads "
                                                      "the output before it)" if chained else
                                                      "; layers and steps independent")

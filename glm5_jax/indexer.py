@@ -223,13 +223,25 @@ def _q_tactic(qr, wq_b, tactic):
   return q_tactic(qr.shape[0], *wq_b.shape, tactic)
 
 
-# The stage rows behind indexer_q's and update_epilogue_q's kernel_off: their bench let
-# XLA's dot merger batch one layer's q GEMM over a run's 16 independent steps (an H200
-# timeline of 2026-12-02: 0.55 µs a layer for wq_b's 12.6 MB, under its 2.6 µs floor), so the
-# XLA side paid one sixteenth of its GEMM. The stage bench now chains its steps.
-STAGE_STEPS_BATCHED = ("; measured before the stage bench chained its steps, while XLA "
-                       "batched its q GEMM over a run's 16 steps (bench/NOTES.md, twentieth "
-                       "session): to be measured again")
+# Where the update part's kernels run by default (H200, 2026-12-02, bench/NOTES.md
+# twenty-first session): the stage's update part alone, 1K context, 11 layers, 16 decode steps
+# an executable with layers and steps chained (each reads the output before it, so XLA cannot
+# batch a layer's GEMMs over the steps), from one profiled run (step_times --timeline), µs per
+# layer at M = 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128:
+#   XLA's q GEMM, XLA's projection GEMM, update_epilogue: 11.4 / 16.9 / 15.9 / 16.9 / 17.0 /
+#     17.7 / 19.9 / 24.1 (the default before)
+#   indexer_q's kernel instead of XLA's q GEMM:             12.8 / 16.0 / 15.9 / 16.2 / 16.4 /
+#     17.1 / 18.7 / 21.2
+#   indexer_q's kernel, then indexer_update's kernel:        13.5 / 14.3 / 15.0 / 15.2 / 15.7 /
+#     16.9 / 19.6 / 24.3
+#   XLA's projection GEMM, then update_epilogue_q:          12.4 / 15.6 / 15.5 / 15.8 / 15.9 /
+#     16.6 / 18.3 / 20.9
+# So XLA's GEMV at M = 1, indexer_q + indexer_update at M 2-16, update_epilogue_q past that.
+# (The rows the bench measured before 2026-12-02 let XLA batch its GEMMs over 16 independent
+# steps, 0.55 µs a layer for wq_b's 12.6 MB against its 2.6 µs floor, and read the other way.)
+UPDATE_PART_MEASURED = "the stage's update part on the H200, bench/NOTES.md twenty-first session"
+# indexer_q's kernel: at M 2..128 (measured to 128; XLA's GEMV is faster at M = 1).
+Q_KERNEL_ROWS = (2, 128)
 
 
 _q = Op(
@@ -242,11 +254,10 @@ _q = Op(
         *wq_b.shape, _q_tactic(qr, wq_b, tactic)),
     kernel_limits=(f"tactic \"wgmma\" (the default): {_Q_TILING['wgmma']}; "
                    f"\"mma\": {_Q_TILING['mma']}"),
-    kernel_off=("slower than XLA's GEMM inside the stage, what users run (H200, 1K context, "
-                "11 layers, µs per layer with it / without: M=1 12.4 / 8.7, M=16 14.0 / 9.5, "
-                "M=64 16.7 / 13.6; PDL off no better), though alone its wgmma tactic beats "
-                "XLA's GEMM at M 16-128 (7.2 / 8.0 / 9.5 vs 8.0 / <= 9.1 / <= 13.1 µs) and "
-                "loses at M=1 (6.8 vs <= 5.6)" + STAGE_STEPS_BATCHED),
+    kernel_default=lambda qr, wq_b, **params: (
+        Q_KERNEL_ROWS[0] <= qr.shape[0] <= Q_KERNEL_ROWS[1]),
+    kernel_default_note=("M {} to {}, where it beat XLA's GEMM (".format(*Q_KERNEL_ROWS)
+                         + UPDATE_PART_MEASURED + ")"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))

@@ -49,11 +49,13 @@ class IndexerConfig:
   executable. update: "ops" runs indexer_projection, indexer_query and kpool_update as
   three ops; "fused" as indexer_update (its kernel, the three kernels' work in one FFI
   call, where the routing names it; else XLA's GEMM and update_epilogue); "auto" (the
-  default) as indexer_update's one FFI call where the routing chooses its kernel (off by
-  default), else as XLA's projection GEMM and update_epilogue where the routing chooses
-  update_epilogue's kernel (the default: faster at every M measured on the H200,
-  glm5_jax.update.EPILOGUE_MEASURED), else as the three ops; "fused" not with fused=True
-  ("auto" then means "ops").
+  default) as indexer_update's one FFI call where the routing chooses its kernel (by
+  default at M 2..16, glm5_jax.update.UPDATE_KERNEL_ROWS), else as XLA's projection GEMM and
+  update_epilogue_q's one call (q's GEMM inside) where the routing chooses that kernel (by
+  default at M 17..128, EPILOGUE_Q_ROWS), else as XLA's projection GEMM and update_epilogue
+  where the routing chooses update_epilogue's kernel (M = 1 by default), else as the three
+  ops (the faster path at each M on the H200: glm5_jax.indexer.UPDATE_PART_MEASURED);
+  "fused" not with fused=True ("auto" then means "ops").
   rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
@@ -350,7 +352,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
                 batch.tslot, weights.ape, batch.loc, batch.positions)
   if auto and _q_in_epilogue(config, weights, x, qr, cache_args, query):
     # XLA's projection GEMM, then q's GEMM and the epilogue in one FFI call (no q GEMM of
-    # XLA's, no FFI call of its own for q: glm5_jax.update.EPILOGUE_Q_MEASURED).
+    # XLA's, no FFI call of its own for q: glm5_jax.update.EPILOGUE_Q_ROWS).
     raw = reference.projection_sums(x, weights.w_cat)
     _, q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue_q(
         raw, qr, weights.wq_b, *cache_args, scale_format=config.scale_format, **query)
@@ -371,8 +373,8 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   # indexer_update where "fused" asks for it, and where "auto" finds its kernel chosen or
   # update_epilogue's: the op runs its kernel where the routing chooses it, else XLA's GEMM
   # with its f32 sums straight into update_epilogue (no slice copies, one launch for the
-  # query epilogue and kpool_update; EPILOGUE_MEASURED). The sums' aval decides: no GEMM
-  # is traced for the decision.
+  # query epilogue and kpool_update; indexer.UPDATE_PART_MEASURED). The sums' aval decides:
+  # no GEMM is traced for the decision.
   one_op = config.update == "fused" or (auto and (
       _update_op.kernel_chosen(*update_args, routing=config.routing, **update)
       or _update_op.epilogue_kernel_chosen(

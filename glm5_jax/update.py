@@ -1,9 +1,10 @@
 """indexer_update: indexer_projection, indexer_query and kpool_update as one op; and
 update_epilogue, its last two on the f32 sums of XLA's projection GEMM in one FFI call (issue
-12, the update path at the launch floor). By default indexer_update runs XLA's GEMM and
-update_epilogue's kernel (EPILOGUE_MEASURED says why); its own kernel, the projection's and
-the epilogue in one FFI call, runs where the routing names it. Shapes and dtypes: see
-glm5_jax.reference.update."""
+12, the update path at the launch floor); and update_epilogue_q, q's GEMM and that epilogue in
+one FFI call. By default indexer_update runs its own kernel (the projection's and the epilogue
+in one FFI call) at UPDATE_KERNEL_ROWS, XLA's GEMM and update_epilogue's kernel at other M;
+update_epilogue_q its kernel at EPILOGUE_Q_ROWS (indexer.UPDATE_PART_MEASURED says why).
+Shapes and dtypes: see glm5_jax.reference.update."""
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -18,16 +19,14 @@ I32, BF16 = indexer.I32, indexer.BF16
 OP = "indexer_update"
 # The ops whose work glm5_indexer_update does, in order (the last two in one launch).
 PARTS = (indexer._projection, indexer._query, kpool._update)
-# Why XLA's projection GEMM + update_epilogue's kernel is the default update path, and
-# indexer_update's kernel (the projection kernel + the same epilogue) is off: the update part
-# alone in indexer_stage (H200, 2026-12-01, 11 layers, 1K context, 16 steps a run, µs per
-# layer, both in one run; rows whose host dispatch filled the run are upper bounds), the
-# default of the time (indexer_update's kernel at M <= 16, the three ops past it) vs XLA's
-# GEMM + update_epilogue: M=1 8.49 vs 5.63, M=2 8.22 vs 5.05, M=4 8.65 vs 7.94, M=8 8.80 vs
-# 5.71, M=16 9.94 vs 7.45, M=32 10.10 vs 7.35, M=64 14.72 vs 9.68, M=128 18.51 vs 12.90
-# (bench/NOTES.md, thirteenth session). XLA's GEMV / GEMM reads W_cat faster than the
-# projection kernel, and the epilogue reads its f32 sums in place (no slice copies).
-EPILOGUE_MEASURED = "the kernel slower than it at every M measured on the H200 (1-128)"
+# Where indexer_update runs its own kernel (the projection kernel + the epilogue in one FFI
+# call) by default: M 2..16, where the stage's update part with it (and indexer_q's kernel)
+# beat XLA's projection GEMM + update_epilogue (indexer.UPDATE_PART_MEASURED: 14.3 / 15.0 /
+# 15.2 / 15.7 µs per layer at M 2 / 4 / 8 / 16 against 16.0 / 15.9 / 16.2 / 16.4 with the same
+# q kernel; at M = 1 XLA's GEMV, past 16 update_epilogue_q is faster). Elsewhere XLA's GEMM
+# and update_epilogue on its f32 sums (no slice copies). Until 2026-12-02 the kernel was off at
+# every M: the bench then let XLA batch its projection GEMM over a run's independent steps.
+UPDATE_KERNEL_ROWS = (2, 16)
 
 
 def _grid(tslot):
@@ -123,7 +122,10 @@ _update = Op(
     aliases={5: 6, 6: 7}, kernel="glm5_indexer_update", attributes=_ATTRIBUTES,
     attribute_values=_attribute_values, kernel_supports=_kernel_supports,
     kernel_limits="those of indexer_projection, indexer_query and kpool_update",
-    kernel_off=EPILOGUE_MEASURED,
+    kernel_default=lambda x, *args, **params: (
+        UPDATE_KERNEL_ROWS[0] <= x.shape[0] <= UPDATE_KERNEL_ROWS[1]),
+    kernel_default_note=("M {} to {}, where the stage's update part was faster with it (".format(
+        *UPDATE_KERNEL_ROWS) + indexer.UPDATE_PART_MEASURED + ")"),
     otherwise="XLA's GEMM + update_epilogue",
     kernel_params=_kernel_params,
     split=Split(("rows", None, "rows", None, None, "pages", "blocks", "requests", None,
@@ -143,10 +145,10 @@ def indexer_update(x: jax.Array, w_cat: jax.Array, q: jax.Array, norm_weight: ja
   M = B * N rows of tslot, loc, pos i32[B, N] (request-major). See
   glm5_jax.reference.indexer_update.
 
-  By default: XLA's GEMM for the projection and update_epilogue on its f32 sums (its
-  kernel where chosen), the composition the reference spells out, faster than this op's
-  own kernel at every M measured (EPILOGUE_MEASURED). The CUDA kernel (glm5_indexer_update;
-  where the routing names it) launches the projection's kernel and one epilogue (a warp
+  By default the CUDA kernel at UPDATE_KERNEL_ROWS (M 2..16, where it was faster), elsewhere
+  XLA's GEMM for the projection and update_epilogue on its f32 sums (its kernel where
+  chosen), the composition the reference spells out. The CUDA kernel (glm5_indexer_update;
+  where the routing chooses it) launches the projection's kernel and one epilogue (a warp
   per request: the key LayerNorm and kpool_update; a warp per q row: the query epilogue)
   in one FFI call with PDL between them, at the shapes all three ops' kernels support
   (others run the reference; kernel_chosen says which). Its outputs are bit-identical to
@@ -203,8 +205,8 @@ def kernel_chosen(*args: jax.Array, heads: int, scale: float, eps: float = 1e-6,
 
 
 # update_epilogue: indexer_update's epilogue alone, on the f32 sums of a projection GEMM of
-# XLA's (reference.projection_sums): the default update path (EPILOGUE_MEASURED). Without it
-# XLA's GEMM is followed by three slice copies of its output, the query kernel and
+# XLA's (reference.projection_sums): the update path at M = 1 (indexer.UPDATE_PART_MEASURED).
+# Without it XLA's GEMM is followed by three slice copies of its output, the query kernel and
 # kpool_update.
 EPILOGUE_OP = "update_epilogue"
 # The epilogue kernel's 16-byte loads of raw's columns: H % RAW_HEADS_MULTIPLE == 0.
@@ -274,7 +276,7 @@ def update_epilogue(raw: jax.Array, q: jax.Array, norm_weight: jax.Array,
   e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128], kv_cache, tail); q bf16[M, H,
   128], the rest as indexer_update. See glm5_jax.reference.update_epilogue.
 
-  The CUDA kernel (glm5_update_epilogue; on by default, EPILOGUE_MEASURED) is
+  The CUDA kernel (glm5_update_epilogue; on by default) is
   indexer_update's epilogue reading raw in place of the three projection results, so no
   slice of raw is copied out; its results are bit-identical to indexer_query's and
   kpool_update's kernels on reference.split_projection(raw). The caches are updated in
@@ -311,17 +313,12 @@ def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # cost the stage a child graph per layer; inside the call the stage already makes it costs
 # one more kernel, with PDL between the two.
 EPILOGUE_Q_OP = "update_epilogue_q"
-# Why update_epilogue_q's kernel is off by default (the stage's "auto" then runs XLA's q GEMM
-# and update_epilogue): slower in the stage at every M and context measured on the H200
-# (2026-12-01, 11 layers, 16 steps a run, µs per layer with it / without, rows the device
-# bounds): 8K M=1 15.8 / 12.9, M=16 17.4 / 14.6, M=64 22.8 / 21.4; 32K 19.4 / 16.6, 24.0 /
-# 21.0, 44.5 / 41.6; layers chained, 8K 17.0 / 13.7, 18.6 / 14.4, 24.3 / 21.5. Under ncu its
-# q GEMM alone takes 6.8 / 7.2 / 8.0 µs at M = 1 / 16 / 64 against XLA's 5.7 / 9.2 / 10.4 (GEMM
-# + split-K reduction), so the loss inside the step is not the kernel's time alone
-# (bench/NOTES.md, nineteenth session).
-EPILOGUE_Q_MEASURED = ("slower inside indexer_stage on the H200 at every M and context "
-                       "measured (M 1-64, 1K-32K: +1.4 to +4.7 µs per layer)"
-                       + indexer.STAGE_STEPS_BATCHED)
+# Where update_epilogue_q's kernel runs by default: past indexer_update's rows, up to 128
+# (measured), where the stage's update part was fastest with it (indexer.UPDATE_PART_MEASURED:
+# 16.6 / 18.3 / 20.9 µs per layer at M 32 / 64 / 128 against 16.9 / 18.7 / 21.2 for the next
+# best). Under ncu its q GEMM alone takes 6.8 / 7.2 / 8.0 µs at M = 1 / 16 / 64 against XLA's
+# 5.7 / 9.2 / 10.4 (GEMM + split-K reduction; bench/NOTES.md, nineteenth session).
+EPILOGUE_Q_ROWS = (UPDATE_KERNEL_ROWS[1] + 1, 128)
 
 
 def _q_aval(qr, wq_b):
@@ -371,7 +368,10 @@ _epilogue_q = Op(
                 if name != "pdl"},
     attribute_values=_epilogue_q_attribute_values, kernel_supports=_epilogue_q_kernel_supports,
     kernel_limits="those of indexer_q (its tactic) and update_epilogue",
-    kernel_off=EPILOGUE_Q_MEASURED,
+    kernel_default=lambda raw, *args, **params: (
+        EPILOGUE_Q_ROWS[0] <= raw.shape[0] <= EPILOGUE_Q_ROWS[1]),
+    kernel_default_note=("M {} to {}, where the stage's update part was fastest with it (".format(
+        *EPILOGUE_Q_ROWS) + indexer.UPDATE_PART_MEASURED + ")"),
     kernel_params=_epilogue_q_kernel_params,
     split=Split(("rows", "rows", None, None, None, "pages", "blocks", "requests", None,
                  "requests", "requests"), ("rows",) * 4 + ("pages", "blocks"), _cache_localize))

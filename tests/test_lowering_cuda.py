@@ -32,7 +32,7 @@ ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_t
            "indexer_update": {5: 6, 6: 7}, "update_epilogue": {4: 3, 5: 4},
            "update_epilogue_q": {5: 4, 6: 5}}
 # Ops whose function composes another op where its own kernel is off: that op (indexer_update
-# runs XLA's GEMM and update_epilogue, glm5_jax.update.EPILOGUE_MEASURED).
+# runs XLA's GEMM and update_epilogue outside glm5_jax.update.UPDATE_KERNEL_ROWS).
 COMPOSED = {"indexer_update": "update_epilogue"}
 
 

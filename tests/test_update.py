@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax import Routing, update
+from glm5_jax import Routing, indexer, update
 from glm5_jax import reference as ref
 from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
 
@@ -98,24 +98,32 @@ def cuda_calls(fn, args, donate=()):
 
 
 def test_default_routing_and_the_stage_switch(monkeypatch):
-  """Default routing: indexer_update runs XLA's GEMM and update_epilogue's kernel at every
-  M (EPILOGUE_MEASURED), its own kernel only where the routing names it, the reference
-  composition with both kernels off; the stage's update part follows IndexerConfig.update:
-  "auto" as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
-  GEMM and update_epilogue where that kernel is chosen, else the three ops; "ops" the
-  three ops, "fused" indexer_update as routed; with update_epilogue_q's kernel routed on,
-  "auto" runs XLA's projection GEMM and its one call (q's GEMM inside; no indexer_q call)
-  where indexer_update's kernel is not chosen; the reference composition runs no kernel."""
+  """Default routing: indexer_update runs its own kernel at UPDATE_KERNEL_ROWS (M 2..16),
+  XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
+  kernel at every M where the routing names it, the reference composition with both kernels
+  off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update's one
+  FFI call where the routing chooses its kernel, else XLA's projection GEMM and
+  update_epilogue_q's one call (q's GEMM inside; no indexer_q call) where that kernel is
+  chosen (EPILOGUE_Q_ROWS by default, M 17..128), else XLA's GEMM and update_epilogue where
+  that kernel is chosen, else the three ops; "ops" the three ops, "fused" indexer_update as
+  routed; q by indexer_q, its kernel at Q_KERNEL_ROWS (M 2..128) where the call does not
+  hold q's GEMM; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS) == (
+      (2, 16), (17, 128), (2, 128))
   fused = Routing(ops={"indexer_update": True})
-  no_epilogue = Routing(ops={"update_epilogue": False})
-  q_inside = Routing(ops={"update_epilogue_q": True})
+  no_update_kernel = Routing(ops={"indexer_update": False})
+  no_epilogue = Routing(ops={"update_epilogue": False, "indexer_update": False,
+                             "update_epilogue_q": False})
+  q_inside = Routing(ops={"update_epilogue_q": True, "indexer_update": False})
   fused_q_inside = Routing(ops={"indexer_update": True, "update_epilogue_q": True})
   fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
-  for rows in (1, 16, 17, 64):
+  for rows, default in ((1, "glm5_update_epilogue"), (2, "glm5_indexer_update"),
+                        (16, "glm5_indexer_update"), (17, "glm5_update_epilogue"),
+                        (64, "glm5_update_epilogue")):
     args = update_args(rows, 1)
-    assert cuda_calls(fn, args) == ["glm5_update_epilogue"], rows
-    assert not update.kernel_chosen(*args, **PARAMS), rows
+    assert cuda_calls(fn, args) == [default], rows
+    assert update.kernel_chosen(*args, **PARAMS) == (default == "glm5_indexer_update"), rows
     assert cuda_calls(functools.partial(fn, routing=fused), args) == [
         "glm5_indexer_update"], rows
     assert update.kernel_chosen(*args, routing=fused, **PARAMS), rows
@@ -123,18 +131,22 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   config = dict(heads=HEADS, max_pools=1024)
   kernels = ("glm5_indexer_q", "glm5_indexer_update", "glm5_update_epilogue",
              "glm5_update_epilogue_q", "glm5_indexer_query", "glm5_kpool_update")
-  one, epilogue, ops = ["glm5_indexer_update"], ["glm5_update_epilogue"], [
-      "glm5_indexer_query", "glm5_kpool_update"]
+  q = ["glm5_indexer_q"]
+  one, epilogue, ops, q_epilogue = q + ["glm5_indexer_update"], ["glm5_update_epilogue"], q + [
+      "glm5_indexer_query", "glm5_kpool_update"], ["glm5_update_epilogue_q"]
   # (requests, routing, update) -> the update kernels the stage calls.
   outs = {}
   for b, routing, mode, want in ((1, Routing(), "auto", epilogue),
-                                 (3, Routing(), "auto", epilogue),
-                                 (17, Routing(), "auto", epilogue),
+                                 (3, Routing(), "auto", one),
+                                 (17, Routing(), "auto", q_epilogue),
+                                 (3, no_update_kernel, "auto", q + epilogue),
                                  (3, fused, "auto", one), (3, no_epilogue, "auto", ops),
-                                 (3, Routing(), "ops", ops), (3, Routing(), "fused", epilogue),
+                                 (3, Routing(), "ops", ops), (3, Routing(), "fused", one),
+                                 (3, no_update_kernel, "fused", q + epilogue),
                                  (3, fused, "fused", one),
-                                 (3, q_inside, "auto", ["glm5_update_epilogue_q"]),
-                                 (17, q_inside, "auto", ["glm5_update_epilogue_q"]),
+                                 (1, fused, "auto", ["glm5_indexer_update"]),
+                                 (3, q_inside, "auto", q_epilogue),
+                                 (17, q_inside, "auto", q_epilogue),
                                  (3, q_inside, "ops", ops), (3, fused_q_inside, "auto", one)):
     contexts = ([10, 1500, 77] * b)[:b]
     state = stage_state(contexts, 1, 0, config=glm5_jax.IndexerConfig(**config),
