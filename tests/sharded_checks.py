@@ -591,8 +591,13 @@ def check_context_stage():
   w = weights()
   # (config, the update primitive its update_path traces)
   fused = glm5_jax.Routing(ops={"indexer_update": True})
+  low, high = glm5_jax.update.UPDATE_KERNEL_ROWS
+  assert low <= 3 * NEXT_N <= high
   modes = {dataclasses.replace(CONFIG, update="ops"): None,
-           dataclasses.replace(CONFIG, update="auto"): "glm5_update_epilogue",
+           # M = 3 requests x NEXT_N: indexer_update's kernel rows (update.UPDATE_KERNEL_ROWS)
+           dataclasses.replace(CONFIG, update="auto"): "glm5_indexer_update",
+           dataclasses.replace(CONFIG, update="auto", routing=glm5_jax.Routing(
+               ops={"indexer_update": False})): "glm5_update_epilogue",
            dataclasses.replace(CONFIG, update="fused", routing=fused): "glm5_indexer_update"}
   for m, config in itertools.product(context_meshes(), modes):
     devices = m.shape[CONTEXT_AXIS]
