@@ -244,7 +244,8 @@ def render(args):
   """BENCHMARKS.md and the plot from the rows of an earlier run."""
   with open(args.render) as f:
     rows = json.load(f)
-  meta = {k: rows[0][k] for k in ("gpu", "jax_version", "date")}
+  meta = {k: rows[0][k] for k in ("gpu", "jax_version")}
+  meta["date"] = max(r["date"] for r in rows)     # the newest run's; each row keeps its own
   meta["kernels"] = list(dict.fromkeys(r["op"] for r in rows
                                        if r["variant"] == "kernel" and r["op"] in Op.registry))
   with open(args.md, "w") as f:
