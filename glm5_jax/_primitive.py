@@ -193,8 +193,13 @@ class Op:
   def kernel_chosen(self, routing: "Routing", avals, params) -> bool:
     """Whether `routing` chooses the kernel at these avals and static params, whatever
     the platform: the routing's word on the op (else kernel_off), the kernel's support of
-    the shapes, and where the routing names nothing, kernel_default."""
-    if not (self.kernel_on(routing) and self.kernel_supports(*avals, **params)):
+    the shapes, and where the routing names nothing, kernel_default. The op's own shape rule
+    runs first, so that bad arguments raise naming this op, not a part whose rule
+    kernel_supports reads (indexer_update's projection, say), whoever asks."""
+    if not self.kernel_on(routing):
+      return False
+    self.shapes(*avals, **params)
+    if not self.kernel_supports(*avals, **params):
       return False
     return routing.word(self.name) is not None or bool(self.kernel_default(*avals, **params))
 

@@ -85,9 +85,7 @@ def _shapes(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc
 
 
 def _kernel_supports(*avals, **params):
-  """Where each of the three ops' kernels supports its part (their own rules), the call's
-  shapes checked first (errors name indexer_update, not the part whose rule reads them)."""
-  _shapes(*avals, **params)
+  """Where each of the three ops' kernels supports its part (their own rules)."""
   return all(op.kernel_supports(*a, **p) for op, a, p in _parts(*avals, **params))
 
 
@@ -343,9 +341,7 @@ def _epilogue_q_shapes(raw, qr, wq_b, *rest, tactic, **params):
 
 
 def _epilogue_q_kernel_supports(raw, qr, wq_b, *avals, tactic, **params):
-  """indexer_q's kernel's rule at the call's tactic and update_epilogue's, the call's shapes
-  checked first (errors name update_epilogue_q)."""
-  _epilogue_q_shapes(raw, qr, wq_b, *avals, tactic=tactic, **params)
+  """indexer_q's kernel's rule at the call's tactic and update_epilogue's."""
   (q_op, q_avals, q_params), *_ = _epilogue_q_parts(raw, qr, wq_b, *avals, tactic=tactic,
                                                     **params)
   return (q_op.kernel_supports(*q_avals, **q_params)
