@@ -264,14 +264,14 @@ def run(bench):
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
         step = _step(config, variant in UPDATE_PART, chained=chained)
-        runs = min(steps, REFERENCE_STEPS) if variant == REFERENCE else steps
+        variant_steps = min(steps, REFERENCE_STEPS) if variant == REFERENCE else steps
         sec, caches, info = time_step(step, caches, (weights, xs, qrs, batch), s,
-                                      units=s.stage_layers, steps=runs)
+                                      units=s.stage_layers, steps=variant_steps)
         host = host_note(info)
         bench.row(NAME, shape, variant, sec * 1e6, None, None, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
-                  notes=f"{s.stage_layers} layers per decode step, {runs} steps per "
+                  notes=f"{s.stage_layers} layers per decode step, {variant_steps} steps per "
                         "timed run, µs per layer" + ("; layers and steps chained (each reads "
                                                      "the output before it)" if chained else
                                                      "; layers and steps independent")

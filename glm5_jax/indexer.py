@@ -64,6 +64,14 @@ FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split i
 # since the cluster's sums stopped fencing (cc/cluster.cuh): 6.06 vs 7.76 µs at M=32, 8.02 vs
 # 8.81 at M=64; at M=128 both rows were host-bound (10.33 vs 9.28 µs, upper bounds).
 PROJECTION_KERNEL_ROWS = (2, 64)
+
+
+def default_rows(bounds, why):
+  """An Op's kernel_default and kernel_default_note for a kernel that runs by default where
+  its first operand's rows M lie in bounds = (low, high) (both included), `why` in words."""
+  low, high = bounds
+  return dict(kernel_default=lambda first, *rest, **params: low <= first.shape[0] <= high,
+              kernel_default_note=f"M {low} to {high}, {why}")
 # glm5_indexer_q's tactics (the FFI attribute `tactic`: their index here; cc/q_gemm.cu holds
 # the matching compile-time sizes and checks them).
 # - "mma": 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS
@@ -189,9 +197,7 @@ _projection = Op(
                    f"{_GEMV_TILING}); tactic (warps, split) ({GEMV_WARPS}, {GEMV_SPLIT}) up "
                    f"to {GEMV_ROWS} rows where it tiles K, {AUTO_SMALL} up to {AUTO_ROWS} "
                    f"rows, {AUTO_LARGE} past that where it tiles K"),
-    kernel_default=lambda x, w_cat, **params: (
-        PROJECTION_KERNEL_ROWS[0] <= x.shape[0] <= PROJECTION_KERNEL_ROWS[1]),
-    kernel_default_note="M {} to {}, where it beats XLA's GEMM".format(*PROJECTION_KERNEL_ROWS),
+    **default_rows(PROJECTION_KERNEL_ROWS, "where it beats XLA's GEMM"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda x, w_cat, *, heads, tactic: dict(
         tactic=projection_tactic(x.shape[0], x.shape[1], tactic)),
@@ -240,8 +246,10 @@ def _q_tactic(qr, wq_b, tactic):
 # (The rows the bench measured before 2026-12-02 let XLA batch its GEMMs over 16 independent
 # steps, 0.55 µs a layer for wq_b's 12.6 MB against its 2.6 µs floor, and read the other way.)
 UPDATE_PART_MEASURED = "the stage's update part on the H200, bench/NOTES.md twenty-first session"
-# indexer_q's kernel: at M 2..128 (measured to 128; XLA's GEMV is faster at M = 1).
-Q_KERNEL_ROWS = (2, 128)
+# The largest M those rows measured: no update-part kernel is a default past it.
+UPDATE_PART_MAX_ROWS = 128
+# indexer_q's kernel: at M 2 up to the rows measured (XLA's GEMV is faster at M = 1).
+Q_KERNEL_ROWS = (2, UPDATE_PART_MAX_ROWS)
 
 
 _q = Op(
@@ -254,10 +262,7 @@ _q = Op(
         *wq_b.shape, _q_tactic(qr, wq_b, tactic)),
     kernel_limits=(f"tactic \"wgmma\" (the default): {_Q_TILING['wgmma']}; "
                    f"\"mma\": {_Q_TILING['mma']}"),
-    kernel_default=lambda qr, wq_b, **params: (
-        Q_KERNEL_ROWS[0] <= qr.shape[0] <= Q_KERNEL_ROWS[1]),
-    kernel_default_note=("M {} to {}, where it beat XLA's GEMM (".format(*Q_KERNEL_ROWS)
-                         + UPDATE_PART_MEASURED + ")"),
+    **default_rows(Q_KERNEL_ROWS, f"where it beat XLA's GEMM ({UPDATE_PART_MEASURED})"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))

@@ -122,10 +122,8 @@ _update = Op(
     aliases={5: 6, 6: 7}, kernel="glm5_indexer_update", attributes=_ATTRIBUTES,
     attribute_values=_attribute_values, kernel_supports=_kernel_supports,
     kernel_limits="those of indexer_projection, indexer_query and kpool_update",
-    kernel_default=lambda x, *args, **params: (
-        UPDATE_KERNEL_ROWS[0] <= x.shape[0] <= UPDATE_KERNEL_ROWS[1]),
-    kernel_default_note=("M {} to {}, where the stage's update part was faster with it (".format(
-        *UPDATE_KERNEL_ROWS) + indexer.UPDATE_PART_MEASURED + ")"),
+    **indexer.default_rows(UPDATE_KERNEL_ROWS, "where the stage's update part was faster "
+                           f"with it ({indexer.UPDATE_PART_MEASURED})"),
     otherwise="XLA's GEMM + update_epilogue",
     kernel_params=_kernel_params,
     split=Split(("rows", None, "rows", None, None, "pages", "blocks", "requests", None,
@@ -313,12 +311,12 @@ def epilogue_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # cost the stage a child graph per layer; inside the call the stage already makes it costs
 # one more kernel, with PDL between the two.
 EPILOGUE_Q_OP = "update_epilogue_q"
-# Where update_epilogue_q's kernel runs by default: past indexer_update's rows, up to 128
-# (measured), where the stage's update part was fastest with it (indexer.UPDATE_PART_MEASURED:
+# Where update_epilogue_q's kernel runs by default: past indexer_update's rows, up to the
+# rows measured, where the stage's update part was fastest with it (indexer.UPDATE_PART_MEASURED:
 # 16.6 / 18.3 / 20.9 µs per layer at M 32 / 64 / 128 against 16.9 / 18.7 / 21.2 for the next
 # best). Under ncu its q GEMM alone takes 6.8 / 7.2 / 8.0 µs at M = 1 / 16 / 64 against XLA's
 # 5.7 / 9.2 / 10.4 (GEMM + split-K reduction; bench/NOTES.md, nineteenth session).
-EPILOGUE_Q_ROWS = (UPDATE_KERNEL_ROWS[1] + 1, 128)
+EPILOGUE_Q_ROWS = (UPDATE_KERNEL_ROWS[1] + 1, indexer.UPDATE_PART_MAX_ROWS)
 
 
 def _q_aval(qr, wq_b):
@@ -368,10 +366,8 @@ _epilogue_q = Op(
                 if name != "pdl"},
     attribute_values=_epilogue_q_attribute_values, kernel_supports=_epilogue_q_kernel_supports,
     kernel_limits="those of indexer_q (its tactic) and update_epilogue",
-    kernel_default=lambda raw, *args, **params: (
-        EPILOGUE_Q_ROWS[0] <= raw.shape[0] <= EPILOGUE_Q_ROWS[1]),
-    kernel_default_note=("M {} to {}, where the stage's update part was fastest with it (".format(
-        *EPILOGUE_Q_ROWS) + indexer.UPDATE_PART_MEASURED + ")"),
+    **indexer.default_rows(EPILOGUE_Q_ROWS, "where the stage's update part was fastest "
+                           f"with it ({indexer.UPDATE_PART_MEASURED})"),
     kernel_params=_epilogue_q_kernel_params,
     split=Split(("rows", "rows", None, None, None, "pages", "blocks", "requests", None,
                  "requests", "requests"), ("rows",) * 4 + ("pages", "blocks"), _cache_localize))
