@@ -77,14 +77,16 @@ def test_stage_matches_reference_composition(contexts, next_n, fused, update):
   (out, new), (want_out, want_new) = got, want
   loc = np.asarray(batch.loc)
   oracle.compare_cache(new.kv_cache, want_new.kv_cache, kv_before, loc[loc >= 0])
-  _, routed = gemm_pinned(STEP, weights, cache, x, qr, batch, config=dataclasses.replace(
-      config, routing=glm5_jax.Routing()))
-  for g, w in zip(tree_bytes(routed), tree_bytes(new)):
-    np.testing.assert_array_equal(g, w)
   if jax.default_backend() == "cpu":
     for g, w in zip(tree_bytes((out, new.tail)), tree_bytes((want_out, want_new.tail))):
       np.testing.assert_array_equal(g, w)
     return
+  # GPU: the default routing (q's kernel at these M; on the CPU every routing runs the same
+  # references, so the comparison would be of a program with itself).
+  _, routed = gemm_pinned(STEP, weights, cache, x, qr, batch, config=dataclasses.replace(
+      config, routing=glm5_jax.Routing()))
+  for g, w in zip(tree_bytes(routed), tree_bytes(new), strict=True):
+    np.testing.assert_array_equal(g, w)
   # GPU: the logits kernel sums in its own order, so near-tied pools at the top-k
   # boundary may swap: equal counts, >= 99% of the selected slots (issue 10's rule).
   for g, w in zip(tree_bytes((out.q_fp8, out.w_out, out.counts, new.tail)),
