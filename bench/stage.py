@@ -27,7 +27,9 @@ indexer_q's kernel on, with --stage-pdl-off as well "kernel, q kernel, PDL off",
 kernel then indexer_update's, two FFI calls); with --stage-q-epilogue
 also "kernel, q in epilogue" = the default with update_epilogue_q's kernel on (q's GEMM in
 the epilogue's FFI call), with --stage-update-only as well "kernel, update part only, q in
-epilogue"."""
+epilogue"; with --stage-update-q also "kernel, indexer_update_q" = the default with
+indexer_update_q's kernel on (the whole update part in one FFI call), with
+--stage-update-only as well "kernel, update part only, indexer_update_q"."""
 import argparse
 import gc
 
@@ -56,7 +58,9 @@ from .variants import (
   UPDATE_ONLY_OPS,
   UPDATE_ONLY_Q_EPILOGUE,
   UPDATE_ONLY_Q_KERNEL,
+  UPDATE_ONLY_UPDATE_Q,
   UPDATE_OPS,
+  UPDATE_Q,
 )
 
 NAME = "stage"
@@ -106,6 +110,9 @@ def add_arguments(parser):
   parser.add_argument("--stage-q-epilogue", action="store_true",
                       help="also time the stage with update_epilogue_q's kernel on (q's GEMM "
                            "and the epilogue in one FFI call)")
+  parser.add_argument("--stage-update-q", action="store_true",
+                      help="also time the stage with indexer_update_q's kernel on (the "
+                           "projection, q's GEMM and the epilogue in one FFI call)")
   parser.add_argument("--stage-steps", type=int, default=STEPS,
                       help=f"decode steps per timed run (default {STEPS}; the reference at "
                            f"most {REFERENCE_STEPS}); each step its own inputs, so a run's "
@@ -133,13 +140,15 @@ ROUTINGS = {KERNEL: glm5_jax.Routing(), REFERENCE: glm5_jax.Routing(kernels=Fals
             UPDATE_ONLY_FUSED_Q_KERNEL: glm5_jax.Routing(ops={"indexer_update": True,
                                                               "indexer_q": True}),
             Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True}),
-            UPDATE_ONLY_Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True})}
+            UPDATE_ONLY_Q_EPILOGUE: glm5_jax.Routing(ops={"update_epilogue_q": True}),
+            UPDATE_Q: glm5_jax.Routing(ops={"indexer_update_q": True}),
+            UPDATE_ONLY_UPDATE_Q: glm5_jax.Routing(ops={"indexer_update_q": True})}
 # The variants whose stage runs IndexerConfig.update other than its default.
 UPDATES = {UPDATE_FUSED: "fused", UPDATE_OPS: "ops", UPDATE_ONLY_OPS: "ops",
            UPDATE_ONLY_FUSED: "fused", UPDATE_ONLY_FUSED_Q_KERNEL: "fused"}
 # The variants that time the update part alone.
 UPDATE_PART = (UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KERNEL,
-               UPDATE_ONLY_FUSED_Q_KERNEL, UPDATE_ONLY_Q_EPILOGUE)
+               UPDATE_ONLY_FUSED_Q_KERNEL, UPDATE_ONLY_Q_EPILOGUE, UPDATE_ONLY_UPDATE_Q)
 
 
 # Decode steps per timed run (one executable): a run costs the host a fixed ~200 µs plus
@@ -251,6 +260,9 @@ def run(bench):
                            and bench.args.stage_update_fused else [])
                         + ([Q_EPILOGUE] if bench.args.stage_q_epilogue else [])
                         + ([UPDATE_ONLY_Q_EPILOGUE] if bench.args.stage_q_epilogue
+                           and bench.args.stage_update_only else [])
+                        + ([UPDATE_Q] if bench.args.stage_update_q else [])
+                        + ([UPDATE_ONLY_UPDATE_Q] if bench.args.stage_update_q
                            and bench.args.stage_update_only else [])
                         if bench.module else [REFERENCE])
   steps, chained = bench.args.stage_steps, bench.args.stage_chained

@@ -61,12 +61,14 @@ from .variants import (
   UPDATE_ONLY_FUSED_Q_KERNEL,
   UPDATE_ONLY_Q_EPILOGUE,
   UPDATE_ONLY_Q_KERNEL,
+  UPDATE_ONLY_UPDATE_Q,
   UPDATE_OPS,
+  UPDATE_Q,
 )
 
 VARIANTS = (KERNEL, UPDATE_OPS, UPDATE_FUSED, UPDATE_ONLY, SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL,
             Q_EPILOGUE, UPDATE_ONLY_Q_EPILOGUE, UPDATE_ONLY_FUSED, UPDATE_ONLY_Q_KERNEL,
-            UPDATE_ONLY_FUSED_Q_KERNEL)
+            UPDATE_ONLY_FUSED_Q_KERNEL, UPDATE_Q, UPDATE_ONLY_UPDATE_Q)
 # Runs before a section: XLA runs an executable's first runs thunk by thunk, then as its
 # command buffer (under ncu on the H200, after two warm-up runs the first timed run was
 # still thunk by thunk).

@@ -36,10 +36,14 @@ UPDATE_ONLY_FUSED_Q_KERNEL = "kernel, update part only, indexer_update, q kernel
 # The stage with update_epilogue_q's kernel on: q's GEMM inside the epilogue's FFI call.
 Q_EPILOGUE = "kernel, q in epilogue"
 UPDATE_ONLY_Q_EPILOGUE = "kernel, update part only, q in epilogue"   # its update part alone
+# The stage with indexer_update_q's kernel on: the whole update part in one FFI call.
+UPDATE_Q = "kernel, indexer_update_q"
+UPDATE_ONLY_UPDATE_Q = "kernel, update part only, indexer_update_q"   # its update part alone
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
             UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED,
             SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL,
-            UPDATE_ONLY_FUSED_Q_KERNEL, Q_EPILOGUE, UPDATE_ONLY_Q_EPILOGUE)
+            UPDATE_ONLY_FUSED_Q_KERNEL, Q_EPILOGUE, UPDATE_ONLY_Q_EPILOGUE, UPDATE_Q,
+            UPDATE_ONLY_UPDATE_Q)
 
 
 def three_dots(x, w_cat):

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
 #pragma unroll
   for (int j = 0; j < kLoads; ++j) w[j] = load_weight(a.gemm.w + n * k + k0 + j * stride);
   pdl_wait();
-  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+  pdl_launch_dependents();  // after the wait, as in project() (QGemmLaunch::qr_ready)
   uint4 x[kLoads];
   load_token(x, a.gemm.x + k0, stride);
 #pragma unroll 1

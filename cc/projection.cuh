@@ -226,6 +226,8 @@ __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n
   uint4 lo[kBlocks], hi[kBlocks];
   load_weights(lo, hi, a, n0, k0, g);
   pdl_wait();
+  // After the wait, never before: glm5_indexer_update_q's q GEMM reads qr as soon as this
+  // trigger lets it start (QGemmLaunch::qr_ready).
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   accumulate(a, mine, lo, hi, k0, chunk0, chunk, false);
   if constexpr (kStaged) {

@@ -60,6 +60,38 @@ class Reshaped {
   XLA_FFI_Buffer raw_{};
 };
 
+// The epilogue's two plans (indexer_query's and kpool_update's) on the projection's results
+// key_raw, head_w, gate and q bf16[M, H, 128] (indexer_update's and indexer_update_q's).
+struct EpiloguePlans {
+  QueryLaunch query;
+  UpdateLaunch update;
+};
+
+ffi::ErrorOr<EpiloguePlans> prepare_after_projection(
+    const Check& check, ffi::BufferR3<ffi::BF16> q, ffi::ResultBufferR2<ffi::BF16> key_raw,
+    ffi::ResultBufferR2<ffi::F32> head_w, ffi::ResultBufferR2<ffi::BF16> gate,
+    ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+    ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, float scale, float eps, bool ue8m0,
+    bool round_scale) {
+  const auto td = tslot.dimensions();
+  const int64_t requests = td[0], next_n = td[1];
+  ffi::ErrorOr<QueryLaunch> query = prepare_query(
+      check, q, *key_raw, *head_w, norm_weight, norm_bias, q_out, w_out, key, scale, eps);
+  if (query.has_error()) return ffi::Unexpected(query.error());
+  // key and gate are [M = B * N, 128] (checked by the projection's plan and the query's).
+  const Reshaped<ffi::DataType::BF16, 3> key3(key->untyped_data(), {requests, next_n, kDim});
+  const Reshaped<ffi::DataType::BF16, 3> gate3(gate->untyped_data(), {requests, next_n, kDim});
+  ffi::ErrorOr<UpdateLaunch> update =
+      prepare_kpool_update(check, kv_cache, tail, tslot, key3.buffer(), gate3.buffer(), ape, loc,
+                           pos, kv_out, tail_out, ue8m0, round_scale);
+  if (update.has_error()) return ffi::Unexpected(update.error());
+  return EpiloguePlans{*query, *update};
+}
+
 ffi::Error IndexerUpdateImpl(
     cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
     ffi::BufferR3<ffi::BF16> q, ffi::BufferR1<ffi::F32> norm_weight,
@@ -73,36 +105,72 @@ ffi::Error IndexerUpdateImpl(
     int32_t split, float scale, float eps, bool ue8m0, bool round_scale, bool pdl) {
   const Check check{targets::glm5_indexer_update};
   const auto td = tslot.dimensions();
-  const int64_t requests = td[0], next_n = td[1];
-  if (x.dimensions()[0] != requests * next_n)
+  if (x.dimensions()[0] != td[0] * td[1])
     return check.fail("x must have requests x next_n rows (tslot is s32[B, N])");
   const ffi::ErrorOr<ProjectionLaunch> projection =
       prepare_projection(check, x, w_cat, key_raw, head_w, gate, warps, split);
   if (projection.has_error()) return projection.error();
-  const ffi::ErrorOr<QueryLaunch> query = prepare_query(
-      check, q, *key_raw, *head_w, norm_weight, norm_bias, q_out, w_out, key, scale, eps);
-  if (query.has_error()) return query.error();
-  // key and gate are [M = B * N, 128] (checked by the two plans above).
-  const Reshaped<ffi::DataType::BF16, 3> key3(key->untyped_data(), {requests, next_n, kDim});
-  const Reshaped<ffi::DataType::BF16, 3> gate3(gate->untyped_data(), {requests, next_n, kDim});
-  const ffi::ErrorOr<UpdateLaunch> update =
-      prepare_kpool_update(check, kv_cache, tail, tslot, key3.buffer(), gate3.buffer(), ape, loc,
-                           pos, kv_out, tail_out, ue8m0, round_scale);
-  if (update.has_error()) return update.error();
+  const ffi::ErrorOr<EpiloguePlans> plans = prepare_after_projection(
+      check, q, key_raw, head_w, gate, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+      pos, q_out, w_out, key, kv_out, tail_out, scale, eps, ue8m0, round_scale);
+  if (plans.has_error()) return plans.error();
 
   if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
     return check.cuda(err);
-  return check.cuda(launch_update_epilogue(stream, pdl, *query, *update));
+  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
+}
+
+// indexer_update_q: indexer_q's GEMM and indexer_update's kernels in one FFI call, three
+// launches with PDL between them: the projection, q's GEMM, the epilogue. The projection's
+// CTAs call launch_dependents right after their own PDL wait, so the q GEMM starts beside the
+// projection with qr complete (QGemmLaunch::qr_ready): it reads wq_b and qr while the
+// projection runs and waits for it only before exiting, so that the epilogue's wait (on the
+// q GEMM) covers both GEMMs. The two GEMMs' 15 MB of weights then stream together, not one
+// after the other. Bit for bit indexer_q's kernel (the same tactic) and indexer_update's: the
+// same device code on the same arguments; only the order of launches changes, and no kernel
+// reads another's results before its wait.
+ffi::Error IndexerUpdateQImpl(
+    cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
+    ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
+    ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+    ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::ResultBufferR2<ffi::BF16> key_raw, ffi::ResultBufferR2<ffi::F32> head_w,
+    ffi::ResultBufferR2<ffi::BF16> gate, ffi::ResultBufferR2<ffi::BF16> q,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, int32_t warps, int32_t split, int32_t tactic,
+    float scale, float eps, bool ue8m0, bool round_scale, bool pdl) {
+  const Check check{targets::glm5_indexer_update_q};
+  const auto td = tslot.dimensions();
+  if (x.dimensions()[0] != td[0] * td[1])
+    return check.fail("x must have requests x next_n rows (tslot is s32[B, N])");
+  const ffi::ErrorOr<ProjectionLaunch> projection =
+      prepare_projection(check, x, w_cat, key_raw, head_w, gate, warps, split);
+  if (projection.has_error()) return projection.error();
+  ffi::ErrorOr<QGemmLaunch> gemm = prepare_q_gemm(check, qr, wq_b, q, tactic);
+  if (gemm.has_error()) return gemm.error();
+  const int64_t rows = q->dimensions()[0], heads = head_w->dimensions()[1];
+  if (rows != x.dimensions()[0] || q->dimensions()[1] != heads * kDim)
+    return check.fail("q must be bf16[M, H * 128] with x's M and H = w_cat's rows - 256");
+  const Reshaped<ffi::DataType::BF16, 3> q3(q->untyped_data(), {rows, heads, kDim});
+  const ffi::ErrorOr<EpiloguePlans> plans = prepare_after_projection(
+      check, q3.buffer(), key_raw, head_w, gate, norm_weight, norm_bias, kv_cache, tail, tslot,
+      ape, loc, pos, q_out, w_out, key, kv_out, tail_out, scale, eps, ue8m0, round_scale);
+  if (plans.has_error()) return plans.error();
+  // Only right behind a projection grid (M = 0 launches none, and the GEMM nothing either).
+  gemm->qr_ready = projection->kernel != nullptr;
+
+  if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
+    return check.cuda(err);
+  if (cudaError_t err = launch_q_gemm(stream, pdl, *gemm); err != cudaSuccess)
+    return check.cuda(err);
+  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
 }
 
 // The epilogue's two plans on the projection's f32 sums raw[M, 256 + H] and q bf16[M, H, 128]
 // (update_epilogue's and update_epilogue_q's), reading raw in place of key_raw, head_w and
 // gate.
-struct EpiloguePlans {
-  QueryLaunch query;
-  UpdateLaunch update;
-};
-
 ffi::ErrorOr<EpiloguePlans> prepare_epilogue(
     const Check& check, ffi::BufferR2<ffi::F32> raw, ffi::BufferR3<ffi::BF16> q,
     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
@@ -259,6 +327,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                          .Arg<ffi::BufferR2<ffi::BF16>>()   // qr
                                          .Arg<ffi::BufferR2<ffi::BF16>>())  // wq_b
                 .Ret<ffi::BufferR2<ffi::BF16>>())                           // q
+            .Attr<int32_t>("tactic")),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Glm5IndexerUpdateQ, glm5::IndexerUpdateQImpl,
+    glm5::bind_epilogue_attrs(
+        glm5::bind_epilogue_results(
+            glm5::bind_epilogue_args(ffi::Ffi::Bind()
+                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // x
+                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // w_cat
+                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // qr
+                                         .Arg<ffi::BufferR2<ffi::BF16>>())  // wq_b
+                .Ret<ffi::BufferR2<ffi::BF16>>()                            // key_raw
+                .Ret<ffi::BufferR2<ffi::F32>>()                             // head_w
+                .Ret<ffi::BufferR2<ffi::BF16>>()                            // gate
+                .Ret<ffi::BufferR2<ffi::BF16>>())                           // q
+            .Attr<int32_t>("warps")
+            .Attr<int32_t>("split")
             .Attr<int32_t>("tactic")),
     {ffi::Traits::kCmdBufferCompatible});
 

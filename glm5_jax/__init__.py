@@ -15,7 +15,8 @@ from ._primitive import Routing
 from .indexer import (indexer_projection, indexer_q, indexer_query,  # noqa: F401
                       indexer_projection_fused)
 from .kpool import kpool_update, kpool_compress, kpool_seed_tail  # noqa: F401
-from .update import indexer_update, update_epilogue, update_epilogue_q  # noqa: F401
+from .update import (indexer_update, update_epilogue, update_epilogue_q,  # noqa: F401
+                     indexer_update_q)
 from .expand import expand_pools, expand_and_remap  # noqa: F401
 from .logits import upcast_logits, mqa_logits, pool_topk, select_pools, select_slots  # noqa: F401
 # isort: on

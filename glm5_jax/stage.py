@@ -25,7 +25,7 @@ from .indexer import (
 from .kpool import kpool_update
 from .logits import select_pools, select_slots, select_slots_kernel_chosen
 from .reference.numerics import DIM, POOL
-from .update import indexer_update, update_epilogue_q
+from .update import indexer_update, indexer_update_q, update_epilogue_q
 
 MQA_MIN_HEADS = 32
 # IndexerConfig.update: the stage's update part as the routing chooses (indexer_update's
@@ -244,7 +244,8 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         indexer_update, update_epilogue_q, select_pools, select_slots, expand_and_remap)
+         indexer_update, update_epilogue_q, indexer_update_q, select_pools, select_slots,
+         expand_and_remap)
   # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
   # routing; the reference composition runs the three ops).
   if use_reference:
@@ -350,6 +351,15 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   auto = config.update == "auto" and ops.kernels and not config.fused
   cache_args = (weights.norm_weight, weights.norm_bias, cache.kv_cache, cache.tail,
                 batch.tslot, weights.ape, batch.loc, batch.positions)
+  if auto and _update_op.update_q_kernel_chosen(x, weights.w_cat, qr, weights.wq_b,
+                                                *cache_args, routing=config.routing,
+                                                scale_format=config.scale_format, **query):
+    # The whole update part as indexer_update_q's one FFI call: the projection, q's GEMM
+    # beside it, the epilogue.
+    *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update_q(
+        x, weights.w_cat, qr, weights.wq_b, *cache_args, scale_format=config.scale_format,
+        **query)
+    return q_fp8, w_out, IndexerCache(kv_cache, tail)
   if auto and _q_in_epilogue(config, weights, x, qr, cache_args, query):
     # XLA's projection GEMM, then q's GEMM and the epilogue in one FFI call (no q GEMM of
     # XLA's, no FFI call of its own for q: glm5_jax.update.EPILOGUE_Q_ROWS).

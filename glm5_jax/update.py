@@ -1,8 +1,9 @@
 """indexer_update: indexer_projection, indexer_query and kpool_update as one op; and
 update_epilogue, its last two on the f32 sums of XLA's projection GEMM in one FFI call (issue
-12, the update path at the launch floor); and update_epilogue_q, q's GEMM and that epilogue in
-one FFI call. By default indexer_update runs its own kernel (the projection's and the epilogue
-in one FFI call) at UPDATE_KERNEL_ROWS, XLA's GEMM and update_epilogue's kernel at other M;
+12, the update path at the launch floor); update_epilogue_q, q's GEMM and that epilogue in
+one FFI call; and indexer_update_q, q's GEMM and indexer_update's kernels in one FFI call.
+By default indexer_update runs its own kernel (the projection's and the epilogue in one FFI
+call) at UPDATE_KERNEL_ROWS, XLA's GEMM and update_epilogue's kernel at other M;
 update_epilogue_q its kernel at EPILOGUE_Q_ROWS (indexer.UPDATE_PART_MEASURED says why).
 Shapes and dtypes: see glm5_jax.reference.update."""
 import jax
@@ -71,16 +72,16 @@ def _cache_shapes(op, kv_cache, tail, tslot, ape, loc, pos, scale_format, round_
 
 
 def _shapes(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
-            heads, tactic, scale, eps, padded, w_out_dtype, scale_format, round_scale):
+            heads, tactic, scale, eps, padded, w_out_dtype, scale_format, round_scale, op=OP):
   """The three ops' result shapes in order, each part checked by its op's rule (errors
-  name indexer_update), and M = B * N between x and tslot."""
-  expect(OP, "tslot", tslot, I32, (None, None))
-  out = indexer._projection_shapes(OP, x, w_cat, heads)
-  indexer._check_tactic(OP, tactic, x.shape[1])
-  _check_rows(OP, "x", x, tslot)
-  out += indexer._query_shapes(OP, q, None, norm_weight, norm_bias, x.shape[0], heads,
+  name `op`), and M = B * N between x and tslot."""
+  expect(op, "tslot", tslot, I32, (None, None))
+  out = indexer._projection_shapes(op, x, w_cat, heads)
+  indexer._check_tactic(op, tactic, x.shape[1])
+  _check_rows(op, "x", x, tslot)
+  out += indexer._query_shapes(op, q, None, norm_weight, norm_bias, x.shape[0], heads,
                                scale, eps, padded, w_out_dtype)
-  return out + _cache_shapes(OP, kv_cache, tail, tslot, ape, loc, pos, scale_format,
+  return out + _cache_shapes(op, kv_cache, tail, tslot, ape, loc, pos, scale_format,
                              round_scale)
 
 
@@ -417,3 +418,143 @@ def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
                               round_scale, tactic)
   return _epilogue_q.kernel_chosen(Routing.resolve(routing, EPILOGUE_Q_OP),
                                    [jax.typeof(a) for a in args], params)
+
+
+# indexer_update_q: indexer_q's GEMM and indexer_update's kernels in one FFI call (cc/update.cu:
+# the projection, then q's GEMM with PDL, reading qr and wq_b while the projection runs, then
+# the epilogue with PDL). As two FFI calls (indexer_q's, indexer_update's) each is a child
+# graph of its own in the command buffer and PDL does not cross them: the two GEMMs, 15 MB of
+# weights, streamed one after the other.
+UPDATE_Q_OP = "indexer_update_q"
+
+
+def _update_q_parts(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, **params):
+  """[(Op, operand avals, params)] of the four ops one call runs: indexer_q, then
+  indexer_update's three on q seen as [M, H, 128]."""
+  q = _q_aval(qr, wq_b)
+  return ([(indexer._q, (qr, wq_b), dict(tactic=q_tactic))]
+          + _parts(x, w_cat, q, *rest, heads=q.shape[1], tactic=tactic, **params))
+
+
+def _update_q_shapes(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, **params):
+  """(key_raw, head_w, gate, q, q_fp8, w_out, key, kv_cache, tail): indexer_q's result
+  shape by its rule after indexer_update's three projection results, M = B * N between qr
+  and tslot, then indexer_update's rule on q as [M, H, 128] (errors name
+  indexer_update_q)."""
+  q_out = indexer._q_shapes(qr, wq_b, tactic=q_tactic, op=UPDATE_Q_OP)
+  tslot = rest[4]
+  expect(UPDATE_Q_OP, "tslot", tslot, I32, (None, None))
+  _check_rows(UPDATE_Q_OP, "qr", qr, tslot)
+  q = _q_aval(qr, wq_b)
+  out = _shapes(x, w_cat, q, *rest, heads=q.shape[1], tactic=tactic, op=UPDATE_Q_OP,
+                **params)
+  return out[:3] + q_out + out[3:]
+
+
+def _update_q_kernel_supports(*avals, **params):
+  """Where each of the four ops' kernels supports its part (their own rules)."""
+  return all(op.kernel_supports(*a, **p) for op, a, p in _update_q_parts(*avals, **params))
+
+
+def _update_q_attribute_values(*avals, **params):
+  """The four kernels' attribute values: the projection's (warps, split), q's tactic index
+  (the FFI attribute "tactic"), the scale format flags."""
+  values = {}
+  for op, a, p in _update_q_parts(*avals, **params):
+    values.update(op.attribute_values(*a, **p))
+  return values
+
+
+def _update_q_kernel_params(x, w_cat, qr, wq_b, *avals, tactic, q_tactic, **params):
+  """Both GEMMs' tactics taken at the whole call's rows (Split: every device's block sums
+  as the whole call would)."""
+  return dict(tactic=indexer.projection_tactic(x.shape[0], x.shape[1], tactic),
+              q_tactic=indexer._q.kernel_params(qr, wq_b, tactic=q_tactic)["tactic"])
+
+
+_update_q = Op(
+    UPDATE_Q_OP,
+    lambda *args, tactic, q_tactic, **params: ref.indexer_update_q(*args, **params),
+    _update_q_shapes, aliases={6: 7, 7: 8}, kernel="glm5_indexer_update_q",
+    attributes={name: typ for op in (indexer._q,) + PARTS for name, typ in op.attributes.items()
+                if name != "pdl"},
+    attribute_values=_update_q_attribute_values, kernel_supports=_update_q_kernel_supports,
+    kernel_limits="those of indexer_q (its tactic) and indexer_update",
+    kernel_off="not yet timed in the stage's update part on the H200",
+    otherwise="indexer_q + indexer_update",
+    kernel_params=_update_q_kernel_params,
+    split=Split(("rows", None, "rows", None, None, None, "pages", "blocks", "requests", None,
+                 "requests", "requests"), ("rows",) * 7 + ("pages", "blocks"), _cache_localize))
+
+
+def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Array,
+                     norm_weight: jax.Array, norm_bias: jax.Array, kv_cache: jax.Array,
+                     tail: jax.Array, tslot: jax.Array, ape: jax.Array, loc: jax.Array,
+                     pos: jax.Array, *, scale: float, eps: float = 1e-6,
+                     padded: int | None = None, w_out_dtype: DTypeLike = jnp.float32,
+                     scale_format: str = "fp32", round_scale: bool = True,
+                     tactic: tuple[int, int] | None = None, q_tactic: str | None = None,
+                     routing: Routing | None = None) -> tuple[jax.Array, ...]:
+  """indexer_q -> indexer_update as one op, the whole update part of a decode step:
+  (key_raw bf16[M, 128], head_w f32[M, H], gate bf16[M, 128], q bf16[M, H * 128], q_fp8
+  e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128], kv_cache, tail); qr bf16[M, Kq]
+  and wq_b bf16[H * 128, Kq] in place of indexer_update's q (H = wq_b's rows / 128; w_cat
+  has 256 + H rows), the rest as indexer_update. See glm5_jax.reference.indexer_update_q.
+
+  The CUDA kernel (glm5_indexer_update_q; where the routing chooses it) launches the
+  projection, q's GEMM and the epilogue in one FFI call with PDL between them; q's GEMM
+  streams wq_b and qr while the projection runs. Its results are bit-identical to
+  indexer_q(tactic=q_tactic) and indexer_update(tactic=tactic) each run as its kernel.
+  Where it is not chosen: indexer_q then indexer_update, each routed as its own op. q's sums
+  run in indexer_q's order, not XLA's (within SPEC D2). The weights are read before the
+  preceding kernel has finished (PDL): pass them as model parameters. The caches are updated
+  in place (donate them). tactic: the projection's, as indexer_update's; q_tactic: q's, as
+  indexer_q's tactic. routing: None = Routing.from_env().
+  """
+  params = _update_q_params(wq_b, scale, eps, padded, w_out_dtype, scale_format, round_scale,
+                            tactic, q_tactic)
+  args = (x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos)
+  avals = [jax.typeof(a) for a in args]
+  if not _update_q.kernel_chosen(Routing.resolve(routing, UPDATE_Q_OP), avals, params):
+    _update_q_shapes(*avals, **params)     # bad arguments named as indexer_update_q's
+    return _update_q_composed(*args, routing=routing, **params)
+  return tuple(_update_q(*args, routing=routing, **params))
+
+
+def _update_q_composed(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing, **params):
+  """indexer_update_q where its kernel is not chosen: indexer_q, then indexer_update, each
+  its own op (its kernel where chosen); not differentiable as indexer_update_q."""
+
+  @jax.custom_jvp
+  def composed(x, w_cat, qr, wq_b, *rest):
+    q = indexer.indexer_q(qr, wq_b, tactic=q_tactic, routing=routing)
+    heads = wq_b.shape[0] // DIM
+    out = indexer_update(x, w_cat, q.reshape(q.shape[0], heads, DIM), *rest, heads=heads,
+                         tactic=tactic, routing=routing, **params)
+    return out[:3] + (q,) + out[3:]
+  composed.defjvp(_update_q._jvp)
+  return composed(x, w_cat, qr, wq_b, *rest)
+
+
+def _update_q_params(wq_b, scale, eps, padded, w_out_dtype, scale_format, round_scale, tactic,
+                     q_tactic):
+  """indexer_update_q's keyword arguments as the primitive takes them (wq_b: its heads)."""
+  heads = jax.typeof(wq_b).shape[0] // DIM
+  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  return dict(indexer._query_params(UPDATE_Q_OP, scale, eps, padded, heads, w_out_dtype),
+              scale_format=scale_format, round_scale=bool(round_scale), tactic=tactic,
+              q_tactic=q_tactic)
+
+
+def update_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
+                           padded: int | None = None, w_out_dtype: DTypeLike = jnp.float32,
+                           scale_format: str = "fp32", round_scale: bool = True,
+                           tactic: tuple[int, int] | None = None, q_tactic: str | None = None,
+                           routing: Routing | None = None) -> bool:
+  """Whether indexer_update_q(*args, ...) would call its kernel on a GPU (the routing, its
+  limits), decided from shapes at trace time: indexer_stage's update "auto" runs the whole
+  update part as this op's one FFI call where it would."""
+  params = _update_q_params(args[3], scale, eps, padded, w_out_dtype, scale_format,
+                            round_scale, tactic, q_tactic)
+  return _update_q.kernel_chosen(Routing.resolve(routing, UPDATE_Q_OP),
+                                 [jax.typeof(a) for a in args], params)

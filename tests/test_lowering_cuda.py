@@ -30,10 +30,12 @@ OPS = sorted(CASES)
 # In-place ops: operand -> result aliasing their FFI calls must declare.
 ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0},
            "indexer_update": {5: 6, 6: 7}, "update_epilogue": {4: 3, 5: 4},
-           "update_epilogue_q": {5: 4, 6: 5}}
-# Ops whose function composes another op where its own kernel is off: that op (indexer_update
-# runs XLA's GEMM and update_epilogue outside glm5_jax.update.UPDATE_KERNEL_ROWS).
-COMPOSED = {"indexer_update": "update_epilogue"}
+           "update_epilogue_q": {5: 4, 6: 5}, "indexer_update_q": {6: 7, 7: 8}}
+# Ops whose function composes other ops where its own kernel is off: those ops, whose kernels
+# run by default at the cases' shapes (indexer_update runs XLA's GEMM and update_epilogue
+# outside glm5_jax.update.UPDATE_KERNEL_ROWS; indexer_update_q indexer_q and indexer_update).
+COMPOSED = {"indexer_update": ("update_epilogue",),
+            "indexer_update_q": ("indexer_q", "indexer_update")}
 
 
 def custom_calls(text):
@@ -66,10 +68,10 @@ def test_cuda_lowering_uses_kernel_where_one_exists(op, switch, monkeypatch):
   args = case.make(np.random.default_rng(0))
   calls = custom_calls(cuda_module(case.fn, args))
   spec = Op.registry[op]
-  target = spec.kernel
+  targets = [spec.kernel] if spec.kernel else []
   if switch is None and (spec.kernel_off or not spec.kernel_default(*args)):
-    target = Op.registry[COMPOSED[op]].kernel if op in COMPOSED else None
-  assert [c for c in calls if c.startswith("glm5_")] == ([target] if target else [])
+    targets = [Op.registry[part].kernel for part in COMPOSED.get(op, ())]
+  assert [c for c in calls if c.startswith("glm5_")] == targets
 
 
 @pytest.mark.parametrize("groups,kernel", [(32, True), (64, True), (1024, True), (40, False),

@@ -73,7 +73,7 @@ def _vmap_cases():
     for which in ["all"] + list(range(len(CASES[op].make(np.random.default_rng(0))))):
       # The caches' ops map over the examples under vmap: seconds per operand
       slow = op in ("kpool_update", "indexer_update", "update_epilogue",
-                    "update_epilogue_q") and which != "all"
+                    "update_epilogue_q", "indexer_update_q") and which != "all"
       yield pytest.param(op, which, marks=[pytest.mark.slow] if slow else [])
 
 

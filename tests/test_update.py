@@ -106,7 +106,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   update_epilogue_q's one call (q's GEMM inside; no indexer_q call) where that kernel is
   chosen (EPILOGUE_Q_ROWS by default, M 17..128), else XLA's GEMM and update_epilogue where
   that kernel is chosen, else the three ops; "ops" the three ops, "fused" indexer_update as
-  routed; q by indexer_q, its kernel at Q_KERNEL_ROWS (M 2..128) where the call does not
+  routed; indexer_update_q's one call (the whole update part) wherever the routing chooses
+  its kernel; q by indexer_q, its kernel at Q_KERNEL_ROWS (M 2..128) where the call does not
   hold q's GEMM; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS) == (
@@ -116,6 +117,7 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   no_epilogue = Routing(ops={"update_epilogue": False, "indexer_update": False,
                              "update_epilogue_q": False})
   q_inside = Routing(ops={"update_epilogue_q": True, "indexer_update": False})
+  update_q = Routing(ops={"indexer_update_q": True})
   fused_q_inside = Routing(ops={"indexer_update": True, "update_epilogue_q": True})
   fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
   for rows, default in ((1, "glm5_update_epilogue"), (2, "glm5_indexer_update"),
@@ -130,7 +132,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
     assert cuda_calls(functools.partial(fn, routing=no_epilogue), args) == [], rows
   config = dict(heads=HEADS, max_pools=1024)
   kernels = ("glm5_indexer_q", "glm5_indexer_update", "glm5_update_epilogue",
-             "glm5_update_epilogue_q", "glm5_indexer_query", "glm5_kpool_update")
+             "glm5_update_epilogue_q", "glm5_indexer_update_q", "glm5_indexer_query",
+             "glm5_kpool_update")
   q = ["glm5_indexer_q"]
   one, epilogue, ops, q_epilogue = q + ["glm5_indexer_update"], ["glm5_update_epilogue"], q + [
       "glm5_indexer_query", "glm5_kpool_update"], ["glm5_update_epilogue_q"]
@@ -147,7 +150,11 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
                                  (1, fused, "auto", ["glm5_indexer_update"]),
                                  (3, q_inside, "auto", q_epilogue),
                                  (17, q_inside, "auto", q_epilogue),
-                                 (3, q_inside, "ops", ops), (3, fused_q_inside, "auto", one)):
+                                 (3, q_inside, "ops", ops), (3, fused_q_inside, "auto", one),
+                                 (1, update_q, "auto", ["glm5_indexer_update_q"]),
+                                 (3, update_q, "auto", ["glm5_indexer_update_q"]),
+                                 (17, update_q, "auto", ["glm5_indexer_update_q"]),
+                                 (3, update_q, "ops", ops)):
     contexts = ([10, 1500, 77] * b)[:b]
     state = stage_state(contexts, 1, 0, config=glm5_jax.IndexerConfig(**config),
                         hidden=HIDDEN, q_lora=256)
@@ -188,5 +195,30 @@ def test_epilogue_reference_is_the_two_references_on_the_gemm_sums(b, n, scale_f
     assert raw.shape == (b * n, 256 + HEADS) and raw.dtype == jnp.float32
     for fn in (ref.update_epilogue, glm5_jax.update_epilogue):
       got = jax.jit(functools.partial(fn, **params))(raw, *args[2:])
+      for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (3, 2)])
+@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype", [
+    ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16)])
+def test_update_q_reference_is_q_then_the_three_references(b, n, scale_format, round_scale,
+                                                            w_out_dtype):
+  """indexer_update_q (reference and op) gives every byte of indexer_q's reference, then
+  the three references on its q seen as [M, H, 128]; on the CPU backend, as above."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    x, w_cat, _, *rest = update_args(b, n, seed=b * 10 + n)
+    rng = np.random.default_rng(b + n)
+    qr = jnp.asarray(rng.standard_normal((b * n, 256)), jnp.bfloat16)
+    wq_b = jnp.asarray(rng.standard_normal((HEADS * 128, 256)) / 16, jnp.bfloat16)
+    params = dict(EPILOGUE, w_out_dtype=w_out_dtype, scale_format=scale_format,
+                  round_scale=round_scale)
+    q = jax.jit(ref.indexer_q)(qr, wq_b)
+    want = three_references(x, w_cat, q.reshape(b * n, HEADS, 128), *rest, heads=HEADS,
+                            **params)
+    want = want[:3] + (q,) + want[3:]
+    for fn in (ref.indexer_update_q, glm5_jax.indexer_update_q):
+      got = jax.jit(functools.partial(fn, **params))(x, w_cat, qr, wq_b, *rest)
+      assert len(got) == 9
       for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
         np.testing.assert_array_equal(g, w)

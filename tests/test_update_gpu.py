@@ -11,6 +11,11 @@
 (c) update_epilogue's kernel (glm5_update_epilogue: the same epilogue reading a GEMM's f32
     sums) is bit-identical to indexer_query's and kpool_update's kernels on the reference's
     split of those sums (XLA's slices and bf16 converts).
+(d) update_epilogue_q's kernel (q's GEMM and that epilogue in one FFI call) is bit-identical
+    to indexer_q's kernel then update_epilogue's.
+(e) indexer_update_q's kernel (the projection, q's GEMM beside it, the epilogue: one FFI
+    call) is bit-identical to indexer_q's kernel then indexer_update's, with qr made by the
+    kernel just before the call (q's GEMM reads it before its PDL wait).
 Its kernels against the reference: tests/test_primitives.py (CASES["indexer_update"],
 inputs whose GEMM is exact in any order) and tests/test_stage.py.
 """
@@ -285,3 +290,111 @@ def test_q_epilogue_no_rows():
     args[i] = args[i][:0]
   assert_q_epilogue_bits(tuple(args), Routing(kernels=True), tactic=None,
                          w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True)
+
+
+# (e) indexer_update_q: the projection, q's GEMM beside it and the epilogue in one FFI call.
+def with_fresh_qr(fn):
+  """fn with qr made by an XLA kernel just before the call (qr + tail[0] * 0.0: the multiply
+  by 0.0 is not simplified away), as a model's layer makes it: q's GEMM inside
+  indexer_update_q reads qr before its PDL wait (cc/q_gemm.cuh, qr_ready)."""
+  def fresh(x, w_cat, qr, *rest):
+    tail = rest[4]                  # after wq_b, norm_weight, norm_bias, kv_cache
+    dep = (tail.reshape(-1)[:qr.shape[1]].astype(jnp.float32) * 0.0).astype(qr.dtype)
+    return fn(x, w_cat, qr + dep[None, :], *rest)
+  return fresh
+
+
+def q_then_update(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing, **params):
+  """indexer_update_q as two FFI calls: indexer_q's kernel (q_tactic), then indexer_update's
+  (tactic) on its q seen as [M, H, 128]."""
+  q = glm5_jax.indexer_q(qr, wq_b, tactic=q_tactic, routing=routing)
+  out = glm5_jax.indexer_update(x, w_cat, q.reshape(q.shape[0], HEADS, 128), *rest,
+                                heads=HEADS, tactic=tactic, routing=routing, **params)
+  return out[:3] + (q,) + out[3:]
+
+
+def update_q_args(b, n, seed):
+  """indexer_update_q's operands at the stage's shapes: update_args with random qr and wq_b
+  (K = Q_LORA, scaled so that q is O(1)) for q."""
+  x, w_cat, _, *rest = update_args(b, n, seed=seed)
+  rng = np.random.default_rng(seed)
+  qr = jnp.asarray(rng.standard_normal((b * n, Q_LORA)), jnp.bfloat16)
+  wq_b = jnp.asarray(rng.standard_normal((HEADS * 128, Q_LORA)) * Q_LORA ** -0.5, jnp.bfloat16)
+  return (x, w_cat, qr, wq_b, *rest)
+
+
+def assert_update_q_bits(args, routing, **params):
+  params = dict(scale=PARAMS["scale"], padded=PADDED, routing=routing, **params)
+  one = with_fresh_qr(functools.partial(glm5_jax.indexer_update_q, **params))
+  two = with_fresh_qr(functools.partial(q_then_update, **params))
+  assert targets(one, args) == ["glm5_indexer_update_q"]
+  assert targets(two, args) == ["glm5_indexer_q", TARGET]
+  copies = lambda: [jnp.copy(a) for a in args]     # each run its own caches
+  got, want = jax.jit(one)(*copies()), jax.jit(two)(*copies())
+  names = ["key_raw", "head_w", "gate", "q", "q_fp8", "w_out", "key", "kv_cache", "tail"]
+  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
+    diff = g != w
+    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
+  return got
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("q_tactic", [None, "mma"])
+@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype",
+                         [("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16),
+                          ("fp32", False, jnp.float32)])
+@pytest.mark.parametrize("b,n", Q_GRIDS)
+def test_update_q_bit_identical_to_q_then_update(b, n, scale_format, round_scale, w_out_dtype,
+                                                 q_tactic, pdl):
+  """Every byte of every result (key_raw, head_w, gate, q, q_fp8, w_out, key, both caches)
+  as indexer_q's kernel then indexer_update's, each its own FFI call: M = 1..128 (one and two
+  grid rows of the wgmma tactic; the projection's table of tactics by M), both q tactics,
+  both scale formats, f32 and bf16 w_out, PDL on and off."""
+  args = update_q_args(b, n, seed=17 * b + n)
+  got = assert_update_q_bits(args, Routing(kernels=True, pdl=pdl), tactic=None,
+                             q_tactic=q_tactic, w_out_dtype=w_out_dtype,
+                             scale_format=scale_format, round_scale=round_scale)
+  assert np.asarray(got[7] != args[6]).any() or b * n < 4, "some pool must complete"
+  assert np.abs(np.asarray(got[3], np.float32)).max() > 0.5, "q must carry the GEMM's values"
+
+
+@pytest.mark.parametrize("tactic", [(4, 2), (8, 1), (2, 8)])
+def test_update_q_explicit_projection_tactics(tactic):
+  """The projection's explicit tactics (other grids and clusters beside q's GEMM)."""
+  assert_update_q_bits(update_q_args(8, 2, seed=5), Routing(kernels=True), tactic=tactic,
+                       q_tactic=None, w_out_dtype=jnp.float32, scale_format="fp32",
+                       round_scale=True)
+
+
+def test_update_q_no_rows():
+  """M = 0: nothing launched, the (empty) results and the caches as the two ops leave them."""
+  args = list(update_q_args(1, 1, seed=3))
+  for i in (0, 2, 8, 10, 11):                     # x, qr, tslot, loc, pos: no rows
+    args[i] = args[i][:0]
+  assert_update_q_bits(tuple(args), Routing(kernels=True), tactic=None, q_tactic=None,
+                       w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True)
+
+
+def test_update_q_chained_steps_in_a_command_buffer():
+  """Four calls of indexer_update_q in one jit (the same rows each time), each call's qr made
+  from the call before's q (so that q's GEMM reads what the kernel just before it wrote),
+  against the same calls as indexer_q + indexer_update: every byte of the last call's
+  results and caches."""
+  x, w_cat, qr, wq_b, *rest = update_q_args(16, 1, seed=9)
+  params = dict(scale=PARAMS["scale"], padded=PADDED, routing=Routing(kernels=True),
+                tactic=None, q_tactic=None, w_out_dtype=jnp.float32, scale_format="fp32",
+                round_scale=True)
+
+  def steps(fn, x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, *ids):
+    for _ in range(4):
+      out = fn(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, *ids, **params)
+      kv_cache, tail = out[7], out[8]
+      qr = (out[3][:, :qr.shape[1]].astype(jnp.float32) * 0.5 + qr.astype(jnp.float32) * 0.5
+            ).astype(qr.dtype)
+    return out
+  args = (x, w_cat, qr, wq_b, *rest)
+  copies = lambda: [jnp.copy(a) for a in args]
+  got = jax.jit(functools.partial(steps, glm5_jax.indexer_update_q))(*copies())
+  want = jax.jit(functools.partial(steps, q_then_update))(*copies())
+  for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
+    np.testing.assert_array_equal(g, w)

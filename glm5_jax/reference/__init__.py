@@ -16,11 +16,12 @@ from .indexer import (
 )
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update, prefill_windows
 from .logits import mqa_logits, pool_counts, pool_topk, select_pools, select_slots, upcast_logits
-from .update import indexer_update, update_epilogue, update_epilogue_q
+from .update import indexer_update, indexer_update_q, update_epilogue, update_epilogue_q
 
 __all__ = [
     "expand_and_remap", "expand_pools", "indexer_projection",
-    "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update", "key_layernorm",
+    "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update",
+    "indexer_update_q", "key_layernorm",
     "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
     "pool_counts", "pool_topk", "prefill_windows", "projection_sums", "select_pools",
     "select_slots", "split_projection", "update_epilogue", "update_epilogue_q", "upcast_logits",

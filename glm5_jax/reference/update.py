@@ -1,7 +1,8 @@
 """The update part of a decode step after the q GEMM (issue 12): indexer_projection,
 indexer_query and kpool_update composed, as indexer_stage composes them; update_epilogue
 the last two on the projection's GEMM sums (indexer_update = the GEMM, its split, then
-update_epilogue); update_epilogue_q the q GEMM (indexer_q) then update_epilogue."""
+update_epilogue); update_epilogue_q the q GEMM (indexer_q) then update_epilogue;
+indexer_update_q the q GEMM then indexer_update."""
 import jax.numpy as jnp
 
 from .indexer import indexer_q, indexer_query, projection_sums, split_projection
@@ -65,3 +66,23 @@ def update_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tsl
       raw, q3, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos,
       scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype,
       scale_format=scale_format, round_scale=round_scale)
+
+
+def indexer_update_q(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape,
+                     loc, pos, *, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                     scale_format="fp32", round_scale=True):
+  """indexer_q -> indexer_update (SPEC §1, §2, §3): the whole update part of a decode step.
+
+  x bf16[M, K]; w_cat bf16[256 + heads, K]; qr bf16[M, Kq]; wq_b bf16[heads * 128, Kq];
+  the rest as indexer_update. Returns (key_raw bf16[M, 128], head_w f32[M, heads],
+  gate bf16[M, 128], q bf16[M, heads * 128], q_fp8 e4m3[M, padded, 128],
+  w_out w_out_dtype[M, padded], key bf16[M, 128], kv_cache, tail): indexer_update's results
+  with indexer_q's q after the projection's three.
+  """
+  q = indexer_q(qr, wq_b)
+  heads = wq_b.shape[0] // DIM
+  out = indexer_update(x, w_cat, q.reshape(q.shape[0], heads, DIM), norm_weight, norm_bias,
+                       kv_cache, tail, tslot, ape, loc, pos, heads=heads, scale=scale, eps=eps,
+                       padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
+                       round_scale=round_scale)
+  return out[:3] + (q,) + out[3:]

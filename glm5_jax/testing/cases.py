@@ -238,6 +238,14 @@ def _epilogue_q_args(rng):
   return (raw, _exact_bf16(rng, rows, 256), _exact_bf16(rng, heads * 128, 256), *rest)
 
 
+def _update_q_args(rng):
+  """indexer_update_q's operands: indexer_update's with qr and wq_b for q (K = 256, exact GEMM
+  inputs as in _epilogue_q_args)."""
+  x, w_cat, q, *rest = _indexer_update_args(rng)
+  rows, heads = q.shape[:2]
+  return (x, w_cat, _exact_bf16(rng, rows, 256), _exact_bf16(rng, heads * 128, 256), *rest)
+
+
 # Tolerance of the non-exact cases against the reference (the GEMM and einsum sum in
 # another order than XLA: SPEC D2).
 TOLERANCE = dict(rtol=2e-2, atol=1e-3)
@@ -285,6 +293,8 @@ CASES = {
                             _epilogue_args),
     "update_epilogue_q": Case(P(glm5_jax.update_epilogue_q, scale=2.0 ** -6, padded=32),
                               _epilogue_q_args),
+    "indexer_update_q": Case(P(glm5_jax.indexer_update_q, scale=2.0 ** -6, padded=32),
+                             _update_q_args),
     "indexer_projection_fused": Case(
         P(glm5_jax.indexer_projection_fused, heads=PROJECTION_HEADS, scale=2.0 ** -6,
           padded=32), _fused_args,
