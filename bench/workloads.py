@@ -282,6 +282,28 @@ def update_epilogue_q(r, s, b, next_n):
                   2 * m * HEADS * DIM * Q_LORA, r_min=WQ_B_COPIES)
 
 
+def indexer_update_q(r, s, b, next_n):
+  """indexer_update's workload with qr and wq_b for q (each rotation its own w_cat and wq_b).
+  Floor: indexer_q's bytes plus indexer_update's (q goes through memory)."""
+  upd = update(r, s, b, next_n)
+  m = b * next_n
+  rot = [(r.normal((m, HIDDEN)), r.normal((W_ROWS, HIDDEN), scale=HIDDEN ** -0.5),
+          r.normal((m, Q_LORA)), r.normal((HEADS * DIM, Q_LORA), scale=Q_LORA ** -0.5),
+          tslot, loc, pos)
+         for tslot, _, _, loc, pos in upd.rotated]
+
+  def call(st, f, a):
+    x, w_cat, qr, wq_b, tslot, loc, pos = a
+    outs = glm5_jax.indexer_update_q(x, w_cat, qr, wq_b, f[0], f[1], st[0], st[1], tslot,
+                                     f[2], loc, pos, scale=CONFIG.scale, padded=PADDED)
+    return outs[7:], outs[:7]
+
+  return Workload("indexer_update_q", "", call, upd.state, _norm(r) + upd.fixed, rot, None,
+                  bytes_q(m) + bytes_projection(m) + bytes_query(m) + upd.nbytes,
+                  2 * m * (HEADS * DIM * Q_LORA + W_ROWS * HIDDEN),
+                  r_min=max(W_CAT_COPIES, WQ_B_COPIES))
+
+
 def compress(r, s, n):
   """n pools to slots on distinct random pages of a >= 1 GB cache, 7/8 written."""
   kv = r.kv_cache(s.cache_bytes)
@@ -442,6 +464,7 @@ WORKLOADS = {
     "indexer_update": (indexer_update, _requests),
     "update_epilogue": (update_epilogue, _requests),
     "update_epilogue_q": (update_epilogue_q, _requests),
+    "indexer_update_q": (indexer_update_q, _requests),
     "kpool_compress": (compress, lambda s: _rows(s, "n", "n={}") + [
         (f"n={n}", {"n": n}) for n in s.compress_rows]),
     "kpool_seed_tail": (seed, lambda s: _rows(s, "n", "n={}")),

@@ -299,8 +299,8 @@ def with_fresh_qr(fn):
   indexer_update_q reads qr before its PDL wait (cc/q_gemm.cuh, qr_ready)."""
   def fresh(x, w_cat, qr, *rest):
     tail = rest[4]                  # after wq_b, norm_weight, norm_bias, kv_cache
-    dep = (tail.reshape(-1)[:qr.shape[1]].astype(jnp.float32) * 0.0).astype(qr.dtype)
-    return fn(x, w_cat, qr + dep[None, :], *rest)
+    dep = (tail.reshape(-1)[0].astype(jnp.float32) * 0.0).astype(qr.dtype)
+    return fn(x, w_cat, qr + dep, *rest)
   return fresh
 
 
