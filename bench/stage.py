@@ -112,7 +112,7 @@ def add_arguments(parser):
                            "and the epilogue in one FFI call)")
   parser.add_argument("--stage-update-q", action="store_true",
                       help="also time the stage with indexer_update_q's kernel on (the "
-                           "projection, q's GEMM and the epilogue in one FFI call)")
+                           "q GEMM, the projection and the epilogue in one FFI call)")
   parser.add_argument("--stage-steps", type=int, default=STEPS,
                       help=f"decode steps per timed run (default {STEPS}; the reference at "
                            f"most {REFERENCE_STEPS}); each step its own inputs, so a run's "

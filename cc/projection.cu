@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   uint4 w[kLoads];
 #pragma unroll
   for (int j = 0; j < kLoads; ++j) w[j] = load_weight(a.gemm.w + n * k + k0 + j * stride);
-  pdl_wait();
-  pdl_launch_dependents();  // after the wait, as in project() (QGemmLaunch::qr_ready)
+  if (!a.gemm.inputs_ready) pdl_wait();
+  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   uint4 x[kLoads];
   load_token(x, a.gemm.x + k0, stride);
 #pragma unroll 1
@@ -158,6 +158,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
       store(a, t, n, total);
     }
   }
+  if (a.gemm.inputs_ready) pdl_wait();  // the grid completes after its predecessor (Gemm)
 }
 
 using Kernel = void (*)(ProjectionArgs);

@@ -50,6 +50,13 @@ struct Gemm {
   int64_t k;              // K
   int32_t stages;         // stages of kBlocks K blocks per warp
   int32_t chunk_pad;      // min(M, kChunk) rounded up to kStep: smem token rows per warp
+  // x is complete when the grid starts: the kernel launched just before it on the stream
+  // calls launch_dependents only after its own PDL wait (indexer_q's kernels do), so every
+  // grid before that one has completed. The kernel then reads x before its PDL wait and
+  // waits only after its last read of x, before it exits, so that a dependent's wait on this
+  // grid still covers the kernel before it (glm5_indexer_update_q: the projection runs
+  // beside q's GEMM). Not for indexer_projection_fused, whose q input is that kernel's.
+  bool inputs_ready = false;
 };
 
 // 16 bytes of weights, streamed once: no L1 allocation. A weak load, not ld.global.nc: ptxas
@@ -214,7 +221,7 @@ __device__ __forceinline__ void accumulate(const Gemm& a, float* mine, const uin
 // fastest). kStaged: a.stages stages of kBlocks blocks (a separate instantiation, so that the
 // one-stage kernels keep their registers). Programmatic dependent launch: the first stage's
 // weights (model parameters, not written by the preceding kernel) are loaded before
-// pdl_wait(); x is read after it.
+// pdl_wait(); x is read after it (before it with Gemm::inputs_ready).
 template <int kBlocks, bool kStaged>
 __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n0, int part,
                                         int64_t chunk0, int chunk) {
@@ -225,9 +232,7 @@ __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n
   float* const mine = partial + warp * a.chunk_pad * kTileN;
   uint4 lo[kBlocks], hi[kBlocks];
   load_weights(lo, hi, a, n0, k0, g);
-  pdl_wait();
-  // After the wait, never before: glm5_indexer_update_q's q GEMM reads qr as soon as this
-  // trigger lets it start (QGemmLaunch::qr_ready).
+  if (!a.inputs_ready) pdl_wait();
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   accumulate(a, mine, lo, hi, k0, chunk0, chunk, false);
   if constexpr (kStaged) {
@@ -237,6 +242,7 @@ __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n
       accumulate(a, mine, lo, hi, k0 + stage * stage_k, chunk0, chunk, true);
     }
   }
+  if (a.inputs_ready) pdl_wait();  // the grid completes after its predecessor (Gemm)
 }
 
 // Element e = (token, n) of the CTA's tile summed over its warps in warp order (after a

@@ -51,7 +51,6 @@ struct QArgs {
   uint16_t* q;          // bf16[M, N]
   int64_t rows;         // M
   int64_t n;            // N
-  bool qr_ready;        // QGemmLaunch::qr_ready: x before the PDL wait, the wait at the end
 };
 
 // Shared memory: kWarps * kHalves mbarriers, the CTA's weight rows (stride 2 K + kPad
@@ -97,7 +96,9 @@ __global__ void __launch_bounds__(kWarps * kWarp, 1) indexer_q_kernel(const QArg
     bulk::copy(weights + lane * L::kStride + 2 * k, a.w + (n0 + lane) * L::kK + k, bytes,
               bars + 8 * h);
   }
-  if (!a.qr_ready) pdl_wait();
+  pdl_wait();
+  // After the wait, never before: glm5_indexer_update_q's projection reads x as soon as this
+  // trigger lets it start (gemm::Gemm::inputs_ready, projection.cuh).
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
 
   float* const sums = reinterpret_cast<float*>(smem + L::kSums);
@@ -151,7 +152,6 @@ __global__ void __launch_bounds__(kWarps * kWarp, 1) indexer_q_kernel(const QArg
     __syncthreads();  // the sums are rewritten by the next step
     if (more) gemm::take_x(xv, xn);
   }
-  if (a.qr_ready) pdl_wait();  // this grid completes after its predecessor (QGemmLaunch)
 }
 
 using Kernel = void (*)(QArgs);
@@ -179,11 +179,11 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // 132 SMs). The K half streams through a ring of kSlots slots in shared memory: slot s holds
 // one 64-column box of the CTA's weights (kRows x 128 B) and of the token rows (kN x 128 B,
 // rows past M zero-filled by the TMA), counted on the slot's mbarrier. The first kSlots
-// weight boxes are copied before the PDL wait, their token boxes after it (before it with
-// qr_ready, q_gemm.cuh); thread 0 refills the slot of box b - 1 with box b - 1 + kSlots once
-// the wgmma group of box b - 1 has completed (the group of box b still running). Both
-// operands are K-major in the 128-byte swizzle; one wgmma m64nNk16 (N = the token rows,
-// 16-64) per 16 K; more than kMaxTokens rows take more grid rows.
+// weight boxes are copied before the PDL wait, their token boxes after it; thread 0 refills
+// the slot of box b - 1 with box b - 1 + kSlots once the wgmma group of box b - 1 has
+// completed (the group of box b still running). Both operands are K-major in the 128-byte
+// swizzle; one wgmma m64nNk16 (N = the token rows, 16-64) per 16 K; more than kMaxTokens rows
+// take more grid rows.
 //
 // Why a ring of 6 (H200 bench, µs at M = 1 / 16 / 64 / 128, bench/NOTES.md): with every box
 // of K = 1536 (12) issued at once they landed together and the wgmma work (0.4-0.9 µs at M
@@ -228,7 +228,6 @@ struct Args {
   int64_t rows;         // M
   int64_t n;            // N
   int32_t boxes;        // K boxes per half
-  bool qr_ready;        // QGemmLaunch::qr_ready: tokens before the PDL wait, the wait at the end
 };
 
 // Dynamic shared memory from a 1024-aligned base: the ring's slots, each the weights' box
@@ -285,10 +284,10 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
     // Model parameters, not written by the preceding kernel: before the PDL wait.
     for (int b = 0; b < first; ++b) load_weights(b);
   }
-  if (!a.qr_ready) pdl_wait();
+  pdl_wait();
   if (threadIdx.x == 0)
     for (int b = 0; b < first; ++b) load_tokens(b);
-  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+  pdl_launch_dependents();  // after the wait, as in the mma kernel (Gemm::inputs_ready)
   __syncthreads();          // the barriers are initialised
 
   const int warp = threadIdx.x / kWarp;
@@ -360,7 +359,6 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
     const uint32_t pair = gemm::bf16_bits(lo) | (uint32_t{gemm::bf16_bits(hi)} << 16);
     *reinterpret_cast<uint32_t*>(a.q + (chunk0 + c) * a.n + col + r) = pair;
   }
-  if (a.qr_ready) pdl_wait();  // this grid completes after its predecessor (QGemmLaunch)
 }
 
 template <int kN>
@@ -442,7 +440,6 @@ cudaError_t launch_q_gemm(cudaStream_t stream, bool pdl, const QGemmLaunch& plan
     args.rows = plan.rows;
     args.n = plan.n;
     args.boxes = static_cast<int32_t>(plan.k / (int64_t{wg::kSplit} * wg::kBoxK));
-    args.qr_ready = plan.qr_ready;
     // The narrowest instantiation that holds the rows (more rows: kMaxTokens per grid row).
     return plan.rows <= 16   ? wg::launch_as<16>(stream, pdl, args, plan.x, plan.w, plan.k)
            : plan.rows <= 32 ? wg::launch_as<32>(stream, pdl, args, plan.x, plan.w, plan.k)
@@ -455,7 +452,6 @@ cudaError_t launch_q_gemm(cudaStream_t stream, bool pdl, const QGemmLaunch& plan
   args.q = static_cast<uint16_t*>(plan.q);
   args.rows = plan.rows;
   args.n = plan.n;
-  args.qr_ready = plan.qr_ready;
   const int blocks = static_cast<int>(plan.k / (int64_t{kWarps} * kBlockK));
   const Pick p = pick(blocks, std::make_integer_sequence<int, kMaxBlocks>());
   if (cudaError_t err = allow_smem(p.kernel, p.smem); err != cudaSuccess) return err;

@@ -17,12 +17,6 @@ struct QGemmLaunch {
   void* q = nullptr;         // bf16[M, N]
   int64_t rows = 0, n = 0, k = 0;
   int32_t tactic = kQWgmma;
-  // qr is complete when the grid starts: the kernel launched just before it on the stream
-  // calls launch_dependents only after its own PDL wait (the projection's kernels do), so
-  // every grid before that one has completed. The GEMM then reads qr before its PDL wait
-  // and waits only before it exits, so that a dependent's wait on this grid still covers
-  // the kernel before it (glm5_indexer_update_q: the q GEMM runs beside the projection).
-  bool qr_ready = false;
 };
 
 // Validates qr, wq_b and the q result (bf16[M, N]) for `tactic`; no stream work. M = 0

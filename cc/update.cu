@@ -121,14 +121,15 @@ ffi::Error IndexerUpdateImpl(
 }
 
 // indexer_update_q: indexer_q's GEMM and indexer_update's kernels in one FFI call, three
-// launches with PDL between them: the projection, q's GEMM, the epilogue. The projection's
-// CTAs call launch_dependents right after their own PDL wait, so the q GEMM starts beside the
-// projection with qr complete (QGemmLaunch::qr_ready): it reads wq_b and qr while the
-// projection runs and waits for it only before exiting, so that the epilogue's wait (on the
-// q GEMM) covers both GEMMs. The two GEMMs' 15 MB of weights then stream together, not one
-// after the other. Bit for bit indexer_q's kernel (the same tactic) and indexer_update's: the
-// same device code on the same arguments; only the order of launches changes, and no kernel
-// reads another's results before its wait.
+// launches with PDL between them: q's GEMM, the projection, the epilogue. q's GEMM (the
+// longer, 12.6 MB of wq_b) goes first; its CTAs call launch_dependents right after their own
+// PDL wait, so the projection starts beside it with x complete (gemm::Gemm::inputs_ready):
+// it reads w_cat and x while q's GEMM runs and waits for it only after its last read, so that
+// the epilogue's wait (on the projection) covers both GEMMs. The two GEMMs' 15 MB of weights
+// then stream together, not one after the other. Bit for bit indexer_q's kernel (the same
+// tactic) and indexer_update's: the same device code on the same arguments; only the order of
+// launches and of the projection's wait change, and no kernel reads another's results before
+// its wait.
 ffi::Error IndexerUpdateQImpl(
     cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
     ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
@@ -145,10 +146,10 @@ ffi::Error IndexerUpdateQImpl(
   const auto td = tslot.dimensions();
   if (x.dimensions()[0] != td[0] * td[1])
     return check.fail("x must have requests x next_n rows (tslot is s32[B, N])");
-  const ffi::ErrorOr<ProjectionLaunch> projection =
+  ffi::ErrorOr<ProjectionLaunch> projection =
       prepare_projection(check, x, w_cat, key_raw, head_w, gate, warps, split);
   if (projection.has_error()) return projection.error();
-  ffi::ErrorOr<QGemmLaunch> gemm = prepare_q_gemm(check, qr, wq_b, q, tactic);
+  const ffi::ErrorOr<QGemmLaunch> gemm = prepare_q_gemm(check, qr, wq_b, q, tactic);
   if (gemm.has_error()) return gemm.error();
   const int64_t rows = q->dimensions()[0], heads = head_w->dimensions()[1];
   if (rows != x.dimensions()[0] || q->dimensions()[1] != heads * kDim)
@@ -158,12 +159,12 @@ ffi::Error IndexerUpdateQImpl(
       check, q3.buffer(), key_raw, head_w, gate, norm_weight, norm_bias, kv_cache, tail, tslot,
       ape, loc, pos, q_out, w_out, key, kv_out, tail_out, scale, eps, ue8m0, round_scale);
   if (plans.has_error()) return plans.error();
-  // Only right behind a projection grid (M = 0 launches none, and the GEMM nothing either).
-  gemm->qr_ready = projection->kernel != nullptr;
+  // Only right behind a q grid (M = 0 launches none, and the projection nothing either).
+  projection->args.gemm.inputs_ready = gemm->rows > 0;
 
-  if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
-    return check.cuda(err);
   if (cudaError_t err = launch_q_gemm(stream, pdl, *gemm); err != cudaSuccess)
+    return check.cuda(err);
+  if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
     return check.cuda(err);
   return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
 }

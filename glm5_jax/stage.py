@@ -354,7 +354,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   if auto and _update_op.update_q_kernel_chosen(x, weights.w_cat, qr, weights.wq_b,
                                                 *cache_args, routing=config.routing,
                                                 scale_format=config.scale_format, **query):
-    # The whole update part as indexer_update_q's one FFI call: the projection, q's GEMM
+    # The whole update part as indexer_update_q's one FFI call: q's GEMM, the projection
     # beside it, the epilogue.
     *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update_q(
         x, weights.w_cat, qr, weights.wq_b, *cache_args, scale_format=config.scale_format,

@@ -421,8 +421,8 @@ def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 
 
 # indexer_update_q: indexer_q's GEMM and indexer_update's kernels in one FFI call (cc/update.cu:
-# the projection, then q's GEMM with PDL, reading qr and wq_b while the projection runs, then
-# the epilogue with PDL). As two FFI calls (indexer_q's, indexer_update's) each is a child
+# q's GEMM, then the projection with PDL, reading x and w_cat while q's GEMM runs, then the
+# epilogue with PDL). As two FFI calls (indexer_q's, indexer_update's) each is a child
 # graph of its own in the command buffer and PDL does not cross them: the two GEMMs, 15 MB of
 # weights, streamed one after the other.
 UPDATE_Q_OP = "indexer_update_q"
@@ -501,9 +501,9 @@ def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Ar
   and wq_b bf16[H * 128, Kq] in place of indexer_update's q (H = wq_b's rows / 128; w_cat
   has 256 + H rows), the rest as indexer_update. See glm5_jax.reference.indexer_update_q.
 
-  The CUDA kernel (glm5_indexer_update_q; where the routing chooses it) launches the
-  projection, q's GEMM and the epilogue in one FFI call with PDL between them; q's GEMM
-  streams wq_b and qr while the projection runs. Its results are bit-identical to
+  The CUDA kernel (glm5_indexer_update_q; where the routing chooses it) launches q's GEMM,
+  the projection and the epilogue in one FFI call with PDL between them; the projection
+  streams w_cat and x while q's GEMM runs. Its results are bit-identical to
   indexer_q(tactic=q_tactic) and indexer_update(tactic=tactic) each run as its kernel.
   Where it is not chosen: indexer_q then indexer_update, each routed as its own op. q's sums
   run in indexer_q's order, not XLA's (within SPEC D2). The weights are read before the

@@ -13,9 +13,9 @@
     split of those sums (XLA's slices and bf16 converts).
 (d) update_epilogue_q's kernel (q's GEMM and that epilogue in one FFI call) is bit-identical
     to indexer_q's kernel then update_epilogue's.
-(e) indexer_update_q's kernel (the projection, q's GEMM beside it, the epilogue: one FFI
-    call) is bit-identical to indexer_q's kernel then indexer_update's, with qr made by the
-    kernel just before the call (q's GEMM reads it before its PDL wait).
+(e) indexer_update_q's kernel (q's GEMM, the projection beside it, the epilogue: one FFI
+    call) is bit-identical to indexer_q's kernel then indexer_update's, with x and qr made
+    by the kernel just before the call (the projection reads x before its PDL wait).
 Its kernels against the reference: tests/test_primitives.py (CASES["indexer_update"],
 inputs whose GEMM is exact in any order) and tests/test_stage.py.
 """
@@ -292,15 +292,15 @@ def test_q_epilogue_no_rows():
                          w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True)
 
 
-# (e) indexer_update_q: the projection, q's GEMM beside it and the epilogue in one FFI call.
-def with_fresh_qr(fn):
-  """fn with qr made by an XLA kernel just before the call (qr + tail[0] * 0.0: the multiply
-  by 0.0 is not simplified away), as a model's layer makes it: q's GEMM inside
-  indexer_update_q reads qr before its PDL wait (cc/q_gemm.cuh, qr_ready)."""
+# (e) indexer_update_q: q's GEMM, the projection beside it and the epilogue in one FFI call.
+def with_fresh_inputs(fn):
+  """fn with x and qr made by one XLA kernel just before the call (each + tail[0] * 0.0: the
+  multiply by 0.0 is not simplified away), as a model's layer makes them: the projection
+  inside indexer_update_q reads x before its PDL wait (cc/projection.cuh, inputs_ready)."""
   def fresh(x, w_cat, qr, *rest):
     tail = rest[4]                  # after wq_b, norm_weight, norm_bias, kv_cache
     dep = (tail.reshape(-1)[0].astype(jnp.float32) * 0.0).astype(qr.dtype)
-    return fn(x, w_cat, qr + dep, *rest)
+    return fn(x + dep, w_cat, qr + dep, *rest)
   return fresh
 
 
@@ -325,8 +325,8 @@ def update_q_args(b, n, seed):
 
 def assert_update_q_bits(args, routing, **params):
   params = dict(scale=PARAMS["scale"], padded=PADDED, routing=routing, **params)
-  one = with_fresh_qr(functools.partial(glm5_jax.indexer_update_q, **params))
-  two = with_fresh_qr(functools.partial(q_then_update, **params))
+  one = with_fresh_inputs(functools.partial(glm5_jax.indexer_update_q, **params))
+  two = with_fresh_inputs(functools.partial(q_then_update, **params))
   assert targets(one, args) == ["glm5_indexer_update_q"]
   assert targets(two, args) == ["glm5_indexer_q", TARGET]
   copies = lambda: [jnp.copy(a) for a in args]     # each run its own caches
@@ -376,10 +376,10 @@ def test_update_q_no_rows():
 
 
 def test_update_q_chained_steps_in_a_command_buffer():
-  """Four calls of indexer_update_q in one jit (the same rows each time), each call's qr made
-  from the call before's q (so that q's GEMM reads what the kernel just before it wrote),
-  against the same calls as indexer_q + indexer_update: every byte of the last call's
-  results and caches."""
+  """Four calls of indexer_update_q in one jit (the same rows each time), each call's x and
+  qr made from the call before's head_w and q (so that both GEMMs read what the kernels just
+  before them wrote), against the same calls as indexer_q + indexer_update: every byte of
+  the last call's results and caches."""
   x, w_cat, qr, wq_b, *rest = update_q_args(16, 1, seed=9)
   params = dict(scale=PARAMS["scale"], padded=PADDED, routing=Routing(kernels=True),
                 tactic=None, q_tactic=None, w_out_dtype=jnp.float32, scale_format="fp32",
@@ -391,6 +391,7 @@ def test_update_q_chained_steps_in_a_command_buffer():
       kv_cache, tail = out[7], out[8]
       qr = (out[3][:, :qr.shape[1]].astype(jnp.float32) * 0.5 + qr.astype(jnp.float32) * 0.5
             ).astype(qr.dtype)
+      x = (x.astype(jnp.float32) + out[1][:, :1]).astype(x.dtype)     # + head_w's column 0
     return out
   args = (x, w_cat, qr, wq_b, *rest)
   copies = lambda: [jnp.copy(a) for a in args]
