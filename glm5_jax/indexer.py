@@ -103,15 +103,15 @@ def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
   return None
 
 
-def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
-                      ) -> tuple[int, int]:
+def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None,
+                      gemv: bool = True) -> tuple[int, int]:
   """The (warps, split) glm5_indexer_projection runs at M = rows: `tactic` where given,
-  else the table by rows (the GEMV up to GEMV_ROWS rows where it tiles K, AUTO_SMALL up to
-  AUTO_ROWS rows, AUTO_LARGE past that where it tiles K). It may not tile K: then the op
-  runs the reference (kernel_supports)."""
+  else the table by rows (the GEMV up to GEMV_ROWS rows where it tiles K and `gemv`,
+  AUTO_SMALL up to AUTO_ROWS rows, AUTO_LARGE past that where it tiles K). It may not tile
+  K: then the op runs the reference (kernel_supports)."""
   if tactic is not None:
     return tuple(tactic)
-  if rows <= GEMV_ROWS and tile_k(k, GEMV_WARPS, GEMV_SPLIT):
+  if gemv and rows <= GEMV_ROWS and tile_k(k, GEMV_WARPS, GEMV_SPLIT):
     return GEMV_WARPS, GEMV_SPLIT
   return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
 
@@ -245,7 +245,13 @@ def _q_tactic(qr, wq_b, tactic):
 # So XLA's GEMV at M = 1, indexer_q + indexer_update at M 2-16, update_epilogue_q past that.
 # (The rows the bench measured before 2026-12-02 let XLA batch its GEMMs over 16 independent
 # steps, 0.55 µs a layer for wq_b's 12.6 MB against its 2.6 µs floor, and read the other way.)
-UPDATE_PART_MEASURED = "the stage's update part on the H200, bench/NOTES.md twenty-first session"
+# The same bench, twenty-second session, one run, the default above against indexer_update_q
+# (q's GEMM, the projection beside it, the epilogue: one FFI call):
+#   the default above:  11.3 / 14.1 / 14.9 / 15.2 / 15.6 / 16.6 / 18.2 / 20.7
+#   indexer_update_q:   13.8 / 15.7 / 13.0 / 13.2 / 13.5 / 14.9 / 18.3 / 23.9
+# So indexer_update_q at M 4-32; the paths above elsewhere.
+UPDATE_PART_MEASURED = ("the stage's update part on the H200, bench/NOTES.md twenty-first and "
+                        "twenty-second sessions")
 # The largest M those rows measured: no update-part kernel is a default past it.
 UPDATE_PART_MAX_ROWS = 128
 # indexer_q's kernel: at M 2 up to the rows measured (XLA's GEMV is faster at M = 1).

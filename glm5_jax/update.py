@@ -4,7 +4,8 @@ update_epilogue, its last two on the f32 sums of XLA's projection GEMM in one FF
 one FFI call; and indexer_update_q, q's GEMM and indexer_update's kernels in one FFI call.
 By default indexer_update runs its own kernel (the projection's and the epilogue in one FFI
 call) at UPDATE_KERNEL_ROWS, XLA's GEMM and update_epilogue's kernel at other M;
-update_epilogue_q its kernel at EPILOGUE_Q_ROWS (indexer.UPDATE_PART_MEASURED says why).
+update_epilogue_q its kernel at EPILOGUE_Q_ROWS, indexer_update_q at UPDATE_Q_ROWS
+(indexer.UPDATE_PART_MEASURED says why).
 Shapes and dtypes: see glm5_jax.reference.update."""
 import jax
 import jax.numpy as jnp
@@ -426,12 +427,28 @@ def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # graph of its own in the command buffer and PDL does not cross them: the two GEMMs, 15 MB of
 # weights, streamed one after the other.
 UPDATE_Q_OP = "indexer_update_q"
+# Where indexer_update_q's kernel runs by default: M 4..32, where the stage's update part was
+# fastest with it (indexer.UPDATE_PART_MEASURED: 13.0 / 13.2 / 13.5 / 14.9 µs per layer at
+# M 4 / 8 / 16 / 32 against 14.9 / 15.2 / 15.6 / 16.6 for the paths routed before; at M = 2
+# 15.7 against 14.1, at M = 64 a tie, 18.3 against 18.2). The stage runs it in preference to
+# indexer_update's and update_epilogue_q's kernels where it is chosen.
+UPDATE_Q_ROWS = (4, 32)
+
+
+def update_q_projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
+                               ) -> tuple[int, int]:
+  """The (warps, split) of the projection inside indexer_update_q's kernel at M = rows, K:
+  `tactic` where given, else indexer.projection_tactic's table without the GEMV. Beside q's
+  GEMM the GEMV's CTA per w_cat row slowed q's GEMM from 6.2 to 8.0 / 9.8 µs a layer at
+  M = 1 / 2 (H200, bench/NOTES.md twenty-second session)."""
+  return indexer.projection_tactic(rows, k, tactic, gemv=False)
 
 
 def _update_q_parts(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, **params):
   """[(Op, operand avals, params)] of the four ops one call runs: indexer_q, then
-  indexer_update's three on q seen as [M, H, 128]."""
+  indexer_update's three on q seen as [M, H, 128], the projection at its tactic here."""
   q = _q_aval(qr, wq_b)
+  tactic = update_q_projection_tactic(x.shape[0], x.shape[1], tactic)
   return ([(indexer._q, (qr, wq_b), dict(tactic=q_tactic))]
           + _parts(x, w_cat, q, *rest, heads=q.shape[1], tactic=tactic, **params))
 
@@ -468,7 +485,7 @@ def _update_q_attribute_values(*avals, **params):
 def _update_q_kernel_params(x, w_cat, qr, wq_b, *avals, tactic, q_tactic, **params):
   """Both GEMMs' tactics taken at the whole call's rows (Split: every device's block sums
   as the whole call would)."""
-  return dict(tactic=indexer.projection_tactic(x.shape[0], x.shape[1], tactic),
+  return dict(tactic=update_q_projection_tactic(x.shape[0], x.shape[1], tactic),
               q_tactic=indexer._q.kernel_params(qr, wq_b, tactic=q_tactic)["tactic"])
 
 
@@ -480,7 +497,8 @@ _update_q = Op(
                 if name != "pdl"},
     attribute_values=_update_q_attribute_values, kernel_supports=_update_q_kernel_supports,
     kernel_limits="those of indexer_q (its tactic) and indexer_update",
-    kernel_off="not yet timed in the stage's update part on the H200",
+    **indexer.default_rows(UPDATE_Q_ROWS, "where the stage's update part was fastest "
+                           f"with it ({indexer.UPDATE_PART_MEASURED})"),
     otherwise="indexer_q + indexer_update",
     kernel_params=_update_q_kernel_params,
     split=Split(("rows", None, "rows", None, None, None, "pages", "blocks", "requests", None,
@@ -501,15 +519,17 @@ def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Ar
   and wq_b bf16[H * 128, Kq] in place of indexer_update's q (H = wq_b's rows / 128; w_cat
   has 256 + H rows), the rest as indexer_update. See glm5_jax.reference.indexer_update_q.
 
-  The CUDA kernel (glm5_indexer_update_q; where the routing chooses it) launches q's GEMM,
+  By default the CUDA kernel at UPDATE_Q_ROWS (M 4..32, where it was faster). The CUDA
+  kernel (glm5_indexer_update_q; where the routing chooses it) launches q's GEMM,
   the projection and the epilogue in one FFI call with PDL between them; the projection
   streams w_cat and x while q's GEMM runs. Its results are bit-identical to
-  indexer_q(tactic=q_tactic) and indexer_update(tactic=tactic) each run as its kernel.
+  indexer_q(tactic=q_tactic) and indexer_update(tactic=update_q_projection_tactic(M, K,
+  tactic)) each run as its kernel.
   Where it is not chosen: indexer_q then indexer_update, each routed as its own op. q's sums
   run in indexer_q's order, not XLA's (within SPEC D2). The weights are read before the
   preceding kernel has finished (PDL): pass them as model parameters. The caches are updated
-  in place (donate them). tactic: the projection's, as indexer_update's; q_tactic: q's, as
-  indexer_q's tactic. routing: None = Routing.from_env().
+  in place (donate them). tactic: the projection's (None: update_q_projection_tactic's
+  table); q_tactic: q's, as indexer_q's tactic. routing: None = Routing.from_env().
   """
   params = _update_q_params(wq_b, scale, eps, padded, w_out_dtype, scale_format, round_scale,
                             tactic, q_tactic)

@@ -589,17 +589,21 @@ def check_context_stage():
   donated), with the candidates' all-gather its only collective; with the update part as
   three ops, as XLA's GEMM + update_epilogue and as indexer_update's one call
   (IndexerConfig(update="ops"), "auto", and "fused" with indexer_update routed on: its
-  update_path runs each), each against indexer_stage with the same config."""
+  update_path runs each) and as indexer_update_q's (the default "auto" at these rows), each
+  against indexer_stage with the same config."""
   w = weights()
   # (config, the update primitive its update_path traces)
   fused = glm5_jax.Routing(ops={"indexer_update": True})
-  low, high = glm5_jax.update.UPDATE_KERNEL_ROWS
+  low, high = glm5_jax.update.UPDATE_Q_ROWS
   assert low <= 3 * NEXT_N <= high
   modes = {dataclasses.replace(CONFIG, update="ops"): None,
-           # M = 3 requests x NEXT_N: indexer_update's kernel rows (update.UPDATE_KERNEL_ROWS)
-           dataclasses.replace(CONFIG, update="auto"): "glm5_indexer_update",
+           # M = 3 requests x NEXT_N: indexer_update_q's kernel rows (update.UPDATE_Q_ROWS)
+           dataclasses.replace(CONFIG, update="auto"): "glm5_indexer_update_q",
            dataclasses.replace(CONFIG, update="auto", routing=glm5_jax.Routing(
-               ops={"indexer_update": False})): "glm5_update_epilogue",
+               ops={"indexer_update_q": False})): "glm5_indexer_update",
+           dataclasses.replace(CONFIG, update="auto", routing=glm5_jax.Routing(
+               ops={"indexer_update": False, "indexer_update_q": False})):
+               "glm5_update_epilogue",
            dataclasses.replace(CONFIG, update="fused", routing=fused): "glm5_indexer_update"}
   for m, config in itertools.product(context_meshes(), modes):
     devices = m.shape[CONTEXT_AXIS]
@@ -621,8 +625,9 @@ def check_context_stage():
         traced = step.trace(*args, config=config)
         # The switch reaches update_path inside the shard_map: its update op is traced.
         jaxpr = str(traced.jaxpr)
-        for name in ("glm5_update_epilogue", "glm5_indexer_update"):
-          assert (name in jaxpr) == (name == modes[config]), f"{what}: {name} traced"
+        for name in ("glm5_update_epilogue", "glm5_indexer_update", "glm5_indexer_update_q"):
+          traced_name = re.search(rf"\b{name}\b", jaxpr) is not None
+          assert traced_name == (name == modes[config]), f"{what}: {name} traced"
         compiled = traced.lower().compile()
         assert_gathers_only_candidates(compiled, x.shape[0],
                                        devices * (CONFIG.topk_tokens // 4), what)

@@ -17,11 +17,12 @@ STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference
                donate_argnames="cache")
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 # q's GEMM as XLA's dot in a kernel program: indexer_q's kernel (the default at
-# indexer.Q_KERNEL_ROWS) and update_epilogue_q's sum q in another order than XLA's GEMM,
-# within SPEC D2, not bit-equal (an H200 run: 5 of 8192 q_fp8 codes one off at M = 2);
-# tests/test_q_gpu.py checks those kernels against the reference. Pinned, the rest of the
-# stage is compared bit for bit.
-PIN_Q = glm5_jax.Routing(ops={"indexer_q": False, "update_epilogue_q": False})
+# indexer.Q_KERNEL_ROWS), update_epilogue_q's and indexer_update_q's sum q in another order
+# than XLA's GEMM, within SPEC D2, not bit-equal (an H200 run: 5 of 8192 q_fp8 codes one off
+# at M = 2); tests/test_q_gpu.py checks those kernels against the reference. Pinned, the rest
+# of the stage is compared bit for bit.
+PIN_Q = glm5_jax.Routing(ops={"indexer_q": False, "update_epilogue_q": False,
+                              "indexer_update_q": False})
 
 
 def state(contexts, next_n=1, seed=0):
@@ -101,12 +102,12 @@ def test_stage_matches_reference_composition(contexts, next_n, fused, update):
                                                           ([40, 2999, 514], 4, "ue8m0"),
                                                           ([6, 13], 2, "fp32")])
 def test_update_switch_is_bit_equal(contexts, next_n, scale_format):
-  """IndexerConfig(update="fused") (indexer_update) and "auto" give the stage's every
-  output byte and both caches as the three ops do (update="ops"), under the routing of
-  each run: on the CPU all are the reference; on a GPU with every kernel on, the same
-  kernels with the same arguments. On a GPU with the default routing the projection may
-  run XLA's GEMM in one and the kernel in the other: see
-  test_stage_matches_reference_composition."""
+  """IndexerConfig(update="fused") (indexer_update) and "auto" (indexer_update_q's one
+  call where every kernel is on) give the stage's every output byte and both caches as
+  the three ops do (update="ops"), under the routing of each run: on the CPU all are the
+  reference; on a GPU with every kernel on, the same kernels with the same arguments. On a
+  GPU with the default routing the projection may run XLA's GEMM in one and the kernel in
+  the other: see test_stage_matches_reference_composition."""
   routing = glm5_jax.Routing(kernels=True) if jax.default_backend() == "gpu" else None
   base = dict(max_pools=1024, scale_format=scale_format)
   if routing is not None:

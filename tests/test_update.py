@@ -101,22 +101,23 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   """Default routing: indexer_update runs its own kernel at UPDATE_KERNEL_ROWS (M 2..16),
   XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
   kernel at every M where the routing names it, the reference composition with both kernels
-  off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update's one
-  FFI call where the routing chooses its kernel, else XLA's projection GEMM and
-  update_epilogue_q's one call (q's GEMM inside; no indexer_q call) where that kernel is
-  chosen (EPILOGUE_Q_ROWS by default, M 17..128), else XLA's GEMM and update_epilogue where
-  that kernel is chosen, else the three ops; "ops" the three ops, "fused" indexer_update as
-  routed; indexer_update_q's one call (the whole update part) wherever the routing chooses
-  its kernel; q by indexer_q, its kernel at Q_KERNEL_ROWS (M 2..128) where the call does not
-  hold q's GEMM; the reference composition runs no kernel."""
+  off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update_q's
+  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 4..32),
+  else as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
+  projection GEMM and update_epilogue_q's one call (q's GEMM inside; no indexer_q call)
+  where that kernel is chosen (EPILOGUE_Q_ROWS by default, M 17..128), else XLA's GEMM and
+  update_epilogue where that kernel is chosen, else the three ops; "ops" the three ops,
+  "fused" indexer_update as routed; q by indexer_q, its kernel at Q_KERNEL_ROWS (M 2..128)
+  where the call does not hold q's GEMM; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
-  assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS) == (
-      (2, 16), (17, 128), (2, 128))
+  assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS,
+          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (4, 32))
   fused = Routing(ops={"indexer_update": True})
   no_update_kernel = Routing(ops={"indexer_update": False})
   no_epilogue = Routing(ops={"update_epilogue": False, "indexer_update": False,
-                             "update_epilogue_q": False})
-  q_inside = Routing(ops={"update_epilogue_q": True, "indexer_update": False})
+                             "update_epilogue_q": False, "indexer_update_q": False})
+  q_inside = Routing(ops={"update_epilogue_q": True, "indexer_update": False,
+                          "indexer_update_q": False})
   update_q = Routing(ops={"indexer_update_q": True})
   fused_q_inside = Routing(ops={"indexer_update": True, "update_epilogue_q": True})
   fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
@@ -139,9 +140,12 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
       "glm5_indexer_query", "glm5_kpool_update"], ["glm5_update_epilogue_q"]
   # (requests, routing, update) -> the update kernels the stage calls.
   outs = {}
+  whole = ["glm5_indexer_update_q"]
   for b, routing, mode, want in ((1, Routing(), "auto", epilogue),
                                  (3, Routing(), "auto", one),
-                                 (17, Routing(), "auto", q_epilogue),
+                                 (4, Routing(), "auto", whole),
+                                 (32, Routing(), "auto", whole),
+                                 (33, Routing(), "auto", q_epilogue),
                                  (3, no_update_kernel, "auto", q + epilogue),
                                  (3, fused, "auto", one), (3, no_epilogue, "auto", ops),
                                  (3, Routing(), "ops", ops), (3, Routing(), "fused", one),
@@ -151,9 +155,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
                                  (3, q_inside, "auto", q_epilogue),
                                  (17, q_inside, "auto", q_epilogue),
                                  (3, q_inside, "ops", ops), (3, fused_q_inside, "auto", one),
-                                 (1, update_q, "auto", ["glm5_indexer_update_q"]),
-                                 (3, update_q, "auto", ["glm5_indexer_update_q"]),
-                                 (17, update_q, "auto", ["glm5_indexer_update_q"]),
+                                 (1, update_q, "auto", whole), (3, update_q, "auto", whole),
+                                 (64, update_q, "auto", whole),
                                  (3, update_q, "ops", ops)):
     contexts = ([10, 1500, 77] * b)[:b]
     state = stage_state(contexts, 1, 0, config=glm5_jax.IndexerConfig(**config),

@@ -306,7 +306,8 @@ def with_fresh_inputs(fn):
 
 def q_then_update(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing, **params):
   """indexer_update_q as two FFI calls: indexer_q's kernel (q_tactic), then indexer_update's
-  (tactic) on its q seen as [M, H, 128]."""
+  (the projection's tactic indexer_update_q takes) on its q seen as [M, H, 128]."""
+  tactic = glm5_jax.update.update_q_projection_tactic(x.shape[0], x.shape[1], tactic)
   q = glm5_jax.indexer_q(qr, wq_b, tactic=q_tactic, routing=routing)
   out = glm5_jax.indexer_update(x, w_cat, q.reshape(q.shape[0], HEADS, 128), *rest,
                                 heads=HEADS, tactic=tactic, routing=routing, **params)
