@@ -249,7 +249,9 @@ def _q_tactic(qr, wq_b, tactic):
 # (q's GEMM, the projection beside it, the epilogue: one FFI call):
 #   the default above:  11.3 / 14.1 / 14.9 / 15.2 / 15.6 / 16.6 / 18.2 / 20.7
 #   indexer_update_q:   13.8 / 15.7 / 13.0 / 13.2 / 13.5 / 14.9 / 18.3 / 23.9
-# So indexer_update_q at M 4-32; the paths above elsewhere.
+# and at M = 1 / 2 / 3 once its projection no longer took the GEMV (another run): the default
+# above 11.1 / 14.2 / 14.9, indexer_update_q 12.7 / 12.9 / 12.9.
+# So indexer_update_q at M 2-32; XLA's GEMV at M = 1, update_epilogue_q past 32.
 UPDATE_PART_MEASURED = ("the stage's update part on the H200, bench/NOTES.md twenty-first and "
                         "twenty-second sessions")
 # The largest M those rows measured: no update-part kernel is a default past it.

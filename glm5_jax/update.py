@@ -427,12 +427,13 @@ def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # graph of its own in the command buffer and PDL does not cross them: the two GEMMs, 15 MB of
 # weights, streamed one after the other.
 UPDATE_Q_OP = "indexer_update_q"
-# Where indexer_update_q's kernel runs by default: M 4..32, where the stage's update part was
-# fastest with it (indexer.UPDATE_PART_MEASURED: 13.0 / 13.2 / 13.5 / 14.9 µs per layer at
-# M 4 / 8 / 16 / 32 against 14.9 / 15.2 / 15.6 / 16.6 for the paths routed before; at M = 2
-# 15.7 against 14.1, at M = 64 a tie, 18.3 against 18.2). The stage runs it in preference to
-# indexer_update's and update_epilogue_q's kernels where it is chosen.
-UPDATE_Q_ROWS = (4, 32)
+# Where indexer_update_q's kernel runs by default: M 2..32, where the stage's update part was
+# fastest with it (indexer.UPDATE_PART_MEASURED: 12.9 / 12.9 / 13.0 / 13.2 / 13.5 / 14.9 µs
+# per layer at M 2 / 3 / 4 / 8 / 16 / 32 against 14.2 / 14.9 / 14.9 / 15.2 / 15.6 / 16.6 for
+# the paths routed before; at M = 1 12.7 against XLA's GEMV path's 11.1, at M = 64 a tie,
+# 18.3 against 18.2). The stage runs it in preference to indexer_update's and
+# update_epilogue_q's kernels where it is chosen.
+UPDATE_Q_ROWS = (2, 32)
 
 
 def update_q_projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
@@ -519,7 +520,7 @@ def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Ar
   and wq_b bf16[H * 128, Kq] in place of indexer_update's q (H = wq_b's rows / 128; w_cat
   has 256 + H rows), the rest as indexer_update. See glm5_jax.reference.indexer_update_q.
 
-  By default the CUDA kernel at UPDATE_Q_ROWS (M 4..32, where it was faster). The CUDA
+  By default the CUDA kernel at UPDATE_Q_ROWS (M 2..32, where it was faster). The CUDA
   kernel (glm5_indexer_update_q; where the routing chooses it) launches q's GEMM,
   the projection and the epilogue in one FFI call with PDL between them; the projection
   streams w_cat and x while q's GEMM runs. Its results are bit-identical to

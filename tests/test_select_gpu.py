@@ -249,11 +249,11 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
       "caches = [cache, jax.tree.map(jax.numpy.copy, cache)]\n"
       "outs, caches = jax.jit(layers, donate_argnums=1)(w, caches, x, qr, batch)\n"
       "print(int(outs[1].counts[0]), int(outs[1].counts[1]))\n")
-  # By default at M = 2 the update part is indexer_q's and indexer_update's calls
-  # (update.UPDATE_KERNEL_ROWS), the select path select_slots' one call (its kernel chosen
-  # at these shapes).
+  # By default at M = 2 the update part is indexer_update_q's one call
+  # (update.UPDATE_Q_ROWS), the select path select_slots' one call (its kernel chosen at
+  # these shapes).
   out = run_and_check_graphed(script, [glm5_jax.KERNEL_TARGETS[op] for op in (
-      "select_slots", "indexer_q", "indexer_update")], tmp_path)
+      "select_slots", "indexer_update_q")], tmp_path)
   assert out.split() == ["2049", "301"]   # 512 pools + the 1-token tail; causal
   hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
   assert " conditional(" not in hlo and " while(" not in hlo

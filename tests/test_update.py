@@ -102,7 +102,7 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
   kernel at every M where the routing names it, the reference composition with both kernels
   off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update_q's
-  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 4..32),
+  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 2..32),
   else as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
   projection GEMM and update_epilogue_q's one call (q's GEMM inside; no indexer_q call)
   where that kernel is chosen (EPILOGUE_Q_ROWS by default, M 17..128), else XLA's GEMM and
@@ -111,15 +111,17 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   where the call does not hold q's GEMM; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS,
-          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (4, 32))
-  fused = Routing(ops={"indexer_update": True})
-  no_update_kernel = Routing(ops={"indexer_update": False})
+          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (2, 32))
+  fused = Routing(ops={"indexer_update": True, "indexer_update_q": False})
+  no_update_kernel = Routing(ops={"indexer_update": False, "indexer_update_q": False})
+  no_update_q = Routing(ops={"indexer_update_q": False})
   no_epilogue = Routing(ops={"update_epilogue": False, "indexer_update": False,
                              "update_epilogue_q": False, "indexer_update_q": False})
   q_inside = Routing(ops={"update_epilogue_q": True, "indexer_update": False,
                           "indexer_update_q": False})
   update_q = Routing(ops={"indexer_update_q": True})
-  fused_q_inside = Routing(ops={"indexer_update": True, "update_epilogue_q": True})
+  fused_q_inside = Routing(ops={"indexer_update": True, "update_epilogue_q": True,
+                                "indexer_update_q": False})
   fn = functools.partial(glm5_jax.indexer_update, **PARAMS)
   for rows, default in ((1, "glm5_update_epilogue"), (2, "glm5_indexer_update"),
                         (16, "glm5_indexer_update"), (17, "glm5_update_epilogue"),
@@ -142,8 +144,9 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   outs = {}
   whole = ["glm5_indexer_update_q"]
   for b, routing, mode, want in ((1, Routing(), "auto", epilogue),
-                                 (3, Routing(), "auto", one),
-                                 (4, Routing(), "auto", whole),
+                                 (3, Routing(), "auto", whole),
+                                 (3, no_update_q, "auto", one),
+                                 (2, Routing(), "auto", whole),
                                  (32, Routing(), "auto", whole),
                                  (33, Routing(), "auto", q_epilogue),
                                  (3, no_update_kernel, "auto", q + epilogue),
