@@ -469,9 +469,13 @@ def _update_q_shapes(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, **params):
   return out[:3] + q_out + out[3:]
 
 
-def _update_q_kernel_supports(*avals, **params):
-  """Where each of the four ops' kernels supports its part (their own rules)."""
-  return all(op.kernel_supports(*a, **p) for op, a, p in _update_q_parts(*avals, **params))
+def _update_q_kernel_supports(x, *avals, tactic, **params):
+  """Where the projection's tactic here (update_q_projection_tactic) tiles K and each of the
+  four ops' kernels supports its part (their own rules)."""
+  k = x.shape[1]
+  return (indexer.tile_k(k, *update_q_projection_tactic(x.shape[0], k, tactic)) is not None
+          and all(op.kernel_supports(*a, **p)
+                  for op, a, p in _update_q_parts(x, *avals, tactic=tactic, **params)))
 
 
 def _update_q_attribute_values(*avals, **params):

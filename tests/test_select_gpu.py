@@ -228,17 +228,18 @@ def test_select_kernel_under_vmap_folds_rows():
 
 def test_stage_is_one_command_buffer_without_branches(tmp_path):
   """indexer_stage compiles to straight-line work: no conditional or while in the
-  optimised HLO, and every thunk of a two-layer step inside one command buffer."""
-  # Two layers, as a model's step runs them: a one-layer program at M = 2 is 4 thunks,
-  # under XLA's minimum command-buffer size (xla_gpu_graph_min_graph_size), so XLA
-  # launches them one by one (the H200, jaxlib 0.11.2).
+  optimised HLO, and every thunk of a three-layer step inside one command buffer."""
+  # Three layers, as a model's step runs them: at M = 2 a layer is 2 thunks
+  # (indexer_update_q's call, select_slots'), and a two-layer program's 4 are under XLA's
+  # minimum command-buffer size (xla_gpu_graph_min_graph_size), so XLA launches them one by
+  # one (the H200, jaxlib 0.11.2).
   script = (
       "import numpy as np, jax, glm5_jax\n"
       "from glm5_jax import synthetic\n"
       # The default routing, whatever GLM5_JAX_KERNELS says (all_kernels sets it to 1).
       "cfg = glm5_jax.IndexerConfig(max_pools=2048, routing=glm5_jax.Routing())\n"
       "rng = np.random.default_rng(0)\n"
-      "w = [synthetic.layer(rng, cfg) for _ in range(2)]\n"
+      "w = [synthetic.layer(rng, cfg) for _ in range(3)]\n"
       "cache, pt, bt = synthetic.decode_cache(rng, 2, 8000)\n"
       "batch = synthetic.decode_batch(np.array([[7000], [300]]), cache, pt, bt)\n"
       "x, qr = synthetic.inputs(rng, 2)\n"
@@ -246,7 +247,7 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
       "  outs = [glm5_jax.indexer_stage(wl, c, x, qr, batch, config=cfg)\n"
       "          for wl, c in zip(w, caches)]\n"
       "  return [o for o, _ in outs], [c for _, c in outs]\n"
-      "caches = [cache, jax.tree.map(jax.numpy.copy, cache)]\n"
+      "caches = [cache] + [jax.tree.map(jax.numpy.copy, cache) for _ in range(2)]\n"
       "outs, caches = jax.jit(layers, donate_argnums=1)(w, caches, x, qr, batch)\n"
       "print(int(outs[1].counts[0]), int(outs[1].counts[1]))\n")
   # By default at M = 2 the update part is indexer_update_q's one call
