@@ -91,8 +91,13 @@ def run_both(args, routing, **params):
   return jax.jit(fused)(*copies()), jax.jit(parts)(*copies())
 
 
-def assert_bits(got, want):
-  names = ["key_raw", "head_w", "gate", "q_fp8", "w_out", "key", "kv_cache", "tail"]
+# The results' names: indexer_update's; the other ops' are slices of these with q.
+NAMES = ["key_raw", "head_w", "gate", "q_fp8", "w_out", "key", "kv_cache", "tail"]
+UPDATE_Q_NAMES = NAMES[:3] + ["q"] + NAMES[3:]
+
+
+def assert_bits(got, want, names=NAMES):
+  """Every byte of each result equal, a difference counted by the result's name."""
   for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
     diff = g != w
     assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
@@ -217,10 +222,7 @@ def test_epilogue_bit_identical_to_the_two_kernels(b, n, scale_format, round_sca
   assert targets(parts, (raw,) + rest) == ["glm5_indexer_query", "glm5_kpool_update"]
   copies = lambda: [raw] + [jnp.copy(a) for a in rest]
   got, want = jax.jit(fused)(*copies()), jax.jit(parts)(*copies())
-  names = ["q_fp8", "w_out", "key", "kv_cache", "tail"]
-  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
-    diff = g != w
-    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
+  assert_bits(got, want, NAMES[3:])
   assert np.asarray(got[3] != rest[3]).any() or b * n < 4, "some pool must complete"
 
 
@@ -248,19 +250,24 @@ def q_epilogue_args(b, n, seed):
   return (raw, qr, wq_b, *rest)
 
 
+def assert_one_call_is_two(one, two, calls, args, names):
+  """one (one FFI call) and two (the FFI calls `calls`, in order) lower to those calls and
+  give the same bytes of every result, each jit on caches of its own. Returns one's."""
+  assert targets(one, args) == [calls[0]]
+  assert targets(two, args) == calls[1:]
+  copies = lambda: [jnp.copy(a) for a in args]
+  got, want = jax.jit(one)(*copies()), jax.jit(two)(*copies())
+  assert_bits(got, want, names)
+  return got
+
+
 def assert_q_epilogue_bits(args, routing, **params):
   params = dict(scale=PARAMS["scale"], padded=PADDED, routing=routing, **params)
-  one = functools.partial(glm5_jax.update_epilogue_q, **params)
-  two = functools.partial(q_then_epilogue, **params)
-  assert targets(one, args) == ["glm5_update_epilogue_q"]
-  assert targets(two, args) == ["glm5_indexer_q", "glm5_update_epilogue"]
-  copies = lambda: [jnp.copy(a) for a in args]     # each run its own caches
-  got, want = jax.jit(one)(*copies()), jax.jit(two)(*copies())
-  names = ["q", "q_fp8", "w_out", "key", "kv_cache", "tail"]
-  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
-    diff = g != w
-    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
-  return got
+  return assert_one_call_is_two(
+      functools.partial(glm5_jax.update_epilogue_q, **params),
+      functools.partial(q_then_epilogue, **params),
+      ["glm5_update_epilogue_q", "glm5_indexer_q", "glm5_update_epilogue"], args,
+      UPDATE_Q_NAMES[3:])
 
 
 @pytest.mark.parametrize("pdl", [True, False])
@@ -326,17 +333,10 @@ def update_q_args(b, n, seed):
 
 def assert_update_q_bits(args, routing, **params):
   params = dict(scale=PARAMS["scale"], padded=PADDED, routing=routing, **params)
-  one = with_fresh_inputs(functools.partial(glm5_jax.indexer_update_q, **params))
-  two = with_fresh_inputs(functools.partial(q_then_update, **params))
-  assert targets(one, args) == ["glm5_indexer_update_q"]
-  assert targets(two, args) == ["glm5_indexer_q", TARGET]
-  copies = lambda: [jnp.copy(a) for a in args]     # each run its own caches
-  got, want = jax.jit(one)(*copies()), jax.jit(two)(*copies())
-  names = ["key_raw", "head_w", "gate", "q", "q_fp8", "w_out", "key", "kv_cache", "tail"]
-  for name, g, w in zip(names, tree_bytes(got), tree_bytes(want), strict=True):
-    diff = g != w
-    assert not diff.any(), f"{name}: {diff.sum()} of {diff.size} bytes differ"
-  return got
+  return assert_one_call_is_two(
+      with_fresh_inputs(functools.partial(glm5_jax.indexer_update_q, **params)),
+      with_fresh_inputs(functools.partial(q_then_update, **params)),
+      ["glm5_indexer_update_q", "glm5_indexer_q", TARGET], args, UPDATE_Q_NAMES)
 
 
 @pytest.mark.parametrize("pdl", [True, False])
@@ -398,5 +398,4 @@ def test_update_q_chained_steps_in_a_command_buffer():
   copies = lambda: [jnp.copy(a) for a in args]
   got = jax.jit(functools.partial(steps, glm5_jax.indexer_update_q))(*copies())
   want = jax.jit(functools.partial(steps, q_then_update))(*copies())
-  for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
-    np.testing.assert_array_equal(g, w)
+  assert_bits(got, want, UPDATE_Q_NAMES)
