@@ -501,7 +501,9 @@ _update_q = Op(
     attributes={name: typ for op in (indexer._q,) + PARTS for name, typ in op.attributes.items()
                 if name != "pdl"},
     attribute_values=_update_q_attribute_values, kernel_supports=_update_q_kernel_supports,
-    kernel_limits="those of indexer_q (its tactic) and indexer_update",
+    kernel_limits=("those of indexer_q (its tactic) and indexer_update, the projection at "
+                   "update_q_projection_tactic's (warps, split) (the table without the GEMV, "
+                   "or the one given), which must tile K"),
     **indexer.default_rows(UPDATE_Q_ROWS, "where the stage's update part was fastest "
                            f"with it ({indexer.UPDATE_PART_MEASURED})"),
     otherwise="indexer_q + indexer_update",
