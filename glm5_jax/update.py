@@ -49,10 +49,12 @@ def _epilogue_ops(q, key_raw, head_w, norm_weight, norm_bias, kv_cache, tail, ts
 
 def _parts(x, w_cat, q, *rest, heads, tactic, **params):
   """[(Op, operand avals, params)] of the three ops one call runs: the intermediates'
-  avals from the ops' own shape rules, key and gate as kpool_update sees them."""
+  avals from the projection's shapes (its tactic not checked here: the calling op's shape
+  rule checks the caller's; one chosen by a table, indexer_update_q's, is for the
+  projection's kernel_supports to take or not), key and gate as kpool_update sees them."""
   projection = dict(heads=heads, tactic=tactic)
-  key_raw, head_w, _ = (jax.core.ShapedArray(s, d) for s, d in indexer._projection.shapes(
-      x, w_cat, **projection))
+  key_raw, head_w, _ = (jax.core.ShapedArray(s, d)
+                        for s, d in indexer._projection_shapes(OP, x, w_cat, heads))
   return ([(indexer._projection, (x, w_cat), projection)]
           + _epilogue_ops(q, key_raw, head_w, *rest, **params))
 
@@ -469,13 +471,10 @@ def _update_q_shapes(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, **params):
   return out[:3] + q_out + out[3:]
 
 
-def _update_q_kernel_supports(x, *avals, tactic, **params):
-  """Where the projection's tactic here (update_q_projection_tactic) tiles K and each of the
-  four ops' kernels supports its part (their own rules)."""
-  k = x.shape[1]
-  return (indexer.tile_k(k, *update_q_projection_tactic(x.shape[0], k, tactic)) is not None
-          and all(op.kernel_supports(*a, **p)
-                  for op, a, p in _update_q_parts(x, *avals, tactic=tactic, **params)))
+def _update_q_kernel_supports(*avals, **params):
+  """Where each of the four ops' kernels supports its part (their own rules; the
+  projection's at update_q_projection_tactic's tactic, which must tile K)."""
+  return all(op.kernel_supports(*a, **p) for op, a, p in _update_q_parts(*avals, **params))
 
 
 def _update_q_attribute_values(*avals, **params):
