@@ -22,7 +22,9 @@ import tempfile
 
 K, HEADS, DIM, Q_LORA = 4096, 32, 128, 1536
 MARKER = "upcast_logits"
-METRICS = "gpu__time_duration.sum,dram__bytes_read.sum"
+# DRAM throughput: the share of the peak over the kernel's whole duration (ramp included).
+METRICS = ("gpu__time_duration.sum,dram__bytes_read.sum,"
+           "dram__throughput.avg.pct_of_peak_sustained_elapsed")
 KERNELS = "glm5|indexer|upcast|gemm|Gemm|dot|fusion|cutlass|xmma|nvjet|triton"
 
 
@@ -63,7 +65,9 @@ def run_calls(tokens, tactics):
     calls += [(f"M={m} {name}", jax.jit(fn).lower(x, w_cat).compile(), (x, w_cat))
               for name, fn in fns]
     qr = jnp.asarray(rng.standard_normal((m, Q_LORA)), jnp.bfloat16)
-    qfns = [("q reference", ref.indexer_q)] + [
+    # What XLA's own read of wq_b's bytes takes (a row sum): the kernels' bandwidth yardstick.
+    qfns = [("q reference", ref.indexer_q),
+            ("wq_b row sum", lambda qr, w: jnp.sum(w.astype(jnp.float32), axis=1))] + [
         (f"q kernel {t}", lambda qr, w, t=t: glm5_jax.indexer_q(qr, w, tactic=t))
         for t in Q_TACTICS if q_kernel_tiles(HEADS * DIM, Q_LORA, t)]
     calls += [(f"M={m} {name}", jax.jit(fn).lower(qr, wq_b).compile(), (qr, wq_b))
@@ -100,12 +104,14 @@ def report(rows, labels):
       current.append(r)
   if len(groups) != len(labels):
     sys.exit(f"{len(groups)} kernel groups for {len(labels)} calls")
-  print(f"{'call':34} {'µs':>7} {'DRAM MB':>8}  kernels (µs)")
+  print(f"{'call':34} {'µs':>7} {'DRAM MB':>8}  kernels (µs, DRAM % of peak)")
   for label, kernels in zip(labels, groups):
     us = [_number(k["gpu__time_duration.sum"]) / 1e3 for k in kernels]
     mb = sum(_number(k["dram__bytes_read.sum"]) for k in kernels) / 1e6
     names = ", ".join(f"{k['Kernel Name'][:40]} grid{k.get('Grid Size')} "
-                      f"block{k.get('Block Size')} {u:.2f}" for k, u in zip(kernels, us))
+                      f"block{k.get('Block Size')} {u:.2f} "
+                      f"{_number(k['dram__throughput.avg.pct_of_peak_sustained_elapsed']):.0f}%"
+                      for k, u in zip(kernels, us))
     print(f"{label:34} {sum(us):7.2f} {mb:8.3f}  {names}")
 
 
