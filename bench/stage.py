@@ -122,6 +122,11 @@ def add_arguments(parser):
                            "last layer's cache of the step before (_step's chained), as in a "
                            "model; --no-stage-chained: independent layers and steps, which "
                            "XLA's dot merger batches across the steps of a run")
+  parser.add_argument("--stage-chain-barrier", action="store_true",
+                      help="chain layers and steps through lax.optimization_barrier instead "
+                           "of the two fusions (x + 0 * prev, qr + 0 * prev) a layer: the "
+                           "same order of work without the fusions' ~2.9 µs a layer, which "
+                           "stand for the model's ops that make x and qr")
   parser.add_argument("--stage-update-only", action="store_true",
                       help="also time the stage's update part alone (q, projection, "
                            "query epilogue, kpool_update; no selection)")
@@ -192,7 +197,7 @@ def _state(m, ctx, layers, seed, steps=STEPS):
   return weights, caches, xs, qrs, batch
 
 
-def _step(config, update_only=False, consume=True, chained=False):
+def _step(config, update_only=False, consume=True, chained=False, barrier=False):
   """step(caches, k, weights, xs, qrs, batch) -> (caches, out): decode step k of every
   layer (layer l on xs[k][l], qrs[k][l]): indexer_stage (out reads every layer's counts),
   or with update_only its update part alone (out reads every layer's w_out): consumed(),
@@ -201,7 +206,10 @@ def _step(config, update_only=False, consume=True, chained=False):
   read the last layer's cache as the step before left it, so that neither a graph scheduled
   for concurrency nor XLA's dot merger (which batches GEMMs that share a weight and do not
   depend on each other: one layer's over the steps of a run) can join work that a model
-  runs one after the other; without it the layers and steps are independent."""
+  runs one after the other; without it the layers and steps are independent. barrier:
+  the chain is an optimization barrier over (x, qr, the output before) instead of the two
+  fusions: no kernels, only the order (whether the device keeps it is for a timeline to
+  show: step_times)."""
   ops = glm5_stage._ops(config, use_reference=False)
 
   def step(caches, k, weights, xs, qrs, batch):
@@ -216,6 +224,9 @@ def _step(config, update_only=False, consume=True, chained=False):
         # its 12.6 MB's 2.6 µs floor). Not a pred converted to f32: XLA turns that times 0
         # into a select of two zeros, which it may fold.
         prev = outs[-1] if outs else caches[-1].tail
+      if chained and barrier:
+        x, qr, _ = jax.lax.optimization_barrier((x, qr, prev))
+      elif chained:
         dep = prev.reshape(-1)[0].astype(jnp.float32) * 0.0
         x, qr = (x + dep).astype(x.dtype), (qr + dep).astype(qr.dtype)
       if update_only:
@@ -266,6 +277,7 @@ def run(bench):
                            and bench.args.stage_update_only else [])
                         if bench.module else [REFERENCE])
   steps, chained = bench.args.stage_steps, bench.args.stage_chained
+  barrier = chained and bench.args.stage_chain_barrier
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731
                                 steps=steps)
   for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
@@ -275,7 +287,7 @@ def run(bench):
       routing = ROUTINGS[variant]
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
-        step = _step(config, variant in UPDATE_PART, chained=chained)
+        step = _step(config, variant in UPDATE_PART, chained=chained, barrier=barrier)
         variant_steps = min(steps, REFERENCE_STEPS) if variant == REFERENCE else steps
         sec, caches, info = time_step(step, caches, (weights, xs, qrs, batch), s,
                                       units=s.stage_layers, steps=variant_steps)
@@ -285,7 +297,10 @@ def run(bench):
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {variant_steps} steps per "
                         "timed run, µs per layer" + ("; layers and steps chained (each reads "
-                                                     "the output before it)" if chained else
+                                                     "the output before it" + (
+                                                         ", through optimization barriers)"
+                                                         if barrier else ")")
+                                                     if chained else
                                                      "; layers and steps independent")
                         + (f"; {host}" if host else ""))
         bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "

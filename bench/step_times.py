@@ -91,7 +91,8 @@ def _marker():
   return lambda: jax.block_until_ready(fn(x))
 
 
-def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=True):
+def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=True,
+        barrier=False):
   """Runs the sections, steps_per_run decode steps in each run; returns [(shape, variant)]
   in the order it timed them (what parse() reads the CSV by: sections())."""
   marker, timed = _marker(), []
@@ -102,7 +103,7 @@ def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=
       steps = {}
       for v in variants:   # every compile (and its autotuning) before the first marker
         config = stage._config(ctx, stage.ROUTINGS[v], stage.UPDATES.get(v))
-        step = stage._step(config, v in stage.UPDATE_PART, chained=chained)
+        step = stage._step(config, v in stage.UPDATE_PART, chained=chained, barrier=barrier)
 
         def fn(c, *a, step=step):   # one f32 scalar that reads every step's output
           c, outs = run_steps(step, c, steps_per_run, *a)
@@ -245,6 +246,9 @@ def main():
   p.add_argument("--chained", action=argparse.BooleanOptionalAction, default=True,
                  help="layers and steps read the output before them (the stage group's "
                       "--stage-chained, its default)")
+  p.add_argument("--chain-barrier", action="store_true",
+                 help="the chain through optimization barriers (the stage group's "
+                      "--stage-chain-barrier)")
   p.add_argument("--layers", type=int, default=0,
                  help="layers per step (default: the stage group's, 11)")
   p.add_argument("--top", type=int, default=8, help="kernels listed per section (node mode)")
@@ -265,13 +269,15 @@ def main():
   if not (args.parse or args.parse_timeline):
     use_cache(args.cache_dir, min_compile_s=0)
     if not args.timeline:
-      run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained)
+      run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained,
+          args.chain_barrier)
       return
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level, options.host_tracer_level = 0, 1
     with jax.profiler.trace(args.timeline, create_perfetto_trace=True,
                             profiler_options=options):
-      run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained)
+      run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained,
+          args.chain_barrier)
   if args.parse:
     table = parse(open(args.parse).read(), order, args.runs, layers, args.steps)
   else:
