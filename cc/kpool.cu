@@ -252,6 +252,53 @@ __device__ __forceinline__ void update_token(const UpdateArgs& a,
   if (t.stashes) stash(a, t, pos, kw, gw);
 }
 
+// A single-token request's operands that none of the GEMMs writes: its APE rows, its plan
+// (from pos, loc and tslot) and, when the token completes a pool, the three ring rows it pools
+// with.
+struct TokenOperands {
+  int32_t pos, loc;
+  TokenPlan t;
+  RingRows ring;
+  float bias[kPool][kPerLane];
+};
+
+__device__ __forceinline__ TokenOperands token_operands(const UpdateArgs& a, int32_t pos,
+                                                        int32_t loc, int32_t tslot, int lane) {
+  TokenOperands o;
+  o.pos = pos;
+  o.loc = loc;
+  load_bias(a.ape, kPerLane * lane, o.bias);
+  o.t = plan_token(a, pos, loc, tslot, lane);
+  o.ring = {};
+  if (o.t.completes) o.ring = load_ring(a, o.t.block, pos - (kPool - 1));
+  return o;
+}
+
+// Request `req`'s indices, then token_operands: every load of a single-token request that
+// does not read a GEMM's result.
+__device__ __forceinline__ TokenOperands request_operands(const UpdateArgs& a, int64_t req,
+                                                          int lane) {
+  const int32_t pos = __ldg(a.pos + req), loc = __ldg(a.loc + req);
+  return token_operands(a, pos, loc, __ldg(a.tslot + req), lane);
+}
+
+// The single-token request `req` from its operands o and its key and gate quads kw, gw (with
+// kNorm the key from the key LayerNorm of `norm`'s key_raw row instead: kw unused).
+template <ScaleMode kMode, bool kNorm, bool kRaw>
+__device__ __forceinline__ void update_single(const UpdateArgs& a, const QueryArgs* norm,
+                                              int64_t req, int lane, const TokenOperands& o,
+                                              uint2 kw, uint2 gw) {
+  if constexpr (kNorm) {
+    const uint4 y = key_norm<kRaw>(*norm, req, lane < kHalf, lane);
+    const int src = lane / 2;
+    const uint32_t x0 = __shfl_sync(kFullMask, y.x, src), x1 = __shfl_sync(kFullMask, y.y, src);
+    const uint32_t x2 = __shfl_sync(kFullMask, y.z, src), x3 = __shfl_sync(kFullMask, y.w, src);
+    kw = lane % 2 == 0 ? make_uint2(x0, x1) : make_uint2(x2, x3);
+  }
+  if (o.t.completes) pool_ring<kMode>(a, o.ring, kw, gw, o.bias, o.loc, lane);
+  if (o.t.stashes) stash(a, o.t, o.pos, kw, gw);
+}
+
 // Request `req`'s tokens in t order, by one warp (`staged`: its stage_bytes(next_n) of shared
 // memory). The key quads come from the key operand (kpool_update), or with kNorm from the key
 // LayerNorm of `norm`'s key_raw rows, also written to its key result (indexer_update's
@@ -261,7 +308,6 @@ template <ScaleMode kMode, bool kNorm, bool kRaw = false>
 __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryArgs* norm,
                                                int64_t req, int lane, uint2* staged) {
   const int dim = kPerLane * lane;
-  float bias[kPool][kPerLane];
   if (single_token(a.next_n)) {
     // Decode without speculative tokens: one token, so nothing is staged. Every lane loads the
     // indices itself (a broadcast each), its gate (and key) quads and the APE rows, all in
@@ -273,22 +319,12 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
     uint2 kw = make_uint2(0u, 0u);
     if constexpr (!kNorm) kw = key_quad(a, req, dim);
     const uint2 gw = gate_quad<kRaw>(a, norm, req, dim);
-    load_bias(a.ape, dim, bias);
-    const TokenPlan t = plan_token(a, pos, loc, tslot, lane);
-    RingRows ring = {};
-    if (t.completes) ring = load_ring(a, t.block, pos - (kPool - 1));
-    if constexpr (kNorm) {
-      const uint4 y = key_norm<kRaw>(*norm, req, lane < kHalf, lane);
-      const int src = lane / 2;
-      const uint32_t x0 = __shfl_sync(kFullMask, y.x, src), x1 = __shfl_sync(kFullMask, y.y, src);
-      const uint32_t x2 = __shfl_sync(kFullMask, y.z, src), x3 = __shfl_sync(kFullMask, y.w, src);
-      kw = lane % 2 == 0 ? make_uint2(x0, x1) : make_uint2(x2, x3);
-    }
-    if (t.completes) pool_ring<kMode>(a, ring, kw, gw, bias, loc, lane);
-    if (t.stashes) stash(a, t, pos, kw, gw);
+    update_single<kMode, kNorm, kRaw>(a, norm, req, lane,
+                                      token_operands(a, pos, loc, tslot, lane), kw, gw);
     return;
   }
   const int64_t first = req * a.next_n;  // [B, N] row of req
+  float bias[kPool][kPerLane];
   load_bias(a.ape, dim, bias);
   // [key | gate][token of the chunk][lane]: 2 * chunk * 32 quads (stage_bytes()).
   const int chunk = min(kWarp, a.next_n);
@@ -356,13 +392,28 @@ __global__ void __launch_bounds__(kWarp) kpool_update_kernel(const UpdateArgs a)
 // the same bits. Request warps come first: theirs is the longest dependent chain.
 constexpr int kEpilogueWarps = 4;
 
+//
+// `early` (launch_update_epilogue's operands_ready): a single-token request warp loads what no
+// GEMM of its FFI call writes (request_operands: indices, APE, the ring rows of a completion)
+// before its PDL wait, so that after the wait only the GEMMs' results remain to load: one
+// dependent load chain (indices, then the ring rows) off the path behind the GEMMs.
+//
 // One CTA per SM is enough (the grids are small): without the 1, ptxas held the kRaw
 // variants to 72 registers and spilled 8 bytes in the staging loop; with it, 87-102, none.
 template <ScaleMode kMode, bool kBf16, bool kRaw>
 __global__ void __launch_bounds__(kEpilogueWarps * kWarp, 1)
-    update_epilogue_kernel(const UpdateArgs a, const QueryArgs q, const int64_t requests) {
+    update_epilogue_kernel(const UpdateArgs a, const QueryArgs q, const int64_t requests,
+                           const bool early) {
   const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kEpilogueWarps + w;
+  if (early && warp < requests && single_token(a.next_n)) {
+    const TokenOperands o = request_operands(a, warp, lane);
+    pdl_wait();  // the GEMMs' results
+    pdl_launch_dependents();
+    const uint2 gw = gate_quad<kRaw>(a, &q, warp, kPerLane * lane);
+    update_single<kMode, true, kRaw>(a, &q, warp, lane, o, make_uint2(0u, 0u), gw);
+    return;
+  }
   pdl_wait();  // every input may be the projection's
   pdl_launch_dependents();
   extern __shared__ uint2 staged[];
@@ -525,7 +576,7 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
 }
 
 cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
-                                   const UpdateLaunch& update) {
+                                   const UpdateLaunch& update, bool operands_ready) {
   bool copied = false;
   if (cudaError_t err = copy_unaliased_caches(update, stream, copied); err != cudaSuccess)
     return err;
@@ -535,7 +586,7 @@ cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLau
   const int64_t blocks = (warps + kEpilogueWarps - 1) / kEpilogueWarps;
   if (blocks > kI32Max) return cudaErrorInvalidConfiguration;
   const size_t smem = kEpilogueWarps * update.smem;
-  void (*const kernel)(UpdateArgs, QueryArgs, int64_t) =
+  void (*const kernel)(UpdateArgs, QueryArgs, int64_t, bool) =
       by_scale_mode(update.round_scale, update.ue8m0, [&](auto mode) {
         constexpr ScaleMode kMode = decltype(mode)::value;
         if (query.args.raw != nullptr)
@@ -547,7 +598,7 @@ cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLau
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   return launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kEpilogueWarps * kWarp), smem,
                 stream, pdl && !copied, update.args, query.args,
-                static_cast<int64_t>(update.requests));
+                static_cast<int64_t>(update.requests), operands_ready);
 }
 
 namespace {

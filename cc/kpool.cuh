@@ -59,7 +59,11 @@ cudaError_t launch_kpool_update(cudaStream_t stream, bool pdl, const UpdateLaunc
 // LayerNorm folded into the request warps: `query` and `update` as prepare_query and
 // prepare_kpool_update planned them (update's key is the query's key result). Where the query
 // plan's args.raw is set (update_epilogue), key_raw, head_w and the gate are read from it.
+// operands_ready: a kernel of the same FFI call runs before the epilogue and triggers its
+// dependents only after its own PDL wait (q's GEMM, the projection), so that all the work
+// before the call is complete when the epilogue starts: its request warps then load what no
+// GEMM writes before their wait. False where the epilogue is the call's first kernel.
 cudaError_t launch_update_epilogue(cudaStream_t stream, bool pdl, const QueryLaunch& query,
-                                   const UpdateLaunch& update);
+                                   const UpdateLaunch& update, bool operands_ready);
 
 }  // namespace glm5

@@ -117,7 +117,8 @@ ffi::Error IndexerUpdateImpl(
 
   if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
     return check.cuda(err);
-  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
+  return check.cuda(
+      launch_update_epilogue(stream, pdl, plans->query, plans->update, /*operands_ready=*/true));
 }
 
 // indexer_update_q: indexer_q's GEMM and indexer_update's kernels in one FFI call, three
@@ -166,7 +167,8 @@ ffi::Error IndexerUpdateQImpl(
     return check.cuda(err);
   if (cudaError_t err = launch_projection(stream, pdl, *projection); err != cudaSuccess)
     return check.cuda(err);
-  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
+  return check.cuda(
+      launch_update_epilogue(stream, pdl, plans->query, plans->update, /*operands_ready=*/true));
 }
 
 // The epilogue's two plans on the projection's f32 sums raw[M, 256 + H] and q bf16[M, H, 128]
@@ -233,7 +235,8 @@ ffi::Error UpdateEpilogueImpl(
       prepare_epilogue(check, raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
                        pos, q_out, w_out, key, kv_out, tail_out, scale, eps, ue8m0, round_scale);
   if (plans.has_error()) return plans.error();
-  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
+  return check.cuda(
+      launch_update_epilogue(stream, pdl, plans->query, plans->update, /*operands_ready=*/false));
 }
 
 // update_epilogue_q: indexer_q's GEMM, then update_epilogue's kernel on its q, launched by one
@@ -267,7 +270,8 @@ ffi::Error UpdateEpilogueQImpl(
   if (plans.has_error()) return plans.error();
   if (cudaError_t err = launch_q_gemm(stream, pdl, *gemm); err != cudaSuccess)
     return check.cuda(err);
-  return check.cuda(launch_update_epilogue(stream, pdl, plans->query, plans->update));
+  return check.cuda(
+      launch_update_epilogue(stream, pdl, plans->query, plans->update, /*operands_ready=*/true));
 }
 
 // The three update handlers' shared bindings, in their order: after the projection's inputs

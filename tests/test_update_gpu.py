@@ -15,7 +15,9 @@
     to indexer_q's kernel then update_epilogue's.
 (e) indexer_update_q's kernel (q's GEMM, the projection beside it, the epilogue: one FFI
     call) is bit-identical to indexer_q's kernel then indexer_update's, with x and qr made
-    by the kernel just before the call (the projection reads x before its PDL wait).
+    by the kernel just before the call (the projection reads x before its PDL wait); with
+    the tail ring and indices made just before the call (the epilogue loads them before its
+    wait), indexer_update_q and indexer_update are bit-identical to the ops one call each.
 Its kernels against the reference: tests/test_primitives.py (CASES["indexer_update"],
 inputs whose GEMM is exact in any order) and tests/test_stage.py.
 """
@@ -374,6 +376,54 @@ def test_update_q_no_rows():
     args[i] = args[i][:0]
   assert_update_q_bits(tuple(args), Routing(kernels=True), tactic=None, q_tactic=None,
                        w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True)
+
+
+def with_fresh_operands(fn, tail_at):
+  """fn with the tail ring doubled and tslot, loc and pos rewritten by XLA kernels just
+  before the call (each from x[0] * 0.0, which is not simplified away): the epilogue of
+  indexer_update and indexer_update_q loads those before its PDL wait (cc/kpool.cu,
+  update_epilogue_kernel's `early`), so a load that ran ahead of their writers would read
+  the buffers' old bytes. tail_at: the tail's position (tslot, ape, loc, pos follow)."""
+  def fresh(*args):
+    args = list(args)
+    zero = args[0].reshape(-1)[0].astype(jnp.float32) * 0.0
+    tail = args[tail_at]
+    args[tail_at] = (tail.astype(jnp.float32) * 2.0 + zero).astype(tail.dtype)
+    for i in (tail_at + 1, tail_at + 3, tail_at + 4):        # tslot, loc, pos
+      args[i] = args[i] + zero.astype(jnp.int32)
+    return fn(*args)
+  return fresh
+
+
+def q_then_three_ops(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing, **params):
+  """indexer_update_q as indexer_q's kernel, then indexer_projection's, indexer_query's and
+  kpool_update's: four FFI calls, each reading its operands after its PDL wait."""
+  tactic = glm5_jax.update.update_q_projection_tactic(x.shape[0], x.shape[1], tactic)
+  q = glm5_jax.indexer_q(qr, wq_b, tactic=q_tactic, routing=routing)
+  out = three_ops(x, w_cat, q.reshape(q.shape[0], HEADS, 128), *rest, heads=HEADS,
+                  tactic=tactic, routing=routing, **params)
+  return out[:3] + (q,) + out[3:]
+
+
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_epilogue_early_loads_see_operands_made_just_before(b):
+  """indexer_update_q and indexer_update on a tail ring and indices that XLA writes just
+  before the call, against the ops one FFI call each (kpool_update's kernel reads them after
+  its wait): every byte, at one token a request (the path that loads them early)."""
+  params = dict(scale=PARAMS["scale"], padded=PADDED, routing=Routing(kernels=True),
+                tactic=None, w_out_dtype=jnp.float32, scale_format="fp32", round_scale=True)
+  args = update_q_args(b, 1, seed=31 + b)
+  got = assert_one_call_is_two(
+      with_fresh_operands(functools.partial(glm5_jax.indexer_update_q, q_tactic=None,
+                                            **params), 7),
+      with_fresh_operands(functools.partial(q_then_three_ops, q_tactic=None, **params), 7),
+      ["glm5_indexer_update_q", "glm5_indexer_q"] + PARTS, args, UPDATE_Q_NAMES)
+  assert np.asarray(got[7] != args[6]).any() or b < 4, "some pool must complete"
+  args = update_args(b, 1, seed=37 + b)
+  assert_one_call_is_two(
+      with_fresh_operands(functools.partial(glm5_jax.indexer_update, heads=HEADS, **params), 6),
+      with_fresh_operands(functools.partial(three_ops, heads=HEADS, **params), 6),
+      [TARGET] + PARTS, args, NAMES)
 
 
 def test_update_q_chained_steps_in_a_command_buffer():
