@@ -153,4 +153,22 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Loads meant to run before pdl_wait(): weak ld.global, not ld.global.nc (__ldg), which ptxas
+// (CUDA 13.0, sm_90a) lets the wait overtake, so that the load would wait for the previous
+// grid after all (cc/projection.cuh's load_weight, found in the SASS; tests/test_sass_gpu.py
+// holds the kernels that load before their wait to it).
+__device__ __forceinline__ int32_t load_before_wait(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float4 load_before_wait(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p));
+  return v;
+}
+
 }  // namespace glm5

@@ -92,11 +92,14 @@ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
 
 // ---------------------------------------------------------------------------------------------
 // The four APE rows of the lane's dims (one 16-byte load per pool slot).
+// kEarly: for before the PDL wait (load_before_wait).
+template <bool kEarly = false>
 __device__ __forceinline__ void load_bias(const float* ape, int dim,
                                           float (&bias)[kPool][kPerLane]) {
 #pragma unroll
   for (int p = 0; p < kPool; ++p) {
-    const float4 b = __ldg(reinterpret_cast<const float4*>(ape + p * kDim + dim));
+    const float4* const row = reinterpret_cast<const float4*>(ape + p * kDim + dim);
+    const float4 b = kEarly ? load_before_wait(row) : __ldg(row);
     bias[p][0] = b.x, bias[p][1] = b.y, bias[p][2] = b.z, bias[p][3] = b.w;
   }
 }
@@ -254,7 +257,7 @@ __device__ __forceinline__ void update_token(const UpdateArgs& a,
 
 // A single-token request's operands that none of the GEMMs writes: its APE rows, its plan
 // (from pos, loc and tslot) and, when the token completes a pool, the three ring rows it pools
-// with.
+// with (weak loads: they stay before a PDL wait). kEarly: loaded before the wait.
 struct TokenOperands {
   int32_t pos, loc;
   TokenPlan t;
@@ -262,12 +265,13 @@ struct TokenOperands {
   float bias[kPool][kPerLane];
 };
 
+template <bool kEarly>
 __device__ __forceinline__ TokenOperands token_operands(const UpdateArgs& a, int32_t pos,
                                                         int32_t loc, int32_t tslot, int lane) {
   TokenOperands o;
   o.pos = pos;
   o.loc = loc;
-  load_bias(a.ape, kPerLane * lane, o.bias);
+  load_bias<kEarly>(a.ape, kPerLane * lane, o.bias);
   o.t = plan_token(a, pos, loc, tslot, lane);
   o.ring = {};
   if (o.t.completes) o.ring = load_ring(a, o.t.block, pos - (kPool - 1));
@@ -275,11 +279,11 @@ __device__ __forceinline__ TokenOperands token_operands(const UpdateArgs& a, int
 }
 
 // Request `req`'s indices, then token_operands: every load of a single-token request that
-// does not read a GEMM's result.
+// does not read a GEMM's result, for before the PDL wait.
 __device__ __forceinline__ TokenOperands request_operands(const UpdateArgs& a, int64_t req,
                                                           int lane) {
-  const int32_t pos = __ldg(a.pos + req), loc = __ldg(a.loc + req);
-  return token_operands(a, pos, loc, __ldg(a.tslot + req), lane);
+  const int32_t pos = load_before_wait(a.pos + req), loc = load_before_wait(a.loc + req);
+  return token_operands<true>(a, pos, loc, load_before_wait(a.tslot + req), lane);
 }
 
 // The single-token request `req` from its operands o and its key and gate quads kw, gw (with
@@ -320,7 +324,7 @@ __device__ __forceinline__ void update_request(const UpdateArgs& a, const QueryA
     if constexpr (!kNorm) kw = key_quad(a, req, dim);
     const uint2 gw = gate_quad<kRaw>(a, norm, req, dim);
     update_single<kMode, kNorm, kRaw>(a, norm, req, lane,
-                                      token_operands(a, pos, loc, tslot, lane), kw, gw);
+                                      token_operands<false>(a, pos, loc, tslot, lane), kw, gw);
     return;
   }
   const int64_t first = req * a.next_n;  // [B, N] row of req

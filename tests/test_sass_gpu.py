@@ -1,4 +1,5 @@
-"""The built CUDA module's SASS keeps each kernel's model-weight loads before its PDL wait.
+"""The built CUDA module's SASS keeps each kernel's model-weight loads before its PDL wait,
+and the update epilogue's loads of the operands no GEMM writes.
 
 Programmatic dependent launch lets a kernel start while the previous one finishes; the
 projection kernels (indexer_projection and its GEMV, indexer_projection_fused,
@@ -99,6 +100,20 @@ def test_weight_loads_precede_the_pdl_wait(functions):
   # 9 projection and 18 fused instantiations, 8 GEMVs, 8 + 3 of indexer_q, 2 of mqa_logits.
   mma, gemv = (checked[k.pattern] for k in PROJECTION)
   assert mma >= 27 and gemv >= 8 and all(checked.values()), checked
+
+
+def test_update_epilogue_loads_operands_before_the_pdl_wait(functions):
+  """update_epilogue_kernel's early path (cc/kpool.cu, request_operands): a single-token
+  request warp's pos, loc and tslot and its four APE rows are loaded before
+  griddepcontrol.wait (weak loads, common.h's load_before_wait), at least those 7 LDG
+  before the first ACQBULK of every instantiation (3 scale modes x f32/bf16 w_out x raw or
+  not)."""
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"update_epilogue_kernelI", name)}
+  assert len(kernels) == 12, sorted(functions)
+  for name, instructions in kernels.items():
+    loads = _before_wait(instructions, r"^(@\S+\s+)?LDG\.")
+    assert loads is not None and loads >= 7, f"{name}: {loads} global loads before {WAIT}"
 
 
 def test_projection_cluster_kernels_have_no_membar(functions):
