@@ -102,18 +102,33 @@ def test_weight_loads_precede_the_pdl_wait(functions):
   assert mma >= 27 and gemv >= 8 and all(checked.values()), checked
 
 
+def _loads_before_each_wait(instructions):
+  """Per PDL wait, the global loads since the EXIT or wait before it: the code that runs
+  before that wait on a path of its own."""
+  counts, loads = [], 0
+  for ins in instructions:
+    if WAIT in ins:
+      counts.append(loads)
+    if WAIT in ins or re.search(r"^(@\S+\s+)?EXIT", ins):
+      loads = 0
+    elif re.search(r"^(@\S+\s+)?LDG\.", ins):
+      loads += 1
+  return counts
+
+
 def test_update_epilogue_loads_operands_before_the_pdl_wait(functions):
   """update_epilogue_kernel's early path (cc/kpool.cu, request_operands): a single-token
   request warp's pos, loc and tslot and its four APE rows are loaded before
-  griddepcontrol.wait (weak loads, common.h's load_before_wait), at least those 7 LDG
-  before the first ACQBULK of every instantiation (3 scale modes x f32/bf16 w_out x raw or
-  not)."""
+  griddepcontrol.wait (weak loads, common.h's load_before_wait). ptxas lays that path out
+  after the others (its own wait at the end of the function: 13 LDG before it on the H200,
+  the ring rows' 6 too), so some wait of every instantiation (3 scale modes x f32/bf16 w_out
+  x raw or not) must have at least those 7 LDG before it on its path."""
   kernels = {name: ins for name, ins in functions.items()
              if re.search(r"update_epilogue_kernelI", name)}
   assert len(kernels) == 12, sorted(functions)
   for name, instructions in kernels.items():
-    loads = _before_wait(instructions, r"^(@\S+\s+)?LDG\.")
-    assert loads is not None and loads >= 7, f"{name}: {loads} global loads before {WAIT}"
+    counts = _loads_before_each_wait(instructions)
+    assert counts and max(counts) >= 7, f"{name}: global loads before each {WAIT}: {counts}"
 
 
 def test_projection_cluster_kernels_have_no_membar(functions):
