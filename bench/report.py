@@ -64,6 +64,9 @@ def stage_table(rows):
   """The stage group first: µs per layer of an 11-layer jitted decode step, kernels
   (default routing) vs reference, per context (rows) and M (columns)."""
   st = {(r["shape"], r["variant"]): r.get("device_us") for r in rows if r["op"] == "stage"}
+  # Rows from before the stage group chained its layers and steps (bench/stage.py's _step).
+  unchained = {r["shape"] for r in rows if r["op"] == "stage" and r["variant"] == KERNEL
+               and "chained" not in r.get("notes", "")}
   if not st:
     return []
   shapes = list(dict.fromkeys(sh for sh, _ in st))
@@ -84,8 +87,14 @@ def stage_table(rows):
     cells = []
     for m in ms:
       k, ref = st.get((f"{m},{ctx}", KERNEL)), st.get((f"{m},{ctx}", REFERENCE))
-      cells.append(f"{_fmt(k)} / {_fmt(ref)} ({_ratio(ref, k)})")
+      mark = " †" if f"{m},{ctx}" in unchained else ""
+      cells.append(f"{_fmt(k)} / {_fmt(ref)} ({_ratio(ref, k)}){mark}")
     out.append(f"| {ctx.split('=')[1]} | " + " | ".join(cells) + " |")
+  if unchained:
+    out += ["", "† layers and steps independent (measured before the stage group chained "
+            "them): XLA's dot merger batched one layer's GEMMs over the steps of a run, so "
+            "both columns read low (bench/NOTES.md, twenty-first session); the other cells "
+            "chain each layer to the output before it, as a model runs."]
   return out + [""]
 
 

@@ -44,6 +44,7 @@ from glm5_jax import synthetic
 from .harness import host_note, time_step
 from .sizes import CONFIG, POOL, Sizes
 from .variants import (
+  BARRIER_CHAIN,
   KERNEL,
   NO_PDL,
   Q_EPILOGUE,
@@ -284,7 +285,7 @@ def run(bench):
     weights, caches, xs, qrs, batch = state
     del state
     for variant in variants:
-      routing = ROUTINGS[variant]
+      routing, name = ROUTINGS[variant], variant + (BARRIER_CHAIN if barrier else "")
       try:
         config = _config(ctx, routing, UPDATES.get(variant))
         step = _step(config, variant in UPDATE_PART, chained=chained, barrier=barrier)
@@ -292,7 +293,7 @@ def run(bench):
         sec, caches, info = time_step(step, caches, (weights, xs, qrs, batch), s,
                                       units=s.stage_layers, steps=variant_steps)
         host = host_note(info)
-        bench.row(NAME, shape, variant, sec * 1e6, None, None, layers=s.stage_layers,
+        bench.row(NAME, shape, name, sec * 1e6, None, None, layers=s.stage_layers,
                   dispatch_us=info["dispatch_us"], run_us=info["run_us"],
                   compile_s=info["compile_s"],
                   notes=f"{s.stage_layers} layers per decode step, {variant_steps} steps per "
@@ -303,10 +304,10 @@ def run(bench):
                                                      if chained else
                                                      "; layers and steps independent")
                         + (f"; {host}" if host else ""))
-        bench.log(f"stage {shape} {variant}: {sec * 1e6:.1f} us per layer "
+        bench.log(f"stage {shape} {name}: {sec * 1e6:.1f} us per layer "
                   f"(step {info['run_us']:.0f} us, dispatch {info['dispatch_us']:.0f} us)")
       except Exception as e:                             # noqa: BLE001
-        bench.error_row(NAME, shape, variant, e)
+        bench.error_row(NAME, shape, name, e)
       bench.write_json()
     del weights, caches, xs, qrs, batch
     gc.collect()

@@ -39,6 +39,9 @@ UPDATE_ONLY_Q_EPILOGUE = "kernel, update part only, q in epilogue"   # its updat
 # The stage with indexer_update_q's kernel on: the whole update part in one FFI call.
 UPDATE_Q = "kernel, indexer_update_q"
 UPDATE_ONLY_UPDATE_Q = "kernel, update part only, indexer_update_q"   # its update part alone
+# The stage group's rows with --stage-chain-barrier: layers and steps ordered by optimization
+# barriers instead of the chain's two fusions a layer (bench/stage.py's _step).
+BARRIER_CHAIN = ", barrier chain"
 VARIANTS = (REFERENCE, KERNEL, NO_PDL, TRITON, PALLAS, THREE_DOTS, TWO_KERNELS, GEMM_QUERY,
             UPDATE_FUSED, UPDATE_OPS, UPDATE_ONLY, UPDATE_ONLY_OPS, UPDATE_ONLY_FUSED,
             SELECT_OPS, Q_KERNEL, Q_KERNEL_NO_PDL, UPDATE_ONLY_Q_KERNEL,
