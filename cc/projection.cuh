@@ -59,11 +59,9 @@ struct Gemm {
   bool inputs_ready = false;
 };
 
-// 16 bytes of weights, streamed once: no L1 allocation. A weak load, not ld.global.nc: ptxas
-// (CUDA 13.0, sm_90a) hoists griddepcontrol.wait above .nc loads (ACQBULK first in the SASS,
-// the weights after it), which would wait for the previous grid before loading the weights;
-// weak loads stay where they are written, before the wait (tests/test_sass_gpu.py checks the
-// built module's SASS).
+// 16 bytes of weights, streamed once: no L1 allocation. A weak load, for before the PDL wait
+// as common.h's load_before_wait (which says why not ld.global.nc), with the L1 hint those
+// lack; found in the SASS here (ACQBULK first, the weights after it, with .nc loads).
 __device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
   uint4 v;
   asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
