@@ -84,6 +84,17 @@ def test_stage_update_only_step_is_the_stages_update_part():
                        static_argnums=1)(copy(), 1, weights, xs, qrs, batch)
   for g, c in zip(got, chained, strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+  # --stage-chain-barrier: the order through one more optimization barrier a layer (the
+  # stage has its own), no arithmetic.
+  def barriers(**chain):
+    step = jax.jit(stage._step(config, update_only=True, consume=False, **chain),
+                   static_argnums=1)
+    return step, step.lower(copy(), 1, weights, xs, qrs, batch).as_text().count(
+        "stablehlo.optimization_barrier")
+  barrier, count = barriers(chained=True, barrier=True)
+  assert count - barriers(chained=True)[1] == len(weights)
+  for g, c in zip(got, barrier(copy(), 1, weights, xs, qrs, batch)[1], strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
   firsts = []
   for layer, (w, c) in enumerate(zip(weights, copy())):
     out, c = glm5_jax.indexer_stage(w, c, xs[1][layer], qrs[1][layer], batch, config=config)
