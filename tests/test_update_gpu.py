@@ -313,13 +313,15 @@ def with_fresh_inputs(fn):
   return fresh
 
 
-def q_then_update(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing, **params):
+def q_then_update(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing,
+                  update=glm5_jax.indexer_update, **params):
   """indexer_update_q as two FFI calls: indexer_q's kernel (q_tactic), then indexer_update's
-  (the projection's tactic indexer_update_q takes) on its q seen as [M, H, 128]."""
+  (the projection's tactic indexer_update_q takes) on its q seen as [M, H, 128]; or with
+  update=three_ops the projection's, query's and kpool_update's calls in its place."""
   tactic = glm5_jax.update.update_q_projection_tactic(x.shape[0], x.shape[1], tactic)
   q = glm5_jax.indexer_q(qr, wq_b, tactic=q_tactic, routing=routing)
-  out = glm5_jax.indexer_update(x, w_cat, q.reshape(q.shape[0], HEADS, 128), *rest,
-                                heads=HEADS, tactic=tactic, routing=routing, **params)
+  out = update(x, w_cat, q.reshape(q.shape[0], HEADS, 128), *rest, heads=HEADS,
+               tactic=tactic, routing=routing, **params)
   return out[:3] + (q,) + out[3:]
 
 
@@ -395,16 +397,6 @@ def with_fresh_operands(fn, tail_at):
   return fresh
 
 
-def q_then_three_ops(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, routing, **params):
-  """indexer_update_q as indexer_q's kernel, then indexer_projection's, indexer_query's and
-  kpool_update's: four FFI calls, each reading its operands after its PDL wait."""
-  tactic = glm5_jax.update.update_q_projection_tactic(x.shape[0], x.shape[1], tactic)
-  q = glm5_jax.indexer_q(qr, wq_b, tactic=q_tactic, routing=routing)
-  out = three_ops(x, w_cat, q.reshape(q.shape[0], HEADS, 128), *rest, heads=HEADS,
-                  tactic=tactic, routing=routing, **params)
-  return out[:3] + (q,) + out[3:]
-
-
 @pytest.mark.parametrize("b", [1, 16, 64])
 def test_epilogue_early_loads_see_operands_made_just_before(b):
   """indexer_update_q and indexer_update on a tail ring and indices that XLA writes just
@@ -416,7 +408,9 @@ def test_epilogue_early_loads_see_operands_made_just_before(b):
   got = assert_one_call_is_two(
       with_fresh_operands(functools.partial(glm5_jax.indexer_update_q, q_tactic=None,
                                             **params), 7),
-      with_fresh_operands(functools.partial(q_then_three_ops, q_tactic=None, **params), 7),
+      # Four FFI calls, each reading its operands after its PDL wait.
+      with_fresh_operands(functools.partial(q_then_update, update=three_ops, q_tactic=None,
+                                            **params), 7),
       ["glm5_indexer_update_q", "glm5_indexer_q"] + PARTS, args, UPDATE_Q_NAMES)
   assert np.asarray(got[7] != args[6]).any() or b < 4, "some pool must complete"
   args = update_args(b, 1, seed=37 + b)
