@@ -52,22 +52,5 @@ __device__ __forceinline__ void store16_async(uint32_t dst, float4 v, uint32_t b
       : "memory");
 }
 
-// `bytes` (a multiple of 16) of this CTA's shared memory at `src` into a peer's shared memory
-// at `dst` (shared::cluster, both 16-byte aligned) by the TMA, counted on the peer's mbarrier
-// `bar` (shared::cluster). The source must stay unchanged until wait_copies_read().
-__device__ __forceinline__ void copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes,
-                                             uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-      "[%3];" ::"r"(dst), "r"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-// Closes this thread's group of copy_to_peer calls and waits until they have read their
-// sources (the CTA may then exit or reuse them; the peers' mbarriers say when they landed).
-__device__ __forceinline__ void wait_copies_read() {
-  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-
 }  // namespace cluster
 }  // namespace glm5

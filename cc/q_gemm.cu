@@ -199,15 +199,22 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // ran 2.6 µs faster at M=64), and the 4-way exchange 2.6 µs more at M=64. The halves'
 // exchange costs 0.3-0.7 µs here.
 //
-// The halves meet in shared memory: once both CTAs have finished reading their operands (one
-// relaxed cluster barrier), each CTA writes its partial sums over its ring, and the TMA
-// copies the block of rows that the peer owns (kOwned = 32 rows) into the peer's receive
-// slot, counted on the peer's mbarrier. Rank r adds the halves in rank order, rounds once to
-// bf16 and writes its rows.
+// The halves meet in registers: the rows of a warp belong to one rank (kOwned = 32 rows,
+// two warps' m64 fragments), and the warps of the other rank's rows hand their accumulators
+// to the same warp and lane of that rank by st.async (16 bytes a store) into a receive
+// region of its own, outside the ring, counted on the owner's receive mbarrier. The owner's
+// thread adds the peer's fragment to its own, rounds once to bf16 and writes. The only
+// cluster barrier is a relaxed one at the start (every receive mbarrier initialised before a
+// peer sends); no CTA waits for its peer to finish reading its operands, and nothing is
+// staged in shared memory. It replaced a cluster barrier after the mainloop, the partial
+// blocks written over the ring and a TMA copy of them to the peer, 0.4 µs at M = 16 and 0.6
+// at M = 64 from the wgmma's end to the rows written (per-CTA %globaltimer stamps, H200); the
+// same bits, and the update part (indexer_update_q, 1K, barrier chain, one run) 9.34 -> 9.19
+// µs a layer at M = 16, 13.10 -> 12.88 at M = 64.
 //
 // Order of the sums: per (token, row), one fp32 accumulator from +0 per half of K takes the
 // half's 16-K wgmma steps in K order (the order of the 16 products inside a step is the
-// tensor core's), then q = s0 + s1 over the halves, one RNE rounding. The same for every N
+// tensor core's), then q = s0 + s1 over the halves (rank order), one RNE rounding. The same for every N
 // instantiation and every token position: a token's bits do not depend on the rows beside
 // it (tested).
 namespace wg {
@@ -219,9 +226,9 @@ constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writ
 constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
 constexpr int kSlots = 6;                     // the ring: boxes in flight (see above)
 constexpr int kMaxTokens = 64;                // token rows per CTA; grid y covers more
-constexpr int kSumStride = kOwned + 4;        // floats per token row of a partial block
-                                              // (+4: a warp's fragment stores hit 32 banks)
+constexpr int kOwnerWarps = kOwned / 16;      // warps whose m64 fragments hold a rank's rows
 static_assert(kOwned * kSplit == kRows && kOwned % 16 == 0, "owned rows are whole warps'");
+static_assert(kSplit == 2, "the exchange hands one peer's fragments to each rank");
 
 struct Args {
   uint16_t* q;          // bf16[M, N]
@@ -231,18 +238,19 @@ struct Args {
 };
 
 // Dynamic shared memory from a 1024-aligned base: the ring's slots, each the weights' box
-// [kRows][128 B] then the tokens' [kN][128 B]; after the cluster barrier, the same bytes hold
-// the partial blocks: send[rank][kN][kSumStride] f32 (the slot of this rank unused), then
-// receive[rank][kN][kSumStride].
+// [kRows][128 B] then the tokens' [kN][128 B]; then the receive region, the peer's fragments
+// of this rank's rows: f32[kOwnerWarps][kN / 8][kWarp lanes][4] (a warp's 16-byte loads of
+// one j contiguous: conflict-free).
 template <int kN>
 struct Layout {
   static constexpr int kWeightBox = kRows * 128;
   static constexpr int kTokenBox = kN * 128;
   static constexpr int kSlot = kWeightBox + kTokenBox;           // 1024-multiple: atoms align
-  static constexpr int kBlock = kN * kSumStride * 4;            // one partial block, bytes
-  static constexpr int kOperands = kSlots * kSlot, kSums = 2 * kSplit * kBlock;
-  static constexpr int kBytes = wgmma::kAtom + (kOperands > kSums ? kOperands : kSums);
+  static constexpr int kOperands = kSlots * kSlot;
+  static constexpr int kReceive = kOwned * kN * 4;               // one peer's fragments
+  static constexpr int kBytes = wgmma::kAtom + kOperands + kReceive;
   static_assert(kSlot % wgmma::kAtom == 0, "each box starts on a swizzle atom");
+  static_assert(kReceive == kOwnerWarps * (kN / 8) * kWarp * 16, "one float4 a lane and j");
 };
 
 template <int kN>
@@ -278,12 +286,14 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
     bulk::prefetch_map(&x_map);
     for (int s = 0; s < kSlots; ++s) bulk::init(full + 8 * s);
     bulk::init(receive_bar);
+    // The peer's fragments of this rank's rows, expected before it can send (the cluster
+    // barrier below).
+    bulk::arrive_expect(receive_bar, L::kReceive);
     bulk::fence_init();
-    // The peers' blocks for this rank, expected before any peer can send (cluster barrier).
-    bulk::arrive_expect(receive_bar, (kSplit - 1) * L::kBlock);
     // Model parameters, not written by the preceding kernel: before the PDL wait.
     for (int b = 0; b < first; ++b) load_weights(b);
   }
+  cluster::arrive_relaxed();  // waited on after the mainloop, before the first send
   pdl_wait();
   if (threadIdx.x == 0)
     for (int b = 0; b < first; ++b) load_tokens(b);
@@ -314,50 +324,38 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   }
   wgmma::wait();
 
-  // Every CTA of the cluster is done with its operands: their bytes take the partial sums.
-  cluster::arrive_relaxed();
-  cluster::wait();
-  const int row = warp * 16 + g;                       // and row + 8: one owner's block
-  const int owner = row / kOwned, local = row % kOwned;
-  const uint32_t send = base, received = base + kSplit * L::kBlock;
-  const uint32_t block = (owner == rank ? received : send) + owner * L::kBlock;
-  float* const out = reinterpret_cast<float*>(smem_raw + (block - raw));
+  // Rows 16 warp + g and + 8 belong to rank `owner`; lane (g, t) of warp w of the other rank
+  // holds the same rows' other half in the same d[] positions: d[4 j + i] is (row g + 8 (i /
+  // 2), token 8 j + 2 t + i % 2).
+  const int owner = warp / kOwnerWarps;
+  const uint32_t receive = base + L::kOperands;
+  const uint32_t mine = receive + 16 * ((warp % kOwnerWarps) * (kN / 8) * kWarp + lane);
+  cluster::wait();  // every receive mbarrier of the cluster is initialised
+  if (owner != rank) {
+    const uint32_t to = cluster::peer_address(mine, owner);
+    const uint32_t bar = cluster::peer_address(receive_bar, owner);
 #pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-    const int c = 8 * j + 2 * t;
-    out[c * kSumStride + local] = d[4 * j];
-    out[(c + 1) * kSumStride + local] = d[4 * j + 1];
-    out[c * kSumStride + local + 8] = d[4 * j + 2];
-    out[(c + 1) * kSumStride + local + 8] = d[4 * j + 3];
-  }
-  bulk::fence_proxy_async();  // the generic-proxy writes, before the TMA reads them
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int r = 1; r < kSplit; ++r) {
-      const int peer = (rank + r) % kSplit;
-      cluster::copy_to_peer(cluster::peer_address(received + rank * L::kBlock, peer),
-                            send + peer * L::kBlock, L::kBlock,
-                            cluster::peer_address(receive_bar, peer));
-    }
-    cluster::wait_copies_read();
+    for (int j = 0; j < kN / 8; ++j)
+      cluster::store16_async(to + 16 * kWarp * j,
+                             make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]),
+                             bar);
+    return;  // nothing of this CTA is read by the peer
   }
   bulk::wait(receive_bar, 0);
-
-  // This rank's kOwned rows: the halves in rank order, two rows a thread.
-  const float* const parts = reinterpret_cast<const float*>(smem_raw + (received - raw));
   const int valid = static_cast<int>(min(static_cast<int64_t>(kN), a.rows - chunk0));
-  const int64_t col = n0 + rank * kOwned;
-  for (int e = threadIdx.x; e < valid * (kOwned / 2); e += kThreads) {
-    const int c = e / (kOwned / 2), r = 2 * (e % (kOwned / 2));
-    const float* const p = parts + c * kSumStride + r;
-    float lo = p[0], hi = p[1];
+  uint16_t* const rows = a.q + static_cast<int64_t>(chunk0) * a.n + n0 + warp * 16 + g;
 #pragma unroll
-    for (int s = 1; s < kSplit; ++s) {
-      lo += p[s * (L::kBlock / 4)];
-      hi += p[s * (L::kBlock / 4) + 1];
+  for (int j = 0; j < kN / 8; ++j) {
+    const uint4 p = bulk::load16(mine + 16 * kWarp * j);
+    const float peer[4] = {__uint_as_float(p.x), __uint_as_float(p.y), __uint_as_float(p.z),
+                           __uint_as_float(p.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = 8 * j + 2 * t + i % 2;
+      // s0 + s1 in rank order (one RNE rounding to bf16).
+      const float total = rank == 0 ? d[4 * j + i] + peer[i] : peer[i] + d[4 * j + i];
+      if (c < valid) rows[c * a.n + 8 * (i / 2)] = gemm::bf16_bits(total);
     }
-    const uint32_t pair = gemm::bf16_bits(lo) | (uint32_t{gemm::bf16_bits(hi)} << 16);
-    *reinterpret_cast<uint32_t*>(a.q + (chunk0 + c) * a.n + col + r) = pair;
   }
 }
 
