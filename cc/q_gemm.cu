@@ -196,8 +196,8 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // The shape (same bench, every box in flight): this one 7.5 / 7.7 / 9.0 / 14.8; 128 rows a
 // CTA in clusters of 4 (two warpgroups, K in quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4
 // whose CTAs fill an SM cost 2-3 µs more to place (the same kernel launched without clusters
-// ran 2.6 µs faster at M=64), and the 4-way exchange 2.6 µs more at M=64. The halves'
-// exchange costs 0.3-0.7 µs here.
+// ran 2.6 µs faster at M=64), and the 4-way exchange 2.6 µs more at M=64 (both with the
+// exchange by the TMA that the one below replaced).
 //
 // The halves meet in registers: the rows of a warp belong to one rank (kOwned = 32 rows,
 // two warps' m64 fragments), and the warps of the other rank's rows hand their accumulators
@@ -207,16 +207,16 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // cluster barrier is a relaxed one at the start (every receive mbarrier initialised before a
 // peer sends); no CTA waits for its peer to finish reading its operands, and nothing is
 // staged in shared memory. It replaced a cluster barrier after the mainloop, the partial
-// blocks written over the ring and a TMA copy of them to the peer, 0.4 µs at M = 16 and 0.6
-// at M = 64 from the wgmma's end to the rows written (per-CTA %globaltimer stamps, H200); the
-// same bits, and the update part (indexer_update_q, 1K, barrier chain, one run) 9.34 -> 9.19
-// µs a layer at M = 16, 13.10 -> 12.88 at M = 64.
+// blocks written over the ring and a TMA copy of them to the peer: from the wgmma's end to
+// the peer's half received 0.39 -> 0.25 µs at M = 16, 0.64 -> 0.42 at M = 64 (per-CTA
+// %globaltimer stamps, H200); the same bits; the update part (indexer_update_q, 1K, barrier
+// chain, one run) 9.34 -> 9.19 µs a layer at M = 16, 13.10 -> 12.88 at M = 64.
 //
 // Order of the sums: per (token, row), one fp32 accumulator from +0 per half of K takes the
 // half's 16-K wgmma steps in K order (the order of the 16 products inside a step is the
-// tensor core's), then q = s0 + s1 over the halves (rank order), one RNE rounding. The same for every N
-// instantiation and every token position: a token's bits do not depend on the rows beside
-// it (tested).
+// tensor core's), then q = s0 + s1 over the halves (rank order), one RNE rounding. The same
+// for every N instantiation and every token position: a token's bits do not depend on the
+// rows beside it (tested).
 namespace wg {
 
 constexpr int kThreads = 128;                 // one warpgroup
