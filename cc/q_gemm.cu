@@ -343,7 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   }
   bulk::wait(receive_bar, 0);
   const int valid = static_cast<int>(min(static_cast<int64_t>(kN), a.rows - chunk0));
-  uint16_t* const rows = a.q + static_cast<int64_t>(chunk0) * a.n + n0 + warp * 16 + g;
+  // q's element (token chunk0, row n0 + 16 warp + g): this thread's first output.
+  uint16_t* const out = a.q + static_cast<int64_t>(chunk0) * a.n + n0 + warp * 16 + g;
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
     const uint4 p = bulk::load16(mine + 16 * kWarp * j);
@@ -354,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
       const int c = 8 * j + 2 * t + i % 2;
       // s0 + s1 in rank order (one RNE rounding to bf16).
       const float total = rank == 0 ? d[4 * j + i] + peer[i] : peer[i] + d[4 * j + i];
-      if (c < valid) rows[c * a.n + 8 * (i / 2)] = gemm::bf16_bits(total);
+      if (c < valid) out[c * a.n + 8 * (i / 2)] = gemm::bf16_bits(total);
     }
   }
 }
