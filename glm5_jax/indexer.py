@@ -252,8 +252,11 @@ def _q_tactic(qr, wq_b, tactic):
 # and at M = 1 / 2 / 3 once its projection no longer took the GEMV (another run): the default
 # above 11.1 / 14.2 / 14.9, indexer_update_q 12.7 / 12.9 / 12.9.
 # So indexer_update_q at M 2-32; XLA's GEMV at M = 1, update_epilogue_q past 32.
+# Twenty-fifth session (barrier chain): with its projection at 4-warp CTAs
+# (update.UPDATE_Q_TACTICS) indexer_update_q took 11.45 µs a layer at M = 64 against the
+# default's 13.78, and 19.45 against 16.73 at M = 128: indexer_update_q at M 2-64 since.
 UPDATE_PART_MEASURED = ("the stage's update part on the H200, bench/NOTES.md twenty-first to "
-                        "twenty-third sessions")
+                        "twenty-fifth sessions")
 # The largest M those rows measured: no update-part kernel is a default past it.
 UPDATE_PART_MAX_ROWS = 128
 # indexer_q's kernel: at M 2 up to the rows measured (XLA's GEMV is faster at M = 1).

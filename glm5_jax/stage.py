@@ -50,12 +50,12 @@ class IndexerConfig:
   three ops; "fused" as indexer_update (its kernel, the three kernels' work in one FFI
   call, where the routing names it; else XLA's GEMM and update_epilogue); "auto" (the
   default) as indexer_update_q's one FFI call (q's GEMM, the projection beside it, the
-  epilogue) where the routing chooses its kernel (by default at M 2..32,
+  epilogue) where the routing chooses its kernel (by default at M 2..64,
   glm5_jax.update.UPDATE_Q_ROWS), else as indexer_update's one FFI call where the routing
   chooses its kernel (by default at M 2..16, UPDATE_KERNEL_ROWS: only where the routing
   turns indexer_update_q off), else as XLA's
   projection GEMM and update_epilogue_q's one call (q's GEMM inside) where the routing
-  chooses that kernel (by default at M 17..128, EPILOGUE_Q_ROWS: so M 33..128), else as
+  chooses that kernel (by default at M 17..128, EPILOGUE_Q_ROWS: so M 65..128), else as
   XLA's projection GEMM and update_epilogue where the routing chooses update_epilogue's
   kernel (M = 1 by default), else as the three ops (the faster path at each M on the H200:
   glm5_jax.indexer.UPDATE_PART_MEASURED);

@@ -429,21 +429,37 @@ def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # graph of its own in the command buffer and PDL does not cross them: the two GEMMs, 15 MB of
 # weights, streamed one after the other.
 UPDATE_Q_OP = "indexer_update_q"
-# Where indexer_update_q's kernel runs by default: M 2..32, where the stage's update part was
+# Where indexer_update_q's kernel runs by default: M 2..64, where the stage's update part was
 # fastest with it (indexer.UPDATE_PART_MEASURED: 12.9 / 12.9 / 13.0 / 13.2 / 13.5 / 14.9 µs
 # per layer at M 2 / 3 / 4 / 8 / 16 / 32 against 14.2 / 14.9 / 14.9 / 15.2 / 15.6 / 16.6 for
-# the paths routed before; at M = 1 12.7 against XLA's GEMV path's 11.1, at M = 64 a tie,
-# 18.3 against 18.2). The stage runs it in preference to indexer_update's and
-# update_epilogue_q's kernels where it is chosen.
-UPDATE_Q_ROWS = (2, 32)
+# the paths routed before; at M = 1 12.7 against XLA's GEMV path's 11.1), and M 33..64 since
+# its projection runs 4-warp CTAs there (UPDATE_Q_TACTICS: at M = 64 11.45 µs a layer
+# against update_epilogue_q's 13.78, barrier chain, twenty-fifth session; at M = 128
+# update_epilogue_q stays the faster, 16.73 against 19.45). The stage runs it in preference
+# to indexer_update's and update_epilogue_q's kernels where it is chosen.
+UPDATE_Q_ROWS = (2, 64)
+# The projection's (warps, split) inside indexer_update_q by M: (up to rows, tactic), the
+# last entry for every M past the one before. Beside q's GEMM the projection is the update
+# part's critical path (a timeline at 1K: with indexer.projection_tactic's table it ended
+# 1.2 µs after q's GEMM at M = 16 and 3.8 µs after it at M = 64), and CTAs of 4 warps end it
+# sooner than the standalone table's 8. Update part, 1K, 11 layers, barrier chain, µs a
+# layer, the table's tactic -> this one (H200, bench/NOTES.md twenty-fifth session):
+# M = 2 9.15 -> 9.06, 4 9.27 -> 9.14, 8 9.29 -> 9.13, 16 9.30 -> 9.20 (8.77 against 9.18 in
+# another run), 32 (8, 4) kept (4x4 9.80, 4x8 9.74 against 9.40), 64 13.20 -> 11.45 (11.47
+# in another run). The GEMV is never used beside q's GEMM: its CTA per w_cat row slowed q's
+# GEMM from 6.2 to 8.0 / 9.8 µs a layer at M = 1 / 2 (twenty-second session).
+UPDATE_Q_TACTICS = ((16, (4, 4)), (32, (8, 4)), (None, (4, 8)))
 
 
 def update_q_projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
                                ) -> tuple[int, int]:
   """The (warps, split) of the projection inside indexer_update_q's kernel at M = rows, K:
-  `tactic` where given, else indexer.projection_tactic's table without the GEMV. Beside q's
-  GEMM the GEMV's CTA per w_cat row slowed q's GEMM from 6.2 to 8.0 / 9.8 µs a layer at
-  M = 1 / 2 (H200, bench/NOTES.md twenty-second session)."""
+  `tactic` where given, else UPDATE_Q_TACTICS' entry for the rows where it tiles K, else
+  indexer.projection_tactic's table without the GEMV."""
+  if tactic is None:
+    upto, tactic = next((u, t) for u, t in UPDATE_Q_TACTICS if u is None or rows <= u)
+    if not indexer.tile_k(k, *tactic):
+      tactic = None
   return indexer.projection_tactic(rows, k, tactic, gemv=False)
 
 
@@ -501,8 +517,8 @@ _update_q = Op(
                 if name != "pdl"},
     attribute_values=_update_q_attribute_values, kernel_supports=_update_q_kernel_supports,
     kernel_limits=("those of indexer_q (its tactic) and indexer_update, the projection at "
-                   "update_q_projection_tactic's (warps, split) (the table without the GEMV, "
-                   "or the one given), which must tile K"),
+                   "update_q_projection_tactic's (warps, split) (UPDATE_Q_TACTICS, or the one "
+                   "given), which must tile K"),
     **indexer.default_rows(UPDATE_Q_ROWS, "where the stage's update part was fastest "
                            f"with it ({indexer.UPDATE_PART_MEASURED})"),
     otherwise="indexer_q + indexer_update",
@@ -525,7 +541,7 @@ def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Ar
   and wq_b bf16[H * 128, Kq] in place of indexer_update's q (H = wq_b's rows / 128; w_cat
   has 256 + H rows), the rest as indexer_update. See glm5_jax.reference.indexer_update_q.
 
-  By default the CUDA kernel at UPDATE_Q_ROWS (M 2..32, where it was faster). The CUDA
+  By default the CUDA kernel at UPDATE_Q_ROWS (M 2..64, where it was faster). The CUDA
   kernel (glm5_indexer_update_q; where the routing chooses it) launches q's GEMM,
   the projection and the epilogue in one FFI call with PDL between them; the projection
   streams w_cat and x while q's GEMM runs. Its results are bit-identical to
@@ -534,8 +550,8 @@ def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Ar
   Where it is not chosen: indexer_q then indexer_update, each routed as its own op. q's sums
   run in indexer_q's order, not XLA's (within SPEC D2). The weights are read before the
   preceding kernel has finished (PDL): pass them as model parameters. The caches are updated
-  in place (donate them). tactic: the projection's (None: update_q_projection_tactic's
-  table); q_tactic: q's, as indexer_q's tactic. routing: None = Routing.from_env().
+  in place (donate them). tactic: the projection's (None: update_q_projection_tactic's,
+  by UPDATE_Q_TACTICS); q_tactic: q's, as indexer_q's tactic. routing: None = Routing.from_env().
   """
   params = _update_q_params(wq_b, scale, eps, padded, w_out_dtype, scale_format, round_scale,
                             tactic, q_tactic)

@@ -102,16 +102,17 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
   kernel at every M where the routing names it, the reference composition with both kernels
   off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update_q's
-  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 2..32),
+  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 2..64),
   else as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
   projection GEMM and update_epilogue_q's one call (q's GEMM inside; no indexer_q call)
-  where that kernel is chosen (EPILOGUE_Q_ROWS by default, M 17..128), else XLA's GEMM and
-  update_epilogue where that kernel is chosen, else the three ops; "ops" the three ops,
-  "fused" indexer_update as routed; q by indexer_q, its kernel at Q_KERNEL_ROWS (M 2..128)
-  where the call does not hold q's GEMM; the reference composition runs no kernel."""
+  where that kernel is chosen (EPILOGUE_Q_ROWS by default, M 17..128: so 65..128), else
+  XLA's GEMM and update_epilogue where that kernel is chosen, else the three ops; "ops" the
+  three ops, "fused" indexer_update as routed; q by indexer_q, its kernel at Q_KERNEL_ROWS
+  (M 2..128) where the call does not hold q's GEMM; the reference composition runs no
+  kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS,
-          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (2, 32))
+          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (2, 64))
   fused = Routing(ops={"indexer_update": True, "indexer_update_q": False})
   no_update_kernel = Routing(ops={"indexer_update": False, "indexer_update_q": False})
   no_update_q = Routing(ops={"indexer_update_q": False})
@@ -148,7 +149,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
                                  (3, no_update_q, "auto", one),
                                  (2, Routing(), "auto", whole),
                                  (32, Routing(), "auto", whole),
-                                 (33, Routing(), "auto", q_epilogue),
+                                 (64, Routing(), "auto", whole),
+                                 (65, Routing(), "auto", q_epilogue),
                                  (3, no_update_kernel, "auto", q + epilogue),
                                  (3, fused, "auto", one), (3, no_epilogue, "auto", ops),
                                  (3, Routing(), "ops", ops), (3, Routing(), "fused", one),
