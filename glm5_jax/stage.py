@@ -383,10 +383,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   update_args = (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
                  cache.kv_cache, cache.tail, batch.tslot, weights.ape, batch.loc,
                  batch.positions)
-  # The projection at indexer_update_q's tactic in every composition (the same bits as the
-  # "auto" path's one call); the reference ops take none.
-  tactic = _update_op.update_part_tactic(rows, x.shape[1]) if ops.kernels else {}
-  update = dict(heads=config.heads, scale_format=config.scale_format, **query, **tactic)
+  update = dict(heads=config.heads, scale_format=config.scale_format, **query)
   # indexer_update where "fused" asks for it, and where "auto" finds its kernel chosen or
   # update_epilogue's: the op runs its kernel where the routing chooses it, else XLA's GEMM
   # with its f32 sums straight into update_epilogue (no slice copies, one launch for the
@@ -404,8 +401,7 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
         heads=config.heads, **query)
   else:
-    key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads,
-                                                   **tactic)
+    key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
   if not one_op:
@@ -423,9 +419,8 @@ def _q_in_epilogue(config, weights, x, qr, cache_args, query):
   raw = jax.eval_shape(reference.projection_sums, x, weights.w_cat)
   q = jax.ShapeDtypeStruct((qr.shape[0], config.heads, DIM), weights.wq_b.dtype)
   update_args = (x, weights.w_cat, q) + cache_args
-  tactic = _update_op.update_part_tactic(qr.shape[0], x.shape[1])   # as update_path's
   return (not _update_op.kernel_chosen(*update_args, routing=config.routing, heads=config.heads,
-                                       scale_format=config.scale_format, **query, **tactic)
+                                       scale_format=config.scale_format, **query)
           and _update_op.epilogue_q_kernel_chosen(
               raw, qr, weights.wq_b, *cache_args, routing=config.routing,
               scale_format=config.scale_format, **query))

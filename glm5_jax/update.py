@@ -463,16 +463,6 @@ def update_q_projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None
   return indexer.projection_tactic(rows, k, tactic, gemv=False)
 
 
-def update_part_tactic(rows: int, k: int) -> dict:
-  """The projection's tactic for every composition of the stage's update part at M = rows,
-  hidden K, as keyword arguments of indexer_projection and indexer_update: indexer_update_q's
-  (update_q_projection_tactic) where it tiles K, so that IndexerConfig.update "auto",
-  "fused" and "ops" sum the projection in one order and give the same bits; {} (each op's
-  own table) where it does not."""
-  tactic = update_q_projection_tactic(rows, k)
-  return dict(tactic=tactic) if indexer.tile_k(k, *tactic) else {}
-
-
 def _update_q_parts(x, w_cat, qr, wq_b, *rest, tactic, q_tactic, **params):
   """[(Op, operand avals, params)] of the four ops one call runs: indexer_q, then
   indexer_update's three on q seen as [M, H, 128], the projection at its tactic here."""
