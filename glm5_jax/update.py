@@ -439,26 +439,30 @@ UPDATE_Q_OP = "indexer_update_q"
 # to indexer_update's and update_epilogue_q's kernels where it is chosen.
 UPDATE_Q_ROWS = (2, 64)
 # The projection's (warps, split) inside indexer_update_q by M: (up to rows, tactic), the
-# last entry for every M past the one before. Beside q's GEMM the projection is the update
-# part's critical path (a timeline at 1K: with indexer.projection_tactic's table it ended
-# 1.2 µs after q's GEMM at M = 16 and 3.8 µs after it at M = 64), and CTAs of 4 warps end it
-# sooner than the standalone table's 8. Update part, 1K, 11 layers, barrier chain, µs a
-# layer, the table's tactic -> this one (H200, bench/NOTES.md twenty-fifth session):
-# M = 2 9.15 -> 9.06, 4 9.27 -> 9.14, 8 9.29 -> 9.13, 16 9.30 -> 9.20 (8.77 against 9.18 in
-# another run), 32 (8, 4) kept (4x4 9.80, 4x8 9.74 against 9.40), 64 13.20 -> 11.45 (11.47
-# in another run). The GEMV is never used beside q's GEMM: its CTA per w_cat row slowed q's
-# GEMM from 6.2 to 8.0 / 9.8 µs a layer at M = 1 / 2 (twenty-second session).
-UPDATE_Q_TACTICS = ((16, (4, 4)), (32, (8, 4)), (None, (4, 8)))
+# last entry for every M past the one before; None: indexer.projection_tactic's table
+# without the GEMV (the projection's standalone and in indexer_update). Beside q's GEMM the
+# projection is the update part's critical path (a 1K timeline with that table: it ended
+# 1.2 µs after q's GEMM at M = 16 and 3.8 µs after it at M = 64), and past 32 rows CTAs of
+# 4 warps end it sooner than the table's 8. Update part, 1K, 11 layers, barrier chain, µs
+# a layer (H200, bench/NOTES.md twenty-fifth session): M = 64 13.20 at the table's (8, 8),
+# 11.45 (11.47 in another run) at (4, 8), 12.50 at (4, 4), 12.71 at (2, 8). Up to 32 rows
+# the table stays: (4, 4) read 0.1 µs faster at M 2-16 (9.06-9.20 against 9.15-9.30), within
+# the runs' spread, and a tactic other than indexer_update's there makes
+# IndexerConfig.update's compositions sum the projection in two orders (the H200 run of
+# tests/test_stage.py: 4 failures). The GEMV is never used beside q's GEMM: its CTA per
+# w_cat row slowed q's GEMM from 6.2 to 8.0 / 9.8 µs a layer at M = 1 / 2 (twenty-second
+# session).
+UPDATE_Q_TACTICS = ((32, None), (None, (4, 8)))
 
 
 def update_q_projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None
                                ) -> tuple[int, int]:
   """The (warps, split) of the projection inside indexer_update_q's kernel at M = rows, K:
-  `tactic` where given, else UPDATE_Q_TACTICS' entry for the rows where it tiles K, else
-  indexer.projection_tactic's table without the GEMV."""
+  `tactic` where given, else UPDATE_Q_TACTICS' entry for the rows where it names one that
+  tiles K, else indexer.projection_tactic's table without the GEMV."""
   if tactic is None:
-    upto, tactic = next((u, t) for u, t in UPDATE_Q_TACTICS if u is None or rows <= u)
-    if not indexer.tile_k(k, *tactic):
+    tactic = next(t for upto, t in UPDATE_Q_TACTICS if upto is None or rows <= upto)
+    if tactic is not None and not indexer.tile_k(k, *tactic):
       tactic = None
   return indexer.projection_tactic(rows, k, tactic, gemv=False)
 
