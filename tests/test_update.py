@@ -97,6 +97,25 @@ def cuda_calls(fn, args, donate=()):
   return glm5_calls(cuda_module(fn, args, donate))
 
 
+def test_update_q_projection_tactic_table():
+  """indexer_update_q's projection by M (update.UPDATE_Q_TACTICS): the standalone table
+  without the GEMV up to 32 rows (indexer_update's tactic there, so the stage's update modes
+  sum the projection in one order), (4, 8) past 32 where it tiles K, else the table again;
+  an explicit tactic as given."""
+  assert update.UPDATE_Q_TACTICS == ((32, None), (None, (4, 8)))
+  for rows in (1, 2, 16, 32):
+    assert update.update_q_projection_tactic(rows, 4096) == indexer.projection_tactic(
+        rows, 4096, gemv=False) == (8, 4), rows
+  for rows in (33, 64, 128):
+    assert update.update_q_projection_tactic(rows, 4096) == (4, 8), rows
+    assert update.update_q_projection_tactic(rows, 6144) == (4, 8), rows
+    # K = 512: (4, 8) does not tile it (32 * 4 * 8 = 1024); the table's entry.
+    assert update.update_q_projection_tactic(rows, 512) == indexer.projection_tactic(
+        rows, 512, gemv=False), rows
+  assert update.update_q_projection_tactic(64, 4096, (8, 8)) == (8, 8)
+  assert update.update_q_projection_tactic(1, 4096, (4, 0)) == (4, 0)
+
+
 def test_default_routing_and_the_stage_switch(monkeypatch):
   """Default routing: indexer_update runs its own kernel at UPDATE_KERNEL_ROWS (M 2..16),
   XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
