@@ -198,7 +198,7 @@ def _state(m, ctx, layers, seed, steps=STEPS):
   return weights, caches, xs, qrs, batch
 
 
-def _step(config, update_only=False, consume=True, chained=False, barrier=False):
+def _step(config, update_only=False, consume=True, chained=False, barrier=False, ops=None):
   """step(caches, k, weights, xs, qrs, batch) -> (caches, out): decode step k of every
   layer (layer l on xs[k][l], qrs[k][l]): indexer_stage (out reads every layer's counts),
   or with update_only its update part alone (out reads every layer's w_out): consumed(),
@@ -210,8 +210,9 @@ def _step(config, update_only=False, consume=True, chained=False, barrier=False)
   runs one after the other; without it the layers and steps are independent. barrier:
   the chain is an optimization barrier over (x, qr, the output before) instead of the two
   fusions: no kernels, only the order (whether the device keeps it is for a timeline to
-  show: step_times)."""
-  ops = glm5_stage._ops(config, use_reference=False)
+  show: step_times). ops: the update part's ops (None: glm5_jax.stage's under config;
+  scripts/update_q_tactics.py passes them with one op's tactic fixed)."""
+  ops = glm5_stage._ops(config, use_reference=False) if ops is None else ops
 
   def step(caches, k, weights, xs, qrs, batch):
     outs, new = [], []

@@ -12,8 +12,6 @@ indexer_update_q chosen; "default" is the stage's default routing at that M.
 import argparse
 import functools
 
-import jax
-
 import glm5_jax
 from bench import stage
 from bench.harness import time_step
@@ -23,24 +21,13 @@ from glm5_jax import stage as glm5_stage
 
 
 def update_step(config, tactic):
-  """bench.stage._step(config, update_only=True, chained=True, barrier=True) with
-  indexer_update_q's projection at `tactic` (None: its own table)."""
+  """bench.stage's update-part step (chained through barriers) with indexer_update_q's
+  projection at `tactic` (None: its own table)."""
   ops = glm5_stage._ops(config, use_reference=False)
   if tactic is not None:
     ops.indexer_update_q = functools.partial(glm5_jax.indexer_update_q, tactic=tactic,
                                              routing=config.routing)
-
-  def step(caches, k, weights, xs, qrs, batch):
-    outs, new = [], []
-    for w, c, x, qr in zip(weights, caches, xs[k], qrs[k]):
-      prev = outs[-1] if outs else caches[-1].tail
-      x, qr, _ = jax.lax.optimization_barrier((x, qr, prev))
-      _, out, c = glm5_stage.update_path(ops, config, w, c, x, qr, batch,
-                                         batch.positions.size)
-      outs.append(out)
-      new.append(c)
-    return new, stage.consumed(outs)
-  return step
+  return stage._step(config, update_only=True, chained=True, barrier=True, ops=ops)
 
 
 def main():
