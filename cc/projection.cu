@@ -36,6 +36,14 @@ __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_
     a.gate[t * kKeyRows + (n - kKeyRows - a.heads)] = bf16_bits(total);
 }
 
+// Gemm::inputs_ready: the grid completes after its predecessor (a dependent's wait on this
+// grid then covers both), so every thread waits for it before it exits, after its stores:
+// the results are written while q's GEMM still runs, not behind its completion (before,
+// the wait ended project(), ahead of the cluster's sums and the stores).
+__device__ __forceinline__ void exit_after_predecessor(const Gemm& a) {
+  if (a.inputs_ready) pdl_wait();
+}
+
 // Dynamic shared memory: partial f32[warps][chunk_pad][16] (token-major, n fastest); with a
 // cluster (split > 1) also recv f32[split][span] and one mbarrier (cluster_bytes).
 //
@@ -77,6 +85,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   if (split == 1) {  // the CTA's sums are the totals
     for (int e = threadIdx.x; e < elements; e += blockDim.x)
       store(a, chunk0 + e / kTileN, n0 + e % kTileN, warp_total(partial, a.gemm, warps, e));
+    exit_after_predecessor(a.gemm);
     return;
   }
   cluster::wait();  // every CTA of the cluster has initialised its mbarrier
@@ -88,7 +97,10 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
                                                  owner),
                            total, cluster::peer_address(bar, owner));
   }
-  if (owned == 0) return;
+  if (owned == 0) {
+    exit_after_predecessor(a.gemm);
+    return;
+  }
   bulk::wait(bar, 0);
   for (int i = threadIdx.x; i < owned; i += blockDim.x) {
     float total = recv[i];
@@ -96,6 +108,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
     const int e = rank * span + i;
     store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
   }
+  exit_after_predecessor(a.gemm);
 }
 
 // The GEMV tactic (split = kGemvSplit): no mma and no cluster, for few tokens. CTA n owns
@@ -158,7 +171,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
       store(a, t, n, total);
     }
   }
-  if (a.gemm.inputs_ready) pdl_wait();  // the grid completes after its predecessor (Gemm)
+  exit_after_predecessor(a.gemm);
 }
 
 using Kernel = void (*)(ProjectionArgs);

@@ -240,7 +240,8 @@ __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n
       accumulate(a, mine, lo, hi, k0 + stage * stage_k, chunk0, chunk, true);
     }
   }
-  if (a.inputs_ready) pdl_wait();  // the grid completes after its predecessor (Gemm)
+  // With inputs_ready the kernel waits just before it exits (projection.cu: after its
+  // stores), not here: its results do not wait for its predecessor's completion.
 }
 
 // Element e = (token, n) of the CTA's tile summed over its warps in warp order (after a
