@@ -1,8 +1,16 @@
 """Group "sweep": (--sweep-projection) indexer_projection's kernel at every (warps, split)
 tactic whose warp span of K = HIDDEN stays in registers, every M: rows with variant
-"kernel <warps>x<split>", the GEMV's "kernel GEMV <warps> warps"; (--sweep-q) indexer_q's
-kernel at each of its tactics that tiles wq_b, every M: variant "kernel <tactic>"."""
-from glm5_jax.indexer import GEMV_SPLIT, Q_TACTICS, projection_tactics, q_kernel_tiles, tile_k
+"kernel <warps>x<split>", the GEMV's "kernel GEMV <warps> warps", the wgmma tactic's
+"kernel wgmma"; (--sweep-q) indexer_q's kernel at each of its tactics that tiles wq_b, every
+M: variant "kernel <tactic>"."""
+from glm5_jax.indexer import (
+  GEMV_SPLIT,
+  Q_TACTICS,
+  WGMMA_SPLIT,
+  projection_tactics,
+  q_kernel_tiles,
+  tile_k,
+)
 
 from .harness import amortised
 from .per_op import workload
@@ -37,7 +45,8 @@ def run(bench):
   if bench.args.sweep_tactics:
     wanted = {tuple(int(v) for v in t.split("x")) for t in bench.args.sweep_tactics.split(",")}
     tactics = [t for t in tactics if t in wanted]
-  _sweep(bench, OP, [(f"{KERNEL} GEMV {w} warps" if sp == GEMV_SPLIT else f"{KERNEL} {w}x{sp}",
+  _sweep(bench, OP, [(f"{KERNEL} GEMV {w} warps" if sp == GEMV_SPLIT else
+                      f"{KERNEL} wgmma" if sp == WGMMA_SPLIT else f"{KERNEL} {w}x{sp}",
                       (w, sp)) for w, sp in tactics])
 
 

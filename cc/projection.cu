@@ -15,10 +15,12 @@
 
 #include <cstdint>
 
+#include "bulk.cuh"
 #include "cluster.cuh"
 #include "common.h"
 #include "handlers.h"
 #include "projection.cuh"
+#include "wgmma.cuh"
 
 namespace glm5 {
 namespace {
@@ -34,6 +36,14 @@ __device__ __forceinline__ void store(const ProjectionArgs& a, int64_t t, int32_
     a.head_w[t * a.heads + (n - kKeyRows)] = total;
   else
     a.gate[t * kKeyRows + (n - kKeyRows - a.heads)] = bf16_bits(total);
+}
+
+// Gemm::inputs_ready: the grid completes after its predecessor (a dependent's wait on this
+// grid then covers both), so every thread waits for it before it exits, after its stores:
+// the results are written while q's GEMM still runs, not behind its completion (before,
+// the wait ended project(), ahead of the cluster's sums and the stores).
+__device__ __forceinline__ void exit_after_predecessor(const Gemm& a) {
+  if (a.inputs_ready) pdl_wait();
 }
 
 // Dynamic shared memory: partial f32[warps][chunk_pad][16] (token-major, n fastest); with a
@@ -77,6 +87,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   if (split == 1) {  // the CTA's sums are the totals
     for (int e = threadIdx.x; e < elements; e += blockDim.x)
       store(a, chunk0 + e / kTileN, n0 + e % kTileN, warp_total(partial, a.gemm, warps, e));
+    exit_after_predecessor(a.gemm);
     return;
   }
   cluster::wait();  // every CTA of the cluster has initialised its mbarrier
@@ -88,7 +99,10 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
                                                  owner),
                            total, cluster::peer_address(bar, owner));
   }
-  if (owned == 0) return;
+  if (owned == 0) {
+    exit_after_predecessor(a.gemm);
+    return;
+  }
   bulk::wait(bar, 0);
   for (int i = threadIdx.x; i < owned; i += blockDim.x) {
     float total = recv[i];
@@ -96,6 +110,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
     const int e = rank * span + i;
     store(a, chunk0 + e / kTileN, n0 + e % kTileN, total);
   }
+  exit_after_predecessor(a.gemm);
 }
 
 // The GEMV tactic (split = kGemvSplit): no mma and no cluster, for few tokens. CTA n owns
@@ -158,8 +173,218 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
       store(a, t, n, total);
     }
   }
-  if (a.gemm.inputs_ready) pdl_wait();  // the grid completes after its predecessor (Gemm)
+  exit_after_predecessor(a.gemm);
 }
+
+// ---------------------------------------------------------------------------------------
+// The wgmma tactic (split = kWgmmaSplit): indexer_q's wgmma kernel (q_gemm.cu) applied to
+// w_cat, for the projection beside q's GEMM (glm5_indexer_update_q). A CTA (one warpgroup)
+// owns 64 w_cat rows (one m64 tile; rows past N = 256 + H read as zeros by the TMA and never
+// stored) and a kWgmmaCluster-th of K; the cluster's CTAs (ranks) take the K parts of the
+// same rows. The part streams through a ring of kSlots slots, each one 64-K box of the
+// weights and of the chunk's kN token rows (rows past M zero-filled), counted on the slot's
+// mbarrier; thread 0 refills the slot of box b - 1 once its wgmma group has completed. The
+// mma tactics load every 16-row tile's weights and x with their own loads, whose latency
+// beside q's weight stream set the projection's end (bench/NOTES.md, twenty-fifth session);
+// here a CTA issues a few bulk copies, and x is read once per 64 rows, not per 16.
+//
+// The parts meet at the rows' owners over DSMEM: rank r owns the tile's rows 8 r .. 8 r + 7,
+// which every rank's warp r / 2 holds in the half r % 2 of its m64 fragment (rows g + 8 h of
+// the warp's 16). That warp of each other rank st.async's its two values of every token
+// pair j, j + 1 (16 bytes) into the owner's receive slot of its rank, counted on the owner's
+// receive mbarrier; the owner adds the eight parts in rank order, from registers for its own.
+//
+// Order of the sums: per (token, row), one fp32 accumulator per rank from +0 takes the rank's
+// 16-K wgmma steps in K order (the order inside a step is the tensor core's), then the ranks'
+// sums are added in rank order, ((s0 + s1) + ..) + s7; key and gate are rounded once to bf16
+// (RNE), head_w not. A token's bits do not depend on the other tokens of its grid row.
+//
+// Programmatic dependent launch as the mma tactics': the weights before the wait; x before
+// it with Gemm::inputs_ready (then the wait just before exit), after it otherwise.
+namespace pwg {
+
+constexpr int kThreads = kWgmmaWarps * kWarp;   // one warpgroup
+constexpr int kRows = 64;                       // w_cat rows per CTA: one m64 tile
+constexpr int kSplit = kWgmmaCluster;           // CTAs per cluster: parts of K
+constexpr int kOwned = kRows / kSplit;          // rows each rank adds up and stores
+constexpr int kSlots = 4;                       // the ring (a CTA beside q's on one SM)
+static_assert(kThreads == 128, "one warpgroup");
+static_assert(kOwned == 8, "rank r's rows are one half of warp r / 2's m64 fragment");
+static_assert(kWgmmaBoxK * 2 == 128, "a box row is one 128-byte swizzle row");
+
+// Dynamic shared memory from a 1024-aligned base: the ring's slots (the weights' box
+// [kRows][128 B], then the tokens' [kN][128 B]), then the receive slots, one a rank (its
+// own unused): f32[kSplit][kN / 16 pairs of j][kWarp lanes][4].
+template <int kN>
+struct Layout {
+  static constexpr int kWeightBox = kRows * 128;
+  static constexpr int kTokenBox = kN * 128;
+  static constexpr int kSlot = kWeightBox + kTokenBox;
+  static constexpr int kOperands = kSlots * kSlot;
+  static constexpr int kPairs = kN / 16;
+  static constexpr int kFromPeer = kPairs * kWarp * 16;   // bytes one rank sends an owner
+  static constexpr int kReceive = kSplit * kFromPeer;
+  static constexpr int kBytes = wgmma::kAtom + kOperands + kReceive;
+  static_assert(kSlot % wgmma::kAtom == 0, "each box starts on a swizzle atom");
+  static_assert(kN % 16 == 0, "token pairs of 8-column groups");
+};
+
+template <int kN>
+__global__ void __launch_bounds__(kThreads, 1) indexer_projection_wgmma(
+    const ProjectionArgs a, const int32_t boxes, const __grid_constant__ CUtensorMap w_map,
+    const __grid_constant__ CUtensorMap x_map) {
+  using L = Layout<kN>;
+  __shared__ __align__(8) uint64_t bars[kSlots + 1];   // the slots' full barriers, receive
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = bulk::smem_address(smem_raw);
+  const uint32_t base = raw + (wgmma::kAtom - raw % wgmma::kAtom) % wgmma::kAtom;
+  const uint32_t full = bulk::smem_address(bars), receive_bar = full + 8 * kSlots;
+  const int rank = static_cast<int>(cluster::rank());
+  const int32_t n0 = static_cast<int32_t>(blockIdx.x / kSplit) * kRows;
+  const int32_t k0 = rank * boxes * kWgmmaBoxK;
+  const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
+  const int first = min(boxes, kSlots);              // boxes issued before the loop
+  const auto load_weights = [&](int b) {
+    const int s = b % kSlots;
+    bulk::arrive_expect(full + 8 * s, L::kSlot);
+    bulk::copy_box(base + s * L::kSlot, &w_map, k0 + b * kWgmmaBoxK, n0, full + 8 * s);
+  };
+  const auto load_tokens = [&](int b) {
+    const int s = b % kSlots;
+    bulk::copy_box(base + s * L::kSlot + L::kWeightBox, &x_map, k0 + b * kWgmmaBoxK, chunk0,
+                   full + 8 * s);
+  };
+
+  if (threadIdx.x == 0) {
+    bulk::prefetch_map(&w_map);
+    bulk::prefetch_map(&x_map);
+    for (int s = 0; s < kSlots; ++s) bulk::init(full + 8 * s);
+    bulk::init(receive_bar);
+    // The other ranks' parts of this rank's rows, expected before any can send (the cluster
+    // barrier below).
+    bulk::arrive_expect(receive_bar, (kSplit - 1) * L::kFromPeer);
+    bulk::fence_init();
+    for (int b = 0; b < first; ++b) load_weights(b);   // model parameters
+    if (a.gemm.inputs_ready)
+      for (int b = 0; b < first; ++b) load_tokens(b);  // x is complete at the start
+  }
+  cluster::arrive_relaxed();  // waited on after the mainloop, before the first send
+  if (!a.gemm.inputs_ready) {
+    pdl_wait();
+    if (threadIdx.x == 0)
+      for (int b = 0; b < first; ++b) load_tokens(b);
+  }
+  pdl_launch_dependents();  // dependents still wait for this grid's completion to read
+  __syncthreads();          // the barriers are initialised
+
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  float d[kN / 2];  // the first wgmma writes it (accumulate = false)
+  wgmma::fence();
+  for (int b = 0; b < boxes; ++b) {
+    bulk::wait(full + 8 * (b % kSlots), (b / kSlots) & 1);
+    const uint32_t wb = base + (b % kSlots) * L::kSlot, xb = wb + L::kWeightBox;
+#pragma unroll
+    for (int s = 0; s < kWgmmaBoxK / 16; ++s)
+      wgmma::mma_bf16<kN>(d, wgmma::desc(wb + 32 * s), wgmma::desc(xb + 32 * s), b + s > 0);
+    wgmma::commit();
+    // Box b - 1's group has completed in every warp: its slot takes box b - 1 + kSlots.
+    wgmma::wait_pending<1>();
+    if (b >= 1 && b - 1 + kSlots < boxes) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        load_weights(b - 1 + kSlots);
+        load_tokens(b - 1 + kSlots);
+      }
+    }
+  }
+  wgmma::wait();
+
+  // d[4 j + 2 h + u] is (row 16 warp + g + 8 h, token 8 j + 2 t + u); pair p = (j 2p, 2p + 1).
+  const auto pair = [&](int p, int h) {
+    return make_float4(d[8 * p + 2 * h], d[8 * p + 2 * h + 1], d[8 * p + 4 + 2 * h],
+                       d[8 * p + 4 + 2 * h + 1]);
+  };
+  const uint32_t receive = base + L::kOperands;
+  cluster::wait();  // every receive mbarrier of the cluster is initialised
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int owner = 2 * warp + h;
+    if (owner == rank) continue;
+    const uint32_t to = cluster::peer_address(receive + rank * L::kFromPeer + 16 * lane, owner);
+    const uint32_t bar = cluster::peer_address(receive_bar, owner);
+#pragma unroll
+    for (int p = 0; p < L::kPairs; ++p) cluster::store16_async(to + 16 * kWarp * p, pair(p, h), bar);
+  }
+  if (warp != rank / 2) {  // nothing of this warp is read by the peers after the sends
+    exit_after_predecessor(a.gemm);
+    return;
+  }
+  bulk::wait(receive_bar, 0);
+  const int valid = static_cast<int>(min(static_cast<int64_t>(kN), a.gemm.rows - chunk0));
+  const int32_t n = n0 + kOwned * rank + g;             // this thread's w_cat row
+  const bool real = n < 2 * kKeyRows + a.heads;         // not a zero-filled row past N
+  // The rank's half of the fragment, named at compile time: indexed at run time, d would
+  // live in local memory (and the wgmma serialise on it).
+  float4 mine[L::kPairs];
+#pragma unroll
+  for (int p = 0; p < L::kPairs; ++p) mine[p] = rank % 2 == 0 ? pair(p, 0) : pair(p, 1);
+#pragma unroll
+  for (int p = 0; p < L::kPairs; ++p) {
+    const float4 own = mine[p];
+    float4 total = own;
+    for (int src = 0; src < kSplit; ++src) {  // rank order
+      float4 v = own;
+      if (src != rank) {
+        const uint4 q = bulk::load16(receive + src * L::kFromPeer + 16 * (kWarp * p + lane));
+        v = make_float4(__uint_as_float(q.x), __uint_as_float(q.y), __uint_as_float(q.z),
+                        __uint_as_float(q.w));
+      }
+      if (src == 0) {
+        total = v;
+      } else {
+        total.x += v.x;
+        total.y += v.y;
+        total.z += v.z;
+        total.w += v.w;
+      }
+    }
+    const float sums[4] = {total.x, total.y, total.z, total.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = 8 * (2 * p + i / 2) + 2 * t + i % 2;   // the token in the chunk
+      if (real && c < valid) store(a, chunk0 + c, n, sums[i]);
+    }
+  }
+  exit_after_predecessor(a.gemm);
+}
+
+template <int kN>
+cudaError_t launch_as(cudaStream_t stream, bool pdl, const ProjectionLaunch& plan) {
+  const Gemm& g = plan.args.gemm;
+  const int64_t n = 2 * kKeyRows + plan.args.heads;
+  CUtensorMap w_map{}, x_map{};
+  if (cudaError_t err = wgmma::bf16_map(&w_map, g.w, n, g.k, kRows); err != cudaSuccess)
+    return err;
+  if (cudaError_t err = wgmma::bf16_map(&x_map, g.x, g.rows, g.k, kN); err != cudaSuccess)
+    return err;
+  const auto kernel = indexer_projection_wgmma<kN>;
+  const size_t smem = Layout<kN>::kBytes;
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows * kSplit),
+                  static_cast<unsigned>((g.rows + kN - 1) / kN));
+  return launch_cluster(kernel, grid, dim3(kThreads), smem, stream, pdl, kSplit, plan.args,
+                        plan.wgmma_boxes, w_map, x_map);
+}
+
+cudaError_t launch(cudaStream_t stream, bool pdl, const ProjectionLaunch& plan) {
+  const int tokens = wgmma::tokens_per_cta(plan.args.gemm.rows);
+  return tokens == 16   ? launch_as<16>(stream, pdl, plan)
+         : tokens == 32 ? launch_as<32>(stream, pdl, plan)
+                        : launch_as<wgmma::kMaxTokens>(stream, pdl, plan);
+}
+
+}  // namespace pwg
 
 using Kernel = void (*)(ProjectionArgs);
 
@@ -211,6 +436,12 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
   plan.args.gate = reinterpret_cast<uint16_t*>(gate->untyped_data());
   plan.args.heads = static_cast<int32_t>(heads);
   plan.warps = warps;
+  if (split == kWgmmaSplit) {  // its instantiation and tensor maps at launch (pwg::launch)
+    if ((rows + wgmma::kMaxTokens - 1) / wgmma::kMaxTokens > 65535)
+      return fail("too many rows for one grid");
+    plan.wgmma_boxes = st->blocks;
+    return plan;
+  }
   if (split == kGemvSplit) {  // one CTA per w_cat row; its sums in static shared memory
     plan.kernel = pick_kernel<Kernel, PickGemv>(*st);
     plan.grid = dim3(static_cast<unsigned>(cd[0]));
@@ -225,6 +456,7 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
 }
 
 cudaError_t launch_projection(cudaStream_t stream, bool pdl, const ProjectionLaunch& plan) {
+  if (plan.wgmma_boxes > 0) return pwg::launch(stream, pdl, plan);
   if (plan.kernel == nullptr) return cudaSuccess;
   if (cudaError_t err = allow_smem(plan.kernel, plan.smem); err != cudaSuccess) return err;
   return launch_cluster(plan.kernel, plan.grid, dim3(plan.warps * kWarp), plan.smem, stream, pdl,

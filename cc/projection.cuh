@@ -40,6 +40,13 @@ constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (att
 constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
 constexpr int kGemvSplit = 0;               // attribute split naming the GEMV tactic
 constexpr int kGemvK = 8 * kWarp;           // GEMV: K a warp covers per 16-byte lane load
+// Attribute split naming the wgmma tactic (projection.cu, glm5_jax.indexer.WGMMA_SPLIT): one
+// warpgroup a CTA (warps kWgmmaWarps), clusters of kWgmmaCluster CTAs splitting K in boxes of
+// kWgmmaBoxK (K = kWgmmaCluster * kWgmmaBoxK * boxes).
+constexpr int kWgmmaSplit = -1;
+constexpr int kWgmmaWarps = 4;
+constexpr int kWgmmaCluster = 8;
+constexpr int kWgmmaBoxK = 64;
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
 
@@ -240,7 +247,8 @@ __device__ __forceinline__ void project(const Gemm& a, float* partial, int32_t n
       accumulate(a, mine, lo, hi, k0 + stage * stage_k, chunk0, chunk, true);
     }
   }
-  if (a.inputs_ready) pdl_wait();  // the grid completes after its predecessor (Gemm)
+  // With inputs_ready the kernel waits just before it exits (projection.cu: after its
+  // stores), not here: its results do not wait for its predecessor's completion.
 }
 
 // Element e = (token, n) of the CTA's tile summed over its warps in warp order (after a
@@ -281,13 +289,25 @@ struct Staging {
 inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t warps,
                                           int32_t split, int32_t max_split) {
   const bool gemv = max_split > 1 && split == kGemvSplit;
+  if (max_split > 1 && split == kWgmmaSplit) {  // boxes of K a CTA, as one stage
+    const int64_t per_cta = int64_t{kWgmmaCluster} * kWgmmaBoxK;
+    if (warps == kWgmmaWarps && k % per_cta == 0 && k / per_cta >= 1 &&
+        k / per_cta <= kMaxStages)
+      return Staging{static_cast<int>(k / per_cta), 1};
+    return ffi::Unexpected(check.fail(
+        "the wgmma tactic (split " + std::to_string(kWgmmaSplit) + ") needs warps = " +
+        std::to_string(kWgmmaWarps) + " and K a multiple of " + std::to_string(per_cta) +
+        ", got warps = " + std::to_string(warps) + ", K = " + std::to_string(k)));
+  }
   if (warps < 1 || warps > kMaxWarps)
     return ffi::Unexpected(check.fail("attribute warps = " + std::to_string(warps) +
                                       " must be in 1.." + std::to_string(kMaxWarps)));
   if (!gemv && (split < 1 || split > max_split))
     return ffi::Unexpected(check.fail(
         "attribute split = " + std::to_string(split) + " must be " +
-        (max_split > 1 ? std::to_string(kGemvSplit) + " (the GEMV) or " : std::string()) +
+        (max_split > 1 ? std::to_string(kGemvSplit) + " (the GEMV), " +
+                             std::to_string(kWgmmaSplit) + " (wgmma) or "
+                       : std::string()) +
         "in 1.." + std::to_string(max_split)));
   const int64_t per_warp = gemv ? int64_t{kGemvK} * warps : int64_t{kBlockK} * warps * split;
   const int64_t blocks = k / per_warp;
@@ -375,7 +395,8 @@ struct ProjectionArgs {
 
 struct ProjectionLaunch {
   ProjectionArgs args;
-  void (*kernel)(ProjectionArgs) = nullptr;  // null: no rows, nothing to launch
+  void (*kernel)(ProjectionArgs) = nullptr;  // null: no rows, or the wgmma tactic
+  int32_t wgmma_boxes = 0;   // the wgmma tactic (kernel null): K boxes a CTA; 0: another
   dim3 grid;
   int32_t warps = 0;
   int32_t cluster = 1;   // CTAs per cluster along x: split (the mma tactics), 1 (the GEMV)

@@ -225,7 +225,7 @@ constexpr int kSplit = 2;                     // CTAs per cluster: halves of K
 constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
 constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
 constexpr int kSlots = 6;                     // the ring: boxes in flight (see above)
-constexpr int kMaxTokens = 64;                // token rows per CTA; grid y covers more
+constexpr int kMaxTokens = wgmma::kMaxTokens;  // token rows per CTA; grid y covers more
 constexpr int kOwnerWarps = kOwned / 16;      // warps whose m64 fragments hold a rank's rows
 static_assert(kOwned * kSplit == kRows && kOwned % 16 == 0, "owned rows are whole warps'");
 static_assert(kSplit == 2, "the exchange hands one peer's fragments to each rank");
@@ -439,11 +439,11 @@ cudaError_t launch_q_gemm(cudaStream_t stream, bool pdl, const QGemmLaunch& plan
     args.rows = plan.rows;
     args.n = plan.n;
     args.boxes = static_cast<int32_t>(plan.k / (int64_t{wg::kSplit} * wg::kBoxK));
-    // The narrowest instantiation that holds the rows (more rows: kMaxTokens per grid row).
-    return plan.rows <= 16   ? wg::launch_as<16>(stream, pdl, args, plan.x, plan.w, plan.k)
-           : plan.rows <= 32 ? wg::launch_as<32>(stream, pdl, args, plan.x, plan.w, plan.k)
-                             : wg::launch_as<wg::kMaxTokens>(stream, pdl, args, plan.x,
-                                                             plan.w, plan.k);
+    const int tokens = wgmma::tokens_per_cta(plan.rows);
+    return tokens == 16   ? wg::launch_as<16>(stream, pdl, args, plan.x, plan.w, plan.k)
+           : tokens == 32 ? wg::launch_as<32>(stream, pdl, args, plan.x, plan.w, plan.k)
+                          : wg::launch_as<wg::kMaxTokens>(stream, pdl, args, plan.x, plan.w,
+                                                          plan.k);
   }
   QArgs args;
   args.x = static_cast<const uint16_t*>(plan.x);

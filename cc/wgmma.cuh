@@ -15,6 +15,12 @@ namespace wgmma {
 
 constexpr int kAtom = 1024;  // one 128-byte swizzle atom: 8 rows x 128 B
 
+// Token rows a CTA of the bf16 kernels (indexer_q's wgmma tactic, the projection's) takes at
+// M = rows: the narrowest m64nN instantiation (N = 16, 32, 64) that holds them; past
+// kMaxTokens, kMaxTokens a grid row.
+constexpr int kMaxTokens = 64;
+inline int tokens_per_cta(int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : kMaxTokens; }
+
 // The descriptor of a K-major operand in the 128-byte swizzle at shared address `addr`
 // (8-row groups kAtom bytes apart); a K step of 32 bytes advances the start address within
 // the swizzled rows (the leading-byte offset is unused in this mode).

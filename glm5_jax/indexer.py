@@ -51,6 +51,14 @@ TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT, MAX_STAGES = 16, 32, 8, 8,
 # 1..MAX_BLOCKS loads held in registers (K = GEMV_K * warps * loads). For few tokens: each
 # token's sums take one pass over the CTA.
 GEMV_SPLIT, GEMV_K = 0, 8 * 32
+# split = WGMMA_SPLIT names the wgmma tactic (WGMMA_WARPS, WGMMA_SPLIT): one warpgroup a CTA
+# owning 64 w_cat rows (rows past 256 + heads read as zeros) and a WGMMA_CLUSTER-th of K,
+# the weights and x streamed by the TMA in boxes of 64 K through a ring (indexer_q's wgmma
+# kernel's way), a cluster of WGMMA_CLUSTER CTAs adding its sums over DSMEM (K =
+# WGMMA_K * boxes). For the projection beside q's GEMM (indexer_update_q), where the mma
+# tactics' loads of every 16-row tile's x and weights wait behind q's stream.
+WGMMA_SPLIT, WGMMA_WARPS, WGMMA_CLUSTER = -1, 4, 8
+WGMMA_K = WGMMA_CLUSTER * 64
 # The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): the GEMV (GEMV_WARPS
 # warps) up to GEMV_ROWS rows (M=1 3.39-3.61 µs, the mma tactics 4.6-5.3; M=2 3.92, 8x4
 # 4.8), then 8 warps in clusters of 4 up to AUTO_ROWS rows (fastest at M 4-16), clusters of
@@ -93,6 +101,9 @@ def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
   if split == GEMV_SPLIT:
     loads, rest = divmod(k, GEMV_K * warps)
     return (loads, 1) if not rest and 1 <= loads <= MAX_BLOCKS else None
+  if split == WGMMA_SPLIT:
+    boxes, rest = divmod(k, WGMMA_K)
+    return (boxes, 1) if warps == WGMMA_WARPS and not rest and boxes >= 1 else None
   blocks, rest = divmod(k, BLOCK_K * warps * split)
   if rest or blocks < 1:
     return None
@@ -139,24 +150,29 @@ def q_tactic(rows: int, n: int, k: int, tactic: str | None = None) -> str:
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
   """Every power-of-two tactic (warps, split) that tiles K, and with max_split > 1 every
-  GEMV tactic (warps, GEMV_SPLIT) that does (benchmark sweeps, tests)."""
-  splits = (GEMV_SPLIT, 1, 2, 4, 8) if max_split > 1 else (1, 2, 4, 8)
+  GEMV tactic (warps, GEMV_SPLIT) and the wgmma tactic that does (benchmark sweeps,
+  tests)."""
+  splits = (GEMV_SPLIT, WGMMA_SPLIT, 1, 2, 4, 8) if max_split > 1 else (1, 2, 4, 8)
   return [(w, s) for w in (1, 2, 4, 8) for s in splits
           if w <= MAX_WARPS and s <= max_split and tile_k(k, w, s)]
 
 
 def _check_tactic(op, tactic, k, max_split=MAX_SPLIT):
-  """An explicit (warps, split) must tile K; split GEMV_SPLIT (the GEMV) only where K is
-  split across CTAs at all (max_split > 1)."""
+  """An explicit (warps, split) must tile K; split GEMV_SPLIT (the GEMV) and WGMMA_SPLIT
+  (the wgmma tactic, WGMMA_WARPS warps) only where K is split across CTAs at all
+  (max_split > 1)."""
   if tactic is None:
     return
   warps, split = tactic
   gemv = max_split > 1 and split == GEMV_SPLIT
-  if not (1 <= warps <= MAX_WARPS and (gemv or 1 <= split <= max_split)):
-    splits = (f"{GEMV_SPLIT} (the GEMV) or " if max_split > 1 else "") + f"1..{max_split}"
+  wg = max_split > 1 and split == WGMMA_SPLIT
+  if not (1 <= warps <= MAX_WARPS and (gemv or wg or 1 <= split <= max_split)):
+    splits = (f"{GEMV_SPLIT} (the GEMV), {WGMMA_SPLIT} (wgmma) or " if max_split > 1
+              else "") + f"1..{max_split}"
     fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split {splits}), got {tactic}")
   if not tile_k(k, warps, split):
     rule = (f"K must be {GEMV_K} * warps * loads with loads in 1..{MAX_BLOCKS}" if gemv else
+            f"warps must be {WGMMA_WARPS} and K a multiple of {WGMMA_K}" if wg else
             f"K must be 32 * warps * split * blocks with blocks in 1..{MAX_BLOCKS} or a "
             f"multiple of {MAX_BLOCKS}")
     fail(op, "tactic", f"{tactic} does not tile K = {k}: {rule}")
@@ -185,6 +201,7 @@ def _projection_attributes(x, w_cat, *, heads, tactic):
 _TILING = (f"K = {BLOCK_K} * warps * split * blocks, blocks 1..{MAX_BLOCKS} or a multiple "
            f"of {MAX_BLOCKS}")
 _GEMV_TILING = f"K = {GEMV_K} * warps * loads, loads 1..{MAX_BLOCKS}"
+_WGMMA_TILING = f"warps {WGMMA_WARPS}, K a multiple of {WGMMA_K}"
 
 _projection = Op(
     "indexer_projection",
@@ -194,7 +211,8 @@ _projection = Op(
     attributes=dict(warps=np.int32, split=np.int32), attribute_values=_projection_attributes,
     kernel_supports=_projection_kernel_supports,
     kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING} (the GEMV, split {GEMV_SPLIT}: "
-                   f"{_GEMV_TILING}); tactic (warps, split) ({GEMV_WARPS}, {GEMV_SPLIT}) up "
+                   f"{_GEMV_TILING}; wgmma, split {WGMMA_SPLIT}: {_WGMMA_TILING}); tactic "
+                   f"(warps, split) ({GEMV_WARPS}, {GEMV_SPLIT}) up "
                    f"to {GEMV_ROWS} rows where it tiles K, {AUTO_SMALL} up to {AUTO_ROWS} "
                    f"rows, {AUTO_LARGE} past that where it tiles K"),
     **default_rows(PROJECTION_KERNEL_ROWS, "where it beats XLA's GEMM"),
@@ -360,7 +378,8 @@ def indexer_projection(x: jax.Array, w_cat: jax.Array, *, heads: int,
   tile_k; other shapes run the reference) and reads w_cat before the preceding kernel
   has finished (PDL): pass the weights in as model parameters, not as the output of the
   op just before. tactic: None (the table by M, projection_tactic) or (warps, split),
-  warps per CTA and CTAs per cluster splitting K (split GEMV_SPLIT: the GEMV, no mma), for
+  warps per CTA and CTAs per cluster splitting K (split GEMV_SPLIT: the GEMV, no mma;
+  (WGMMA_WARPS, WGMMA_SPLIT): TMA and wgmma in clusters of WGMMA_CLUSTER), for
   benchmark sweeps; it changes the fp32 summation order, not the result's tolerance; the
   reference ignores it.
   routing: where the op runs on CUDA (None: Routing.from_env()).

@@ -4,8 +4,8 @@
     (|err| <= (K - 1) u sum|x w|, + half a bf16 ulp for key and gate; oracle.check_projection),
     as is the jitted reference; the largest err / bound is printed.
 (b) Deterministic: the same call twice is bit-identical, for the table by rows and for every
-    tactic (warps, split) that tiles K (glm5_jax.indexer.tile_k), the GEMV's included; each
-    is within the bound.
+    tactic (warps, split) that tiles K (glm5_jax.indexer.tile_k), the GEMV's and the wgmma
+    tactic's included; each is within the bound.
 (c) M = 0, M past one 128-token chunk, vmap folded into rows, shapes the kernel does not take
     (lowered to the reference), and the FFI call inside a command buffer.
 """
@@ -18,7 +18,14 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.indexer import GEMV_SPLIT, GEMV_WARPS, projection_tactic, projection_tactics
+from glm5_jax.indexer import (
+  GEMV_SPLIT,
+  GEMV_WARPS,
+  WGMMA_SPLIT,
+  WGMMA_WARPS,
+  projection_tactic,
+  projection_tactics,
+)
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -118,11 +125,12 @@ def test_empty_batch():
   assert key.shape == (0, 128) and head_w.shape == (0, 32) and gate.shape == (0, 128)
 
 
-@pytest.mark.parametrize("tactic", [(4, 8), (GEMV_WARPS, GEMV_SPLIT)])
+@pytest.mark.parametrize("tactic", [(4, 8), (GEMV_WARPS, GEMV_SPLIT), (WGMMA_WARPS, WGMMA_SPLIT)])
 def test_rows_do_not_depend_on_the_batch(tactic):
   """A token's sums depend on the tactic only: rows of a 300-token call (three 128-token
-  chunks of the mma kernel; the GEMV's loop over tokens) equal the same tokens computed
-  alone, bit for bit."""
+  chunks of the mma kernel; the GEMV's loop over tokens; five 64-token grid rows of the
+  wgmma kernel, against its 16-token instantiation for one row) equal the same tokens
+  computed alone, bit for bit."""
   x, w_cat = _inputs(np.random.default_rng(3), 300, 32, 4096)
   full = _kernel_fn(32, tactic)(x, w_cat)
   for rows in (slice(0, 1), slice(127, 130), slice(299, 300)):

@@ -28,11 +28,13 @@ pytestmark = pytest.mark.gpu
 # first ACQBULK: a projection kernel's lane loads 2 x blocks 16-byte weight fragments (rows
 # g and g + 8, `blocks` K blocks: its first template argument), the GEMV's lane `loads`
 # fragments of its row (its template argument); indexer_q issues its TMA bulk copies (the
-# mma tactic) or tensor copies (the wgmma tactic); mqa_logits its tensor-map prefetch.
+# mma tactic) or tensor copies (the wgmma tactic), as the projection's wgmma tactic does;
+# mqa_logits its tensor-map prefetch.
 PROJECTION = {re.compile(r"indexer_projection(?:_fused)?_kernelILi(\d+)E"): 2,
               re.compile(r"indexer_projection_gemvILi(\d+)E"): 1}
 BEFORE_WAIT = {re.compile(r"indexer_q_kernelILi\d+E"): r"^(@\S+\s+)?UBLKCP",
                re.compile(r"indexer_q_wgmma_kernelILi\d+E"): r"^(@\S+\s+)?UTMALDG",
+               re.compile(r"indexer_projection_wgmmaILi\d+E"): r"^(@\S+\s+)?UTMALDG",
                re.compile(r"mqa_logits_kernelILi\d+E"): r"^(@\S+\s+)?UTMACCTL\.PF"}
 WAIT = "ACQBULK"
 
@@ -97,7 +99,8 @@ def test_weight_loads_precede_the_pdl_wait(functions):
         assert _before_wait(instructions, pattern), f"{name}: no {pattern} before {WAIT}"
         checked[kernel.pattern] += 1
   # Every family found (a renamed kernel must not make this test pass by matching nothing):
-  # 9 projection and 18 fused instantiations, 8 GEMVs, 8 + 3 of indexer_q, 2 of mqa_logits.
+  # 9 projection and 18 fused instantiations, 8 GEMVs, 8 + 3 of indexer_q, 3 of the
+  # projection's wgmma tactic, 2 of mqa_logits.
   mma, gemv = (checked[k.pattern] for k in PROJECTION)
   assert mma >= 27 and gemv >= 8 and all(checked.values()), checked
 
@@ -150,4 +153,16 @@ def test_q_wgmma_kernels_hand_over_sums_without_fences(functions):
   for name, instructions in kernels.items():
     assert any(x.startswith("HGMMA") for x in instructions), name
     assert any("STAS" in x for x in instructions), f"{name}: no st.async of the halves"
+    assert not [x for x in instructions if "MEMBAR" in x], name
+
+
+def test_projection_wgmma_kernels_hand_over_sums_without_fences(functions):
+  """indexer_projection's wgmma tactic (cc/projection.cu, pwg): HGMMA, each rank's part of
+  the owners' rows handed over from registers by st.async (STAS), no MEMBAR."""
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"indexer_projection_wgmmaILi\d+E", name)}
+  assert len(kernels) == 3, sorted(functions)  # 16, 32 and 64 token rows
+  for name, instructions in kernels.items():
+    assert any(x.startswith("HGMMA") for x in instructions), name
+    assert any("STAS" in x for x in instructions), f"{name}: no st.async of the parts"
     assert not [x for x in instructions if "MEMBAR" in x], name

@@ -363,9 +363,11 @@ def test_update_q_bit_identical_to_q_then_update(b, n, scale_format, round_scale
   assert np.abs(np.asarray(got[3], np.float32)).max() > 0.5, "q must carry the GEMM's values"
 
 
-@pytest.mark.parametrize("tactic", [(4, 2), (8, 1), (2, 8)])
+@pytest.mark.parametrize("tactic", [(4, 2), (8, 1), (2, 8),
+                                    (glm5_jax.indexer.WGMMA_WARPS, glm5_jax.indexer.WGMMA_SPLIT)])
 def test_update_q_explicit_projection_tactics(tactic):
-  """The projection's explicit tactics (other grids and clusters beside q's GEMM)."""
+  """The projection's explicit tactics (other grids and clusters beside q's GEMM; the wgmma
+  tactic's TMA ring and clusters of eight)."""
   assert_update_q_bits(update_q_args(8, 2, seed=5), Routing(kernels=True), tactic=tactic,
                        q_tactic=None, w_out_dtype=jnp.float32, scale_format="fp32",
                        round_scale=True)
