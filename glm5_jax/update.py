@@ -433,26 +433,28 @@ UPDATE_Q_OP = "indexer_update_q"
 # fastest with it (indexer.UPDATE_PART_MEASURED: 12.9 / 12.9 / 13.0 / 13.2 / 13.5 / 14.9 µs
 # per layer at M 2 / 3 / 4 / 8 / 16 / 32 against 14.2 / 14.9 / 14.9 / 15.2 / 15.6 / 16.6 for
 # the paths routed before; at M = 1 12.7 against XLA's GEMV path's 11.1), and M 33..64 since
-# its projection runs 4-warp CTAs there (UPDATE_Q_TACTICS: at M = 64 11.45 µs a layer
-# against update_epilogue_q's 13.78, barrier chain, twenty-fifth session; at M = 128
-# update_epilogue_q stays the faster, 16.73 against 19.45). The stage runs it in preference
-# to indexer_update's and update_epilogue_q's kernels where it is chosen.
+# its projection runs its own tactic there (UPDATE_Q_TACTICS: at M = 64 10.42 / 10.89 µs a
+# layer with the wgmma tactic against update_epilogue_q's 11.46 / 11.82, barrier chain,
+# twenty-sixth session). The stage runs it in preference to indexer_update's and
+# update_epilogue_q's kernels where it is chosen.
 UPDATE_Q_ROWS = (2, 64)
 # The projection's (warps, split) inside indexer_update_q by M: (up to rows, tactic), the
 # last entry for every M past the one before; None: indexer.projection_tactic's table
 # without the GEMV (the projection's standalone and in indexer_update). Beside q's GEMM the
 # projection is the update part's critical path (a 1K timeline with that table: it ended
-# 1.2 µs after q's GEMM at M = 16 and 3.8 µs after it at M = 64), and past 32 rows CTAs of
-# 4 warps end it sooner than the table's 8. Update part, 1K, 11 layers, barrier chain, µs
-# a layer (H200, bench/NOTES.md twenty-fifth session): M = 64 13.20 at the table's (8, 8),
-# 11.45 (11.47 in another run) at (4, 8), 12.50 at (4, 4), 12.71 at (2, 8). Up to 32 rows
-# the table stays: (4, 4) read 0.1 µs faster at M 2-16 (9.06-9.20 against 9.15-9.30), within
-# the runs' spread, and a tactic other than indexer_update's there makes
-# IndexerConfig.update's compositions sum the projection in two orders (the H200 run of
-# tests/test_stage.py: 4 failures). The GEMV is never used beside q's GEMM: its CTA per
-# w_cat row slowed q's GEMM from 6.2 to 8.0 / 9.8 µs a layer at M = 1 / 2 (twenty-second
-# session).
-UPDATE_Q_TACTICS = ((32, None), (None, (4, 8)))
+# 1.2 µs after q's GEMM at M = 16 and 3.8 µs after it at M = 64), and past 32 rows the
+# wgmma tactic (TMA ring, wgmma, clusters of 8 over K) ends it soonest. Update part, 1K,
+# 11 layers, barrier chain, µs a layer (H200, bench/NOTES.md twenty-fifth and twenty-sixth
+# sessions), the table / (4, 8) / wgmma in one run: M = 48 10.82 / 10.83 / 10.18, M = 64
+# 11.50 / 11.48 / 10.89 (another run 11.48 / 11.56 / 10.42); before, (4, 8) against the
+# table's (8, 8) at M = 64: 11.45 against 13.20. Up to 32 rows the table stays: at M = 32
+# the wgmma tactic (CTAs of 32 tokens) took 12.81 against 9.44, at M 2-16 it read
+# within the runs' spread (8.48-8.57 against 8.44-8.55, 8.52 against 8.64-8.90 at 16), and
+# a tactic other than indexer_update's there makes IndexerConfig.update's compositions sum
+# the projection in two orders (the H200 run of tests/test_stage.py: 4 failures). The GEMV
+# is never used beside q's GEMM: its CTA per w_cat row slowed q's GEMM from 6.2 to 8.0 /
+# 9.8 µs a layer at M = 1 / 2 (twenty-second session).
+UPDATE_Q_TACTICS = ((32, None), (None, (indexer.WGMMA_WARPS, indexer.WGMMA_SPLIT)))
 
 
 def update_q_projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None

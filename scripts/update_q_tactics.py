@@ -5,7 +5,8 @@ part's critical path (bench/NOTES.md, twenty-fifth session), and its best (warps
 there is not the standalone table's. Each row: µs per layer of a jitted step of 11 layers,
 16 decode steps a run, every layer chained to the output before it through optimization
 barriers (bench.stage's --stage-chain-barrier), 1K context, the default routing with
-indexer_update_q chosen; "default" is the stage's default routing at that M.
+indexer_update_q chosen; "default" is the stage's default routing at that M, "no update_q" the
+default without indexer_update_q (update_epilogue_q's or indexer_update's kernel, or the ops).
 
   python scripts/update_q_tactics.py --rows 16,64 --tactics 8x4,4x8,4x-1   (-1: wgmma)
 """
@@ -18,6 +19,7 @@ from bench.harness import time_step
 from bench.sizes import sizes_for
 from bench.variants import UPDATE_ONLY, UPDATE_ONLY_UPDATE_Q
 from glm5_jax import stage as glm5_stage
+from glm5_jax.update import UPDATE_Q_OP
 
 
 def update_step(config, tactic):
@@ -43,11 +45,13 @@ def main():
   ctx = args.context
   for m in (int(r) for r in args.rows.split(",") if r):
     weights, caches, xs, qrs, batch = stage._state(m, ctx, s.stage_layers, seed=m * 7 + ctx)
-    for name, variant, tactic in ([("default", UPDATE_ONLY, None),
-                                   ("update_q table", UPDATE_ONLY_UPDATE_Q, None)]
-                                  + [("x".join(map(str, t)), UPDATE_ONLY_UPDATE_Q, t)
-                                     for t in tactics]):
-      config = stage._config(ctx, stage.ROUTINGS[variant])
+    update_q = stage.ROUTINGS[UPDATE_ONLY_UPDATE_Q]
+    for name, routing, tactic in ([("default", stage.ROUTINGS[UPDATE_ONLY], None),
+                                   ("no update_q", glm5_jax.Routing(ops={UPDATE_Q_OP: False}),
+                                    None),
+                                   ("update_q table", update_q, None)]
+                                  + [("x".join(map(str, t)), update_q, t) for t in tactics]):
+      config = stage._config(ctx, routing)
       try:
         sec, caches, _ = time_step(update_step(config, tactic), caches,
                                    (weights, xs, qrs, batch), s, units=s.stage_layers,

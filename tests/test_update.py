@@ -100,18 +100,20 @@ def cuda_calls(fn, args, donate=()):
 def test_update_q_projection_tactic_table():
   """indexer_update_q's projection by M (update.UPDATE_Q_TACTICS): the standalone table
   without the GEMV up to 32 rows (indexer_update's tactic there, so the stage's update modes
-  sum the projection in one order), (4, 8) past 32 where it tiles K, else the table again;
-  an explicit tactic as given."""
-  assert update.UPDATE_Q_TACTICS == ((32, None), (None, (4, 8)))
+  sum the projection in one order), the wgmma tactic past 32 where it tiles K, else the
+  table again; an explicit tactic as given."""
+  wgmma = (indexer.WGMMA_WARPS, indexer.WGMMA_SPLIT)
+  assert update.UPDATE_Q_TACTICS == ((32, None), (None, wgmma)) and wgmma == (4, -1)
   for rows in (1, 2, 16, 32):
     assert update.update_q_projection_tactic(rows, 4096) == indexer.projection_tactic(
         rows, 4096, gemv=False) == (8, 4), rows
   for rows in (33, 64, 128):
-    assert update.update_q_projection_tactic(rows, 4096) == (4, 8), rows
-    assert update.update_q_projection_tactic(rows, 6144) == (4, 8), rows
-    # K = 512: (4, 8) does not tile it (32 * 4 * 8 = 1024); the table's entry.
-    assert update.update_q_projection_tactic(rows, 512) == indexer.projection_tactic(
-        rows, 512, gemv=False), rows
+    # K = 512 * boxes: 1, 8 and 12 boxes of each CTA's eighth of K.
+    for k in (512, 4096, 6144):
+      assert update.update_q_projection_tactic(rows, k) == wgmma, (rows, k)
+    # K = 768: not a multiple of WGMMA_K = 512; the table's entry.
+    assert update.update_q_projection_tactic(rows, 768) == indexer.projection_tactic(
+        rows, 768, gemv=False) == (8, 4), rows
   assert update.update_q_projection_tactic(64, 4096, (8, 8)) == (8, 8)
   assert update.update_q_projection_tactic(1, 4096, (4, 0)) == (4, 0)
 
