@@ -273,8 +273,12 @@ def _q_tactic(qr, wq_b, tactic):
 # Twenty-fifth session (barrier chain): with its projection at 4-warp CTAs
 # (update.UPDATE_Q_TACTICS) indexer_update_q took 11.45 µs a layer at M = 64 against the
 # default's 13.78, and 19.45 against 16.73 at M = 128: indexer_update_q at M 2-64 since.
+# Twenty-sixth session (barrier chain): its projection waiting for q's GEMM only before
+# exiting, and at the wgmma tactic past 32 rows: 8.33 / 8.03 / 10.39 at M = 1 / 16 / 64
+# against XLA's GEMV path's 9.78 at M = 1 and update_epilogue_q's 11.46 at 64:
+# indexer_update_q at M 1-64 since.
 UPDATE_PART_MEASURED = ("the stage's update part on the H200, bench/NOTES.md twenty-first to "
-                        "twenty-fifth sessions")
+                        "twenty-sixth sessions")
 # The largest M those rows measured: no update-part kernel is a default past it.
 UPDATE_PART_MAX_ROWS = 128
 # indexer_q's kernel: at M 2 up to the rows measured (XLA's GEMV is faster at M = 1).

@@ -50,7 +50,7 @@ class IndexerConfig:
   three ops; "fused" as indexer_update (its kernel, the three kernels' work in one FFI
   call, where the routing names it; else XLA's GEMM and update_epilogue); "auto" (the
   default) as indexer_update_q's one FFI call (q's GEMM, the projection beside it, the
-  epilogue) where the routing chooses its kernel (by default at M 2..64,
+  epilogue) where the routing chooses its kernel (by default at M 1..64,
   glm5_jax.update.UPDATE_Q_ROWS), else as indexer_update's one FFI call where the routing
   chooses its kernel (by default at M 2..16, UPDATE_KERNEL_ROWS: only where the routing
   turns indexer_update_q off), else as XLA's

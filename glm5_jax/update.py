@@ -207,7 +207,8 @@ def kernel_chosen(*args: jax.Array, heads: int, scale: float, eps: float = 1e-6,
 
 
 # update_epilogue: indexer_update's epilogue alone, on the f32 sums of a projection GEMM of
-# XLA's (reference.projection_sums): the update path at M = 1 (indexer.UPDATE_PART_MEASURED).
+# XLA's (reference.projection_sums): the update path at M = 1 where indexer_update_q is not
+# chosen (indexer.UPDATE_PART_MEASURED).
 # Without it XLA's GEMM is followed by three slice copies of its output, the query kernel and
 # kpool_update.
 EPILOGUE_OP = "update_epilogue"
@@ -429,15 +430,19 @@ def epilogue_q_kernel_chosen(*args: jax.Array, scale: float, eps: float = 1e-6,
 # graph of its own in the command buffer and PDL does not cross them: the two GEMMs, 15 MB of
 # weights, streamed one after the other.
 UPDATE_Q_OP = "indexer_update_q"
-# Where indexer_update_q's kernel runs by default: M 2..64, where the stage's update part was
-# fastest with it (indexer.UPDATE_PART_MEASURED: 12.9 / 12.9 / 13.0 / 13.2 / 13.5 / 14.9 µs
-# per layer at M 2 / 3 / 4 / 8 / 16 / 32 against 14.2 / 14.9 / 14.9 / 15.2 / 15.6 / 16.6 for
-# the paths routed before; at M = 1 12.7 against XLA's GEMV path's 11.1), and M 33..64 since
-# its projection runs its own tactic there (UPDATE_Q_TACTICS: at M = 64 10.42 / 10.89 µs a
-# layer with the wgmma tactic against update_epilogue_q's 11.46 / 11.82, barrier chain,
-# twenty-sixth session). The stage runs it in preference to indexer_update's and
+# Where indexer_update_q's kernel runs by default: M 1..64. M 2..32 where the stage's update
+# part was fastest with it (indexer.UPDATE_PART_MEASURED: 12.9 / 12.9 / 13.0 / 13.2 / 13.5 /
+# 14.9 µs per layer at M 2 / 3 / 4 / 8 / 16 / 32 against 14.2 / 14.9 / 14.9 / 15.2 / 15.6 /
+# 16.6 for the paths routed before); M 33..64 since its projection runs its own tactic there
+# (UPDATE_Q_TACTICS: at M = 64 10.42 / 10.89 µs a layer with the wgmma tactic against
+# update_epilogue_q's 11.46 / 11.82, barrier chain, twenty-sixth session); M = 1 since its
+# projection waits for q's GEMM only before exiting (the 1K update part, barrier chain, 8.33
+# against XLA's GEMV and update_epilogue's 9.78, the whole stage 11.92 against 13.66, one
+# run, twenty-sixth session; 9.0 against 9.3 before, twenty-fifth). At M 96 / 128 it read
+# 16.76 / 16.65 against update_epilogue_q's 17.06 / 16.62: within the runs' spread, so
+# update_epilogue_q stays past 64. The stage runs it in preference to indexer_update's and
 # update_epilogue_q's kernels where it is chosen.
-UPDATE_Q_ROWS = (2, 64)
+UPDATE_Q_ROWS = (1, 64)
 # The projection's (warps, split) inside indexer_update_q by M: (up to rows, tactic), the
 # last entry for every M past the one before; None: indexer.projection_tactic's table
 # without the GEMV (the projection's standalone and in indexer_update). Beside q's GEMM the
@@ -547,7 +552,7 @@ def indexer_update_q(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Ar
   and wq_b bf16[H * 128, Kq] in place of indexer_update's q (H = wq_b's rows / 128; w_cat
   has 256 + H rows), the rest as indexer_update. See glm5_jax.reference.indexer_update_q.
 
-  By default the CUDA kernel at UPDATE_Q_ROWS (M 2..64, where it was faster). The CUDA
+  By default the CUDA kernel at UPDATE_Q_ROWS (M 1..64, where it was faster). The CUDA
   kernel (glm5_indexer_update_q; where the routing chooses it) launches q's GEMM,
   the projection and the epilogue in one FFI call with PDL between them; the projection
   streams w_cat and x while q's GEMM runs. Its results are bit-identical to

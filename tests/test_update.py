@@ -123,7 +123,7 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
   kernel at every M where the routing names it, the reference composition with both kernels
   off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update_q's
-  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 2..64),
+  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 1..64),
   else as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
   projection GEMM and update_epilogue_q's one call (q's GEMM inside; no indexer_q call)
   where that kernel is chosen (EPILOGUE_Q_ROWS by default, M 17..128: so 65..128), else
@@ -133,7 +133,7 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS,
-          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (2, 64))
+          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (1, 64))
   fused = Routing(ops={"indexer_update": True, "indexer_update_q": False})
   no_update_kernel = Routing(ops={"indexer_update": False, "indexer_update_q": False})
   no_update_q = Routing(ops={"indexer_update_q": False})
@@ -165,7 +165,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   # (requests, routing, update) -> the update kernels the stage calls.
   outs = {}
   whole = ["glm5_indexer_update_q"]
-  for b, routing, mode, want in ((1, Routing(), "auto", epilogue),
+  for b, routing, mode, want in ((1, Routing(), "auto", whole),
+                                 (1, no_update_q, "auto", epilogue),
                                  (3, Routing(), "auto", whole),
                                  (3, no_update_q, "auto", one),
                                  (2, Routing(), "auto", whole),
