@@ -143,26 +143,17 @@ def test_projection_cluster_kernels_have_no_membar(functions):
     assert any("STAS" in x for x in instructions), f"{name}: no st.async of the cluster's sums"
 
 
-def test_q_wgmma_kernels_hand_over_sums_without_fences(functions):
-  """indexer_q's wgmma tactic: HGMMA, the peer's half of each row handed over from registers
-  by st.async (STAS) and no MEMBAR of any scope (the one cluster barrier, at the start, is
-  relaxed; nothing is staged in shared memory for a copy)."""
-  kernels = {name: ins for name, ins in functions.items()
-             if re.search(r"indexer_q_wgmma_kernelILi\d+E", name)}
-  assert len(kernels) == 3, sorted(functions)  # 16, 32 and 64 token rows
+@pytest.mark.parametrize("kernel,sent", [(r"indexer_q_wgmma_kernelILi\d+E", "the halves"),
+                                         (r"indexer_projection_wgmmaILi\d+E", "the parts")])
+def test_wgmma_kernels_hand_over_sums_without_fences(functions, kernel, sent):
+  """The wgmma kernels (indexer_q's wgmma tactic, and indexer_projection's in cc/projection.cu,
+  pwg): HGMMA, the sums the peers own (q: the peer's half of each row; the projection: each
+  rank's part of the owners' rows) handed over from registers by st.async (STAS), and no
+  MEMBAR of any scope (the one cluster barrier, at the start, is relaxed; nothing is staged
+  in shared memory for a copy). Three instantiations each: 16, 32 and 64 token rows."""
+  kernels = {name: ins for name, ins in functions.items() if re.search(kernel, name)}
+  assert len(kernels) == 3, sorted(functions)
   for name, instructions in kernels.items():
     assert any(x.startswith("HGMMA") for x in instructions), name
-    assert any("STAS" in x for x in instructions), f"{name}: no st.async of the halves"
-    assert not [x for x in instructions if "MEMBAR" in x], name
-
-
-def test_projection_wgmma_kernels_hand_over_sums_without_fences(functions):
-  """indexer_projection's wgmma tactic (cc/projection.cu, pwg): HGMMA, each rank's part of
-  the owners' rows handed over from registers by st.async (STAS), no MEMBAR."""
-  kernels = {name: ins for name, ins in functions.items()
-             if re.search(r"indexer_projection_wgmmaILi\d+E", name)}
-  assert len(kernels) == 3, sorted(functions)  # 16, 32 and 64 token rows
-  for name, instructions in kernels.items():
-    assert any(x.startswith("HGMMA") for x in instructions), name
-    assert any("STAS" in x for x in instructions), f"{name}: no st.async of the parts"
+    assert any("STAS" in x for x in instructions), f"{name}: no st.async of {sent}"
     assert not [x for x in instructions if "MEMBAR" in x], name
