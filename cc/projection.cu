@@ -21,6 +21,7 @@
 #include "handlers.h"
 #include "projection.cuh"
 #include "wgmma.cuh"
+#include "wgmma_ring.cuh"
 
 namespace glm5 {
 namespace {
@@ -210,22 +211,19 @@ constexpr int kOwned = kRows / kSplit;          // rows each rank adds up and st
 constexpr int kSlots = 4;                       // the ring (a CTA beside q's on one SM)
 static_assert(kThreads == 128, "one warpgroup");
 static_assert(kOwned == 8, "rank r's rows are one half of warp r / 2's m64 fragment");
-static_assert(kWgmmaBoxK * 2 == 128, "a box row is one 128-byte swizzle row");
+static_assert(kWgmmaBoxK == wgmma::kBoxK, "the ring's boxes");
 
 // Dynamic shared memory from a 1024-aligned base: the ring's slots (the weights' box
 // [kRows][128 B], then the tokens' [kN][128 B]), then the receive slots, one a rank (its
 // own unused): f32[kSplit][kN / 16 pairs of j][kWarp lanes][4].
 template <int kN>
 struct Layout {
-  static constexpr int kWeightBox = kRows * 128;
-  static constexpr int kTokenBox = kN * 128;
-  static constexpr int kSlot = kWeightBox + kTokenBox;
-  static constexpr int kOperands = kSlots * kSlot;
+  using Ring = wgmma::Ring<kRows, kN, kSlots>;
+  static constexpr int kOperands = Ring::kBytes;
   static constexpr int kPairs = kN / 16;
   static constexpr int kFromPeer = kPairs * kWarp * 16;   // bytes one rank sends an owner
   static constexpr int kReceive = kSplit * kFromPeer;
   static constexpr int kBytes = wgmma::kAtom + kOperands + kReceive;
-  static_assert(kSlot % wgmma::kAtom == 0, "each box starts on a swizzle atom");
   static_assert(kN % 16 == 0, "token pairs of 8-column groups");
 };
 
@@ -244,16 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_projection_wgmma(
   const int32_t k0 = rank * boxes * kWgmmaBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
   const int first = min(boxes, kSlots);              // boxes issued before the loop
-  const auto load_weights = [&](int b) {
-    const int s = b % kSlots;
-    bulk::arrive_expect(full + 8 * s, L::kSlot);
-    bulk::copy_box(base + s * L::kSlot, &w_map, k0 + b * kWgmmaBoxK, n0, full + 8 * s);
-  };
-  const auto load_tokens = [&](int b) {
-    const int s = b % kSlots;
-    bulk::copy_box(base + s * L::kSlot + L::kWeightBox, &x_map, k0 + b * kWgmmaBoxK, chunk0,
-                   full + 8 * s);
-  };
+  const typename L::Ring ring{base, full, &w_map, &x_map, k0, n0, chunk0};
 
   if (threadIdx.x == 0) {
     bulk::prefetch_map(&w_map);
@@ -264,15 +253,15 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_projection_wgmma(
     // barrier below).
     bulk::arrive_expect(receive_bar, (kSplit - 1) * L::kFromPeer);
     bulk::fence_init();
-    for (int b = 0; b < first; ++b) load_weights(b);   // model parameters
+    for (int b = 0; b < first; ++b) ring.load_weights(b);   // model parameters
     if (a.gemm.inputs_ready)
-      for (int b = 0; b < first; ++b) load_tokens(b);  // x is complete at the start
+      for (int b = 0; b < first; ++b) ring.load_tokens(b);  // x is complete at the start
   }
   cluster::arrive_relaxed();  // waited on after the mainloop, before the first send
   if (!a.gemm.inputs_ready) {
     pdl_wait();
     if (threadIdx.x == 0)
-      for (int b = 0; b < first; ++b) load_tokens(b);
+      for (int b = 0; b < first; ++b) ring.load_tokens(b);
   }
   pdl_launch_dependents();  // dependents still wait for this grid's completion to read
   __syncthreads();          // the barriers are initialised
@@ -280,25 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_projection_wgmma(
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   float d[kN / 2];  // the first wgmma writes it (accumulate = false)
-  wgmma::fence();
-  for (int b = 0; b < boxes; ++b) {
-    bulk::wait(full + 8 * (b % kSlots), (b / kSlots) & 1);
-    const uint32_t wb = base + (b % kSlots) * L::kSlot, xb = wb + L::kWeightBox;
-#pragma unroll
-    for (int s = 0; s < kWgmmaBoxK / 16; ++s)
-      wgmma::mma_bf16<kN>(d, wgmma::desc(wb + 32 * s), wgmma::desc(xb + 32 * s), b + s > 0);
-    wgmma::commit();
-    // Box b - 1's group has completed in every warp: its slot takes box b - 1 + kSlots.
-    wgmma::wait_pending<1>();
-    if (b >= 1 && b - 1 + kSlots < boxes) {
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        load_weights(b - 1 + kSlots);
-        load_tokens(b - 1 + kSlots);
-      }
-    }
-  }
-  wgmma::wait();
+  ring.sum(d, boxes);
 
   // d[4 j + 2 h + u] is (row 16 warp + g + 8 h, token 8 j + 2 t + u); pair p = (j 2p, 2p + 1).
   const auto pair = [&](int p, int h) {

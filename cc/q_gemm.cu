@@ -29,6 +29,7 @@
 #include "projection.cuh"
 #include "q_gemm.cuh"
 #include "wgmma.cuh"
+#include "wgmma_ring.cuh"
 
 namespace glm5 {
 namespace {
@@ -223,7 +224,7 @@ constexpr int kThreads = 128;                 // one warpgroup
 constexpr int kRows = 64;                     // wq_b rows per CTA: one m64 tile
 constexpr int kSplit = 2;                     // CTAs per cluster: halves of K
 constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
-constexpr int kBoxK = 64;                     // K per TMA box: 128 bytes of bf16
+constexpr int kBoxK = wgmma::kBoxK;           // K per TMA box: 128 bytes of bf16
 constexpr int kSlots = 6;                     // the ring: boxes in flight (see above)
 constexpr int kMaxTokens = wgmma::kMaxTokens;  // token rows per CTA; grid y covers more
 constexpr int kOwnerWarps = kOwned / 16;      // warps whose m64 fragments hold a rank's rows
@@ -237,19 +238,16 @@ struct Args {
   int32_t boxes;        // K boxes per half
 };
 
-// Dynamic shared memory from a 1024-aligned base: the ring's slots, each the weights' box
-// [kRows][128 B] then the tokens' [kN][128 B]; then the receive region, the peer's fragments
-// of this rank's rows: f32[kOwnerWarps][kN / 8][kWarp lanes][4] (a warp's 16-byte loads of
-// one j contiguous: conflict-free).
+// Dynamic shared memory from a 1024-aligned base: the ring's slots (wgmma::Ring: each the
+// weights' box [kRows][128 B] then the tokens' [kN][128 B]); then the receive region, the
+// peer's fragments of this rank's rows: f32[kOwnerWarps][kN / 8][kWarp lanes][4] (a warp's
+// 16-byte loads of one j contiguous: conflict-free).
 template <int kN>
 struct Layout {
-  static constexpr int kWeightBox = kRows * 128;
-  static constexpr int kTokenBox = kN * 128;
-  static constexpr int kSlot = kWeightBox + kTokenBox;           // 1024-multiple: atoms align
-  static constexpr int kOperands = kSlots * kSlot;
+  using Ring = wgmma::Ring<kRows, kN, kSlots>;
+  static constexpr int kOperands = Ring::kBytes;
   static constexpr int kReceive = kOwned * kN * 4;               // one peer's fragments
   static constexpr int kBytes = wgmma::kAtom + kOperands + kReceive;
-  static_assert(kSlot % wgmma::kAtom == 0, "each box starts on a swizzle atom");
   static_assert(kReceive == kOwnerWarps * (kN / 8) * kWarp * 16, "one float4 a lane and j");
 };
 
@@ -268,18 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   const int32_t k0 = rank * a.boxes * kBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
   const int first = min(a.boxes, kSlots);          // boxes issued before the loop
-  // Box b's weights and tokens land in slot b % kSlots, counted on its barrier.
-  const auto load_weights = [&](int b) {
-    const int s = b % kSlots;
-    bulk::arrive_expect(full + 8 * s, L::kSlot);
-    bulk::copy_box(base + s * L::kSlot, &w_map, k0 + b * kBoxK, static_cast<int32_t>(n0),
-                   full + 8 * s);
-  };
-  const auto load_tokens = [&](int b) {
-    const int s = b % kSlots;
-    bulk::copy_box(base + s * L::kSlot + L::kWeightBox, &x_map, k0 + b * kBoxK, chunk0,
-                   full + 8 * s);
-  };
+  const typename L::Ring ring{base, full, &w_map, &x_map, k0, static_cast<int32_t>(n0), chunk0};
 
   if (threadIdx.x == 0) {
     bulk::prefetch_map(&w_map);
@@ -291,38 +278,19 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
     bulk::arrive_expect(receive_bar, L::kReceive);
     bulk::fence_init();
     // Model parameters, not written by the preceding kernel: before the PDL wait.
-    for (int b = 0; b < first; ++b) load_weights(b);
+    for (int b = 0; b < first; ++b) ring.load_weights(b);
   }
   cluster::arrive_relaxed();  // waited on after the mainloop, before the first send
   pdl_wait();
   if (threadIdx.x == 0)
-    for (int b = 0; b < first; ++b) load_tokens(b);
+    for (int b = 0; b < first; ++b) ring.load_tokens(b);
   pdl_launch_dependents();  // after the wait, as in the mma kernel (Gemm::inputs_ready)
   __syncthreads();          // the barriers are initialised
 
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   float d[kN / 2];  // the first wgmma writes it (accumulate = false)
-  wgmma::fence();
-  for (int b = 0; b < a.boxes; ++b) {
-    bulk::wait(full + 8 * (b % kSlots), (b / kSlots) & 1);
-    const uint32_t wb = base + (b % kSlots) * L::kSlot, xb = wb + L::kWeightBox;
-#pragma unroll
-    for (int s = 0; s < kBoxK / 16; ++s)
-      wgmma::mma_bf16<kN>(d, wgmma::desc(wb + 32 * s), wgmma::desc(xb + 32 * s), b + s > 0);
-    wgmma::commit();
-    // Box b - 1's group has completed in every warp (box b's may still run): its slot takes
-    // box b - 1 + kSlots.
-    wgmma::wait_pending<1>();
-    if (b >= 1 && b - 1 + kSlots < a.boxes) {
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        load_weights(b - 1 + kSlots);
-        load_tokens(b - 1 + kSlots);
-      }
-    }
-  }
-  wgmma::wait();
+  ring.sum(d, a.boxes);
 
   // Rows 16 warp + g and + 8 belong to rank `owner`; lane (g, t) of warp w of the other rank
   // holds the same rows' other half in the same d[] positions: d[4 j + i] is (row g + 8 (i /
