@@ -211,7 +211,6 @@ constexpr int kOwned = kRows / kSplit;          // rows each rank adds up and st
 constexpr int kSlots = 4;                       // the ring (a CTA beside q's on one SM)
 static_assert(kThreads == 128, "one warpgroup");
 static_assert(kOwned == 8, "rank r's rows are one half of warp r / 2's m64 fragment");
-static_assert(kWgmmaBoxK == wgmma::kBoxK, "the ring's boxes");
 
 // Dynamic shared memory from a 1024-aligned base: the ring's slots (the weights' box
 // [kRows][128 B], then the tokens' [kN][128 B]), then the receive slots, one a rank (its
@@ -234,20 +233,17 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_projection_wgmma(
   using L = Layout<kN>;
   __shared__ __align__(8) uint64_t bars[kSlots + 1];   // the slots' full barriers, receive
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = bulk::smem_address(smem_raw);
-  const uint32_t base = raw + (wgmma::kAtom - raw % wgmma::kAtom) % wgmma::kAtom;
+  const uint32_t base = L::Ring::base_of(smem_raw);
   const uint32_t full = bulk::smem_address(bars), receive_bar = full + 8 * kSlots;
   const int rank = static_cast<int>(cluster::rank());
   const int32_t n0 = static_cast<int32_t>(blockIdx.x / kSplit) * kRows;
-  const int32_t k0 = rank * boxes * kWgmmaBoxK;
+  const int32_t k0 = rank * boxes * wgmma::kBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
   const int first = min(boxes, kSlots);              // boxes issued before the loop
   const typename L::Ring ring{base, full, &w_map, &x_map, k0, n0, chunk0};
 
   if (threadIdx.x == 0) {
-    bulk::prefetch_map(&w_map);
-    bulk::prefetch_map(&x_map);
-    for (int s = 0; s < kSlots; ++s) bulk::init(full + 8 * s);
+    ring.init();
     bulk::init(receive_bar);
     // The other ranks' parts of this rank's rows, expected before any can send (the cluster
     // barrier below).

@@ -23,6 +23,7 @@
 
 #include "common.h"
 #include "constants.h"
+#include "wgmma.cuh"
 
 namespace glm5 {
 namespace gemm {
@@ -42,11 +43,10 @@ constexpr int kGemvSplit = 0;               // attribute split naming the GEMV t
 constexpr int kGemvK = 8 * kWarp;           // GEMV: K a warp covers per 16-byte lane load
 // Attribute split naming the wgmma tactic (projection.cu, glm5_jax.indexer.WGMMA_SPLIT): one
 // warpgroup a CTA (warps kWgmmaWarps), clusters of kWgmmaCluster CTAs splitting K in boxes of
-// kWgmmaBoxK (K = kWgmmaCluster * kWgmmaBoxK * boxes).
+// wgmma::kBoxK (K = kWgmmaCluster * wgmma::kBoxK * boxes).
 constexpr int kWgmmaSplit = -1;
 constexpr int kWgmmaWarps = 4;
 constexpr int kWgmmaCluster = 8;
-constexpr int kWgmmaBoxK = 64;
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
 
@@ -290,7 +290,7 @@ inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t
                                           int32_t split, int32_t max_split) {
   const bool gemv = max_split > 1 && split == kGemvSplit;
   if (max_split > 1 && split == kWgmmaSplit) {  // boxes of K a CTA, as one stage
-    const int64_t per_cta = int64_t{kWgmmaCluster} * kWgmmaBoxK;
+    const int64_t per_cta = int64_t{kWgmmaCluster} * wgmma::kBoxK;
     if (warps == kWgmmaWarps && k % per_cta == 0 && k / per_cta >= 1 &&
         k / per_cta <= kMaxStages)
       return Staging{static_cast<int>(k / per_cta), 1};

@@ -224,7 +224,6 @@ constexpr int kThreads = 128;                 // one warpgroup
 constexpr int kRows = 64;                     // wq_b rows per CTA: one m64 tile
 constexpr int kSplit = 2;                     // CTAs per cluster: halves of K
 constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
-constexpr int kBoxK = wgmma::kBoxK;           // K per TMA box: 128 bytes of bf16
 constexpr int kSlots = 6;                     // the ring: boxes in flight (see above)
 constexpr int kMaxTokens = wgmma::kMaxTokens;  // token rows per CTA; grid y covers more
 constexpr int kOwnerWarps = kOwned / 16;      // warps whose m64 fragments hold a rank's rows
@@ -258,20 +257,17 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   using L = Layout<kN>;
   __shared__ __align__(8) uint64_t bars[kSlots + 1];   // the slots' full barriers, receive
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = bulk::smem_address(smem_raw);
-  const uint32_t base = raw + (wgmma::kAtom - raw % wgmma::kAtom) % wgmma::kAtom;
+  const uint32_t base = L::Ring::base_of(smem_raw);
   const uint32_t full = bulk::smem_address(bars), receive_bar = full + 8 * kSlots;
   const int rank = static_cast<int>(cluster::rank());
   const int64_t n0 = static_cast<int64_t>(blockIdx.x / kSplit) * kRows;
-  const int32_t k0 = rank * a.boxes * kBoxK;
+  const int32_t k0 = rank * a.boxes * wgmma::kBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
   const int first = min(a.boxes, kSlots);          // boxes issued before the loop
   const typename L::Ring ring{base, full, &w_map, &x_map, k0, static_cast<int32_t>(n0), chunk0};
 
   if (threadIdx.x == 0) {
-    bulk::prefetch_map(&w_map);
-    bulk::prefetch_map(&x_map);
-    for (int s = 0; s < kSlots; ++s) bulk::init(full + 8 * s);
+    ring.init();
     bulk::init(receive_bar);
     // The peer's fragments of this rank's rows, expected before it can send (the cluster
     // barrier below).
@@ -377,11 +373,11 @@ ffi::ErrorOr<QGemmLaunch> prepare_q_gemm(const Check& check, ffi::BufferR2<ffi::
   if (!aligned(plan.x, 16) || !aligned(plan.w, 16))
     return fail("qr and wq_b must be 16 B aligned");
   if (tactic == kQWgmma) {
-    const int64_t part = int64_t{wg::kSplit} * wg::kBoxK;
+    const int64_t part = int64_t{wg::kSplit} * wgmma::kBoxK;
     if (n <= 0 || n % wg::kRows != 0 || n / wg::kRows * wg::kSplit > kI32Max)
       return fail("tactic wgmma: wq_b's rows N must be a multiple of " +
                         std::to_string(wg::kRows));
-    if (k % part != 0 || k / part < 1 || k / part * wg::kBoxK > kI32Max)
+    if (k % part != 0 || k / part < 1 || k / part * wgmma::kBoxK > kI32Max)
       return fail("tactic wgmma: K = " + std::to_string(k) + " must be " +
                         std::to_string(part) + " * boxes, boxes >= 1");
     if ((rows + wg::kMaxTokens - 1) / wg::kMaxTokens > 65535 || !fits_i32(rows))
@@ -406,7 +402,7 @@ cudaError_t launch_q_gemm(cudaStream_t stream, bool pdl, const QGemmLaunch& plan
     args.q = static_cast<uint16_t*>(plan.q);
     args.rows = plan.rows;
     args.n = plan.n;
-    args.boxes = static_cast<int32_t>(plan.k / (int64_t{wg::kSplit} * wg::kBoxK));
+    args.boxes = static_cast<int32_t>(plan.k / (int64_t{wg::kSplit} * wgmma::kBoxK));
     const int tokens = wgmma::tokens_per_cta(plan.rows);
     return tokens == 16   ? wg::launch_as<16>(stream, pdl, args, plan.x, plan.w, plan.k)
            : tokens == 32 ? wg::launch_as<32>(stream, pdl, args, plan.x, plan.w, plan.k)

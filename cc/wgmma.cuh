@@ -14,6 +14,8 @@ namespace glm5 {
 namespace wgmma {
 
 constexpr int kAtom = 1024;  // one 128-byte swizzle atom: 8 rows x 128 B
+constexpr int kBoxK = 64;    // K per TMA box of the bf16 kernels: one 128-byte swizzle row
+static_assert(kBoxK * 2 == 128, "a box row is one 128-byte swizzle row");
 
 // Token rows a CTA of the bf16 kernels (indexer_q's wgmma tactic, the projection's) takes at
 // M = rows: the narrowest m64nN instantiation (N = 16, 32, 64) that holds them; past

@@ -14,15 +14,19 @@
 namespace glm5 {
 namespace wgmma {
 
-constexpr int kBoxK = 64;  // K per TMA box: 128 bytes of bf16, one swizzle row
-static_assert(kBoxK * 2 == 128, "a box row is one 128-byte swizzle row");
-
 // Slot s (from the kAtom-aligned `base`) holds one box of the weights [kRows][128 B] then
 // one of the tokens [kN][128 B] (rows past the tensor zero-filled by the TMA), counted on the
 // slot's mbarrier at `full` + 8 s: box b (K from k0 + b kBoxK) in slot b % kSlots. Thread 0
 // issues the copies; the warpgroup consumes them.
 template <int kRows, int kN, int kSlots>
 struct Ring {
+  // The first kAtom-aligned shared address at or after dynamic shared memory `smem` (the
+  // kernel's kBytes reserve kAtom for it): where the first slot goes.
+  static __device__ __forceinline__ uint32_t base_of(const void* smem) {
+    const uint32_t raw = bulk::smem_address(smem);
+    return raw + (kAtom - raw % kAtom) % kAtom;
+  }
+
   static constexpr int kWeightBox = kRows * 128;
   static constexpr int kTokenBox = kN * 128;
   static constexpr int kSlot = kWeightBox + kTokenBox;
@@ -37,6 +41,14 @@ struct Ring {
   int32_t k0;                // this CTA's first K
   int32_t n0;                // its first weight row
   int32_t chunk0;            // its first token row
+
+  // Thread 0, before any copy: the tensor maps prefetched, the slots' barriers initialised
+  // (the caller fences the initialisation with its own barriers').
+  __device__ __forceinline__ void init() const {
+    bulk::prefetch_map(w_map);
+    bulk::prefetch_map(x_map);
+    for (int s = 0; s < kSlots; ++s) bulk::init(full + 8 * s);
+  }
 
   // Box b's weights; the slot's barrier then expects the whole slot (weights and tokens).
   __device__ __forceinline__ void load_weights(int b) const {

@@ -53,12 +53,15 @@ TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT, MAX_STAGES = 16, 32, 8, 8,
 GEMV_SPLIT, GEMV_K = 0, 8 * 32
 # split = WGMMA_SPLIT names the wgmma tactic (WGMMA_WARPS, WGMMA_SPLIT): one warpgroup a CTA
 # owning 64 w_cat rows (rows past 256 + heads read as zeros) and a WGMMA_CLUSTER-th of K,
-# the weights and x streamed by the TMA in boxes of 64 K through a ring (indexer_q's wgmma
+# the weights and x streamed by the TMA in boxes of WGMMA_BOX_K through a ring (indexer_q's wgmma
 # kernel's way), a cluster of WGMMA_CLUSTER CTAs adding its sums over DSMEM (K =
 # WGMMA_K * boxes). For the projection beside q's GEMM (indexer_update_q), where the mma
 # tactics' loads of every 16-row tile's x and weights wait behind q's stream.
 WGMMA_SPLIT, WGMMA_WARPS, WGMMA_CLUSTER = -1, 4, 8
-WGMMA_K = WGMMA_CLUSTER * 64
+# K per TMA box of both wgmma kernels (the projection's and indexer_q's): one 128-byte
+# swizzle row of bf16 (cc/wgmma.cuh kBoxK).
+WGMMA_BOX_K = 64
+WGMMA_K = WGMMA_CLUSTER * WGMMA_BOX_K
 # The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): the GEMV (GEMV_WARPS
 # warps) up to GEMV_ROWS rows (M=1 3.39-3.61 µs, the mma tactics 4.6-5.3; M=2 3.92, 8x4
 # 4.8), then 8 warps in clusters of 4 up to AUTO_ROWS rows (fastest at M 4-16), clusters of
@@ -85,11 +88,11 @@ def default_rows(bounds, why):
 # - "mma": 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS
 #   blocks of BLOCK_K, mma.sync.
 # - "wgmma": Q_WGMMA_ROWS wq_b rows per CTA (one warpgroup), K split in Q_WGMMA_SPLIT over a
-#   cluster, each part >= 1 TMA boxes of Q_WGMMA_BOX_K streamed through a ring; wgmma
+#   cluster, each part >= 1 TMA boxes of WGMMA_BOX_K streamed through a ring; wgmma
 #   m64nNk16. It tiles every wq_b the mma tactic tiles.
 Q_TACTICS = ("mma", "wgmma")
 Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
-Q_WGMMA_ROWS, Q_WGMMA_SPLIT, Q_WGMMA_BOX_K = 64, 2, 64
+Q_WGMMA_ROWS, Q_WGMMA_SPLIT = 64, 2
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -130,9 +133,9 @@ def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None,
 def q_kernel_tiles(n: int, k: int, tactic: str = "mma") -> bool:
   """Whether glm5_indexer_q's tactic tiles wq_b bf16[N, K]: "mma", N a multiple of
   Q_TILE_ROWS and K = BLOCK_K * Q_WARPS * blocks with blocks in 1..Q_MAX_BLOCKS; "wgmma", N a
-  multiple of Q_WGMMA_ROWS and K = Q_WGMMA_SPLIT * Q_WGMMA_BOX_K * boxes, boxes >= 1."""
+  multiple of Q_WGMMA_ROWS and K = Q_WGMMA_SPLIT * WGMMA_BOX_K * boxes, boxes >= 1."""
   if tactic == "wgmma":
-    boxes, rest = divmod(k, Q_WGMMA_SPLIT * Q_WGMMA_BOX_K)
+    boxes, rest = divmod(k, Q_WGMMA_SPLIT * WGMMA_BOX_K)
     return n % Q_WGMMA_ROWS == 0 and not rest and boxes >= 1
   blocks, rest = divmod(k, BLOCK_K * Q_WARPS)
   return n % Q_TILE_ROWS == 0 and not rest and 1 <= blocks <= Q_MAX_BLOCKS
@@ -239,7 +242,7 @@ def _q_shapes(qr, wq_b, *, tactic, op="indexer_q"):
 _Q_TILING = {
     "mma": (f"N % {Q_TILE_ROWS} == 0, K = {BLOCK_K * Q_WARPS} * blocks with blocks in "
             f"1..{Q_MAX_BLOCKS}"),
-    "wgmma": (f"N % {Q_WGMMA_ROWS} == 0, K = {Q_WGMMA_SPLIT * Q_WGMMA_BOX_K} * boxes with "
+    "wgmma": (f"N % {Q_WGMMA_ROWS} == 0, K = {Q_WGMMA_SPLIT * WGMMA_BOX_K} * boxes with "
               "boxes >= 1")}
 
 

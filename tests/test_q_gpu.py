@@ -26,8 +26,8 @@ from glm5_jax.indexer import (
   Q_MAX_BLOCKS,
   Q_TACTICS,
   Q_WARPS,
-  Q_WGMMA_BOX_K,
   Q_WGMMA_SPLIT,
+  WGMMA_BOX_K,
   q_kernel_tiles,
 )
 from glm5_jax.testing import oracle as O
@@ -54,7 +54,7 @@ _tactic_fns = {t: jax.jit(functools.partial(glm5_jax.indexer_q, tactic=t)) for t
 # The K each tactic is tested at: every mma instantiation; wgmma's box count is a run-time
 # value (cc/q_gemm.cu's ring holds 6 boxes: fewer, exactly, one more, and several trips).
 KS = {"mma": [BLOCK_K * Q_WARPS * b for b in range(1, Q_MAX_BLOCKS + 1)],
-      "wgmma": [Q_WGMMA_SPLIT * Q_WGMMA_BOX_K * b for b in (1, 3, 6, 7, 12, 18, 32)]}
+      "wgmma": [Q_WGMMA_SPLIT * WGMMA_BOX_K * b for b in (1, 3, 6, 7, 12, 18, 32)]}
 
 
 def _check(qr, wq_b, got, label):
