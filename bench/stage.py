@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 import glm5_jax
+from glm5_jax import indexer, synthetic
 from glm5_jax import stage as glm5_stage
-from glm5_jax import synthetic
 
 from .harness import host_note, time_step
 from .sizes import CONFIG, POOL, Sizes
@@ -105,9 +105,9 @@ def add_arguments(parser):
                            "the select path as select_pools + expand_and_remap (two FFI "
                            "calls) instead of select_slots' one")
   parser.add_argument("--stage-q-kernel", action="store_true",
-                      help="also time the stage with indexer_q's kernel on (off by "
-                           "default: slower in the stage on the H200); with --stage-pdl-off "
-                           "also with PDL off")
+                      help="also time the stage with indexer_q's kernel forced on at every "
+                           "M (the default runs it at M %d-%d, indexer.Q_KERNEL_ROWS); with "
+                           "--stage-pdl-off also with PDL off" % indexer.Q_KERNEL_ROWS)
   parser.add_argument("--stage-q-epilogue", action="store_true",
                       help="also time the stage with update_epilogue_q's kernel on (q's GEMM "
                            "and the epilogue in one FFI call)")
