@@ -36,9 +36,10 @@ CUDA_BIN = Path("/usr/local/cuda/bin")
 # (/*0070*/ ... ;): the text from the opcode to the semicolon, without the encoding.
 FUNCTION = re.compile(r"\s*Function : (\S+)")
 INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
-# nvcc names an anonymous namespace after the source file's path and a hash: the same
-# kernel built from two trees gets two names.
-ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+")
+# nvcc names an anonymous namespace after the source file and an 8-digit hash (the mangled
+# length of the next name follows it directly): the same kernel built from two trees gets
+# two names.
+ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]{8}")
 
 
 def tool(name):
@@ -80,12 +81,18 @@ def build(source, build_dir):
 
 
 def kernels(module):
-  """{kernel name with anonymous namespaces named alike: [instruction text]}."""
+  """The SASS of every kernel in `module` (parse_listing's form)."""
   cuobjdump = tool("cuobjdump")
   env = dict(os.environ)
   env["PATH"] = f"{Path(tool('nvdisasm')).parent}{os.pathsep}{env.get('PATH', '')}"
   listing = subprocess.run([cuobjdump, "-sass", str(module)], capture_output=True, text=True,
                            env=env, check=True).stdout
+  return parse_listing(listing)
+
+
+def parse_listing(listing):
+  """cuobjdump -sass text -> {kernel name, anonymous namespaces named alike: [instruction
+  text without its encoding]}."""
   out, current = {}, None
   for line in listing.splitlines():
     if m := FUNCTION.match(line):

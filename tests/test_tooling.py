@@ -1,4 +1,5 @@
 """Project tooling: one version source, the GPU capability guard of the kernels."""
+import importlib.util
 import os
 import re
 import tomllib
@@ -40,3 +41,41 @@ def test_kernels_accepted_on_hopper(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert _ffi._supported_gpu.__wrapped__()
+
+
+def _sass_diff():
+  """scripts/sass_diff.py as a module (scripts/ is no package)."""
+  spec = importlib.util.spec_from_file_location(
+      "sass_diff", os.path.join(ROOT, "scripts", "sass_diff.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# Two cuobjdump -sass listings of one kernel built from two trees: nvcc names the anonymous
+# namespace after the source path (…_9_q_gemm_cu_<hash>), so the names differ; the second
+# listing's third instruction differs too.
+_LISTING = """
+\t\tFunction : _ZN4glm541_GLOBAL__N__{hash}_9_q_gemm_cu_{tail}2wg22indexer_q_wgmma_kernelILi64EEEv
+\t.headerflags\t@"EF_CUDA_ACCELERATORS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                  /* 0x00000a00ff017b82 */
+                                                                           /* 0x000fe20000000800 */
+        /*0010*/                   S2R R0, SR_TID.X ;                      /* 0x0000000000007919 */
+                                                                           /* 0x000e2e0000002100 */
+        /*0020*/              @!P0 BRA {target} ;                          /* 0x00000000001079c3 */
+\t\tFunction : _ZN4glm57kernel_without_namespaceEv
+        /*0000*/                   EXIT ;                                  /* 0x000000000000794d */
+"""
+
+
+def test_sass_diff_parses_listings_across_trees():
+  """sass_diff's parse: instructions without their encodings, kernels of anonymous
+  namespaces named alike whatever tree built them, so that only real changes differ."""
+  parse = _sass_diff().parse_listing
+  a = parse(_LISTING.format(hash="786699b8", tail="6f838c90", target="0x70"))
+  b = parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x70"))
+  c = parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x80"))
+  assert a == b and a != c
+  name = "_ZN4glm541_GLOBAL__N_2wg22indexer_q_wgmma_kernelILi64EEEv"
+  assert a == {name: ["LDC R1, c[0x0][0x28]", "S2R R0, SR_TID.X", "@!P0 BRA 0x70"],
+               "_ZN4glm57kernel_without_namespaceEv": ["EXIT"]}
