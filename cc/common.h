@@ -156,7 +156,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Loads meant to run before pdl_wait(): weak ld.global, not ld.global.nc (__ldg). ptxas
 // (CUDA 13.0, sm_90a) hoists griddepcontrol.wait above .nc loads, so that they would wait for
 // the previous grid after all; weak loads stay where they are written (cc/projection.cuh's
-// load_weight too; tests/test_sass_gpu.py holds the kernels that load before their wait to it).
+// load_weight too; tests/test_sass.py holds the kernels that load before their wait to it).
 __device__ __forceinline__ int32_t load_before_wait(const int32_t* p) {
   int32_t v;
   asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));

@@ -9,9 +9,9 @@ Only device code is compared: a change of host code (FFI handlers, launch plans)
 GPU tests whatever this says.
 
 Both builds go through CMakeLists.txt (its flags and architectures, CMake's own generator),
-with the nvcc found on PATH or in /usr/local/cuda/bin; the answer holds for that toolkit
-(the H200's is nvcc 13.0, as on the CPU machines). cuobjdump and nvdisasm come from the
-same place or from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels.
+with the nvcc that glm5_jax.testing.sass.cuda_tool finds (PATH, else $CUDA_HOME/bin); the
+answer holds for that toolkit (the H200's is nvcc 13.0, as on the CPU machines). cuobjdump
+and nvdisasm likewise, or from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm.
 
   python scripts/sass_diff.py [--base REV] [--build-dir DIR]
 
@@ -20,38 +20,16 @@ side only, 2 when a build fails.
 """
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import tempfile
 from pathlib import Path
 
+from glm5_jax.testing.sass import cuda_tool, module_sass
+
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_BIN = Path("/usr/local/cuda/bin")
-
-# A function's header in cuobjdump's SASS listing, and one instruction line of it
-# (/*0070*/ ... ;): the text from the opcode to the semicolon, without the encoding.
-FUNCTION = re.compile(r"\s*Function : (\S+)")
-INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
-# nvcc names an anonymous namespace after the source file and an 8-digit hash (the mangled
-# length of the next name follows it directly): the same kernel built from two trees gets
-# two names.
-ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]{8}")
-
-
-def tool(name):
-  """The CUDA tool `name` from PATH, /usr/local/cuda/bin or an nvidia-* wheel's bin/."""
-  found = shutil.which(name) or (str(CUDA_BIN / name) if (CUDA_BIN / name).exists() else None)
-  if found:
-    return found
-  purelib = Path(sysconfig.get_paths()["purelib"])
-  for candidate in sorted(purelib.glob(f"nvidia/*/bin/{name}")):
-    return str(candidate)
-  sys.exit(f"sass_diff: {name} not found (PATH, {CUDA_BIN}, or pip install "
-           f"nvidia-cuda-{name})")
 
 
 def export_tree(rev, into):
@@ -66,7 +44,9 @@ def export_tree(rev, into):
 
 def build(source, build_dir):
   """The CUDA module built from `source` by CMake in `build_dir`: the path of the .so."""
-  nvcc = tool("nvcc")
+  nvcc = cuda_tool("nvcc")
+  if nvcc is None:
+    sys.exit("sass_diff: nvcc not found (PATH, $CUDA_HOME/bin)")
   configure = ["cmake", "-S", str(source), "-B", str(build_dir), "-DGLM5_JAX_ENABLE_CUDA=ON",
                "-DSKBUILD_PROJECT_NAME=glm5_jax", f"-DCMAKE_CUDA_COMPILER={nvcc}",
                f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
@@ -78,29 +58,6 @@ def build(source, build_dir):
       sys.exit(2)
   (module,) = Path(build_dir).glob("_glm5_cuda*.so")
   return module
-
-
-def kernels(module):
-  """The SASS of every kernel in `module` (parse_listing's form)."""
-  cuobjdump = tool("cuobjdump")
-  env = dict(os.environ)
-  env["PATH"] = f"{Path(tool('nvdisasm')).parent}{os.pathsep}{env.get('PATH', '')}"
-  listing = subprocess.run([cuobjdump, "-sass", str(module)], capture_output=True, text=True,
-                           env=env, check=True).stdout
-  return parse_listing(listing)
-
-
-def parse_listing(listing):
-  """cuobjdump -sass text -> {kernel name, anonymous namespaces named alike: [instruction
-  text without its encoding]}."""
-  out, current = {}, None
-  for line in listing.splitlines():
-    if m := FUNCTION.match(line):
-      current = ANONYMOUS.sub("_GLOBAL__N_", m.group(1))
-      out[current] = []
-    elif (m := INSTRUCTION.match(line)) and current is not None:
-      out[current].append(m.group(1))
-  return out
 
 
 def main():
@@ -120,8 +77,8 @@ def main():
     shutil.rmtree(base_tree, ignore_errors=True)
     export_tree(commit, base_tree)
     stamp.write_text(commit)
-  base = kernels(build(base_tree, work / "base_build"))
-  mine = kernels(build(ROOT, work / "tree_build"))
+  base = module_sass(build(base_tree, work / "base_build"))
+  mine = module_sass(build(ROOT, work / "tree_build"))
   if not args.build_dir:
     shutil.rmtree(work)
 

@@ -2,6 +2,9 @@
 
 Tests marked `gpu` need a CUDA device; they skip without one unless
 GLM5_JAX_REQUIRE_GPU=1, which turns those skips into failures (the H200 run).
+Tests marked `cuda_build` need the built CUDA module and the toolkit's cuobjdump, not a
+device (the SASS tests): they skip without them unless GLM5_JAX_REQUIRE_CUDA_BUILD=1 or
+GLM5_JAX_REQUIRE_GPU=1 (CI's CUDA step, the H200 run).
 """
 import os
 
@@ -28,6 +31,13 @@ def all_kernels(monkeypatch):
 def pytest_report_header(config):
   from glm5_jax.info import report
   return report()
+
+
+def missing(what):
+  """Skip the test for lack of `what`, or fail it where the run requires the CUDA build."""
+  if "1" in (os.environ.get("GLM5_JAX_REQUIRE_CUDA_BUILD"), os.environ.get("GLM5_JAX_REQUIRE_GPU")):
+    pytest.fail(f"{what} (GLM5_JAX_REQUIRE_CUDA_BUILD / GLM5_JAX_REQUIRE_GPU is set)")
+  pytest.skip(what)
 
 
 def pytest_runtest_setup(item):

@@ -1,5 +1,4 @@
 """Project tooling: one version source, the GPU capability guard of the kernels."""
-import importlib.util
 import os
 import re
 import tomllib
@@ -11,6 +10,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import _ffi
+from glm5_jax.testing.sass import parse_listing as parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,15 +43,6 @@ def test_kernels_accepted_on_hopper(monkeypatch):
     assert _ffi._supported_gpu.__wrapped__()
 
 
-def _sass_diff():
-  """scripts/sass_diff.py as a module (scripts/ is no package)."""
-  spec = importlib.util.spec_from_file_location(
-      "sass_diff", os.path.join(ROOT, "scripts", "sass_diff.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 # Two cuobjdump -sass listings of one kernel built from two trees: nvcc names the anonymous
 # namespace after the source path (…_9_q_gemm_cu_<hash>), so the names differ; the second
 # listing's third instruction differs too.
@@ -68,14 +59,16 @@ _LISTING = """
 """
 
 
-def test_sass_diff_parses_listings_across_trees():
-  """sass_diff's parse: instructions without their encodings, kernels of anonymous
-  namespaces named alike whatever tree built them, so that only real changes differ."""
-  parse = _sass_diff().parse_listing
+def test_sass_listing_parse_across_trees():
+  """glm5_jax.testing.sass (scripts/sass_diff.py, tests/test_sass.py): instructions
+  without their encodings, kernels of anonymous namespaces named by their file whatever
+  tree built them, so that only real changes differ; a name twice in a listing raises."""
   a = parse(_LISTING.format(hash="786699b8", tail="6f838c90", target="0x70"))
   b = parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x70"))
   c = parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x80"))
   assert a == b and a != c
-  name = "_ZN4glm541_GLOBAL__N_2wg22indexer_q_wgmma_kernelILi64EEEv"
+  name = "_ZN4glm541_GLOBAL__N__q_gemm_cu_2wg22indexer_q_wgmma_kernelILi64EEEv"
   assert a == {name: ["LDC R1, c[0x0][0x28]", "S2R R0, SR_TID.X", "@!P0 BRA 0x70"],
                "_ZN4glm57kernel_without_namespaceEv": ["EXIT"]}
+  with pytest.raises(ValueError, match="two functions named"):
+    parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x70") * 2)

@@ -13,16 +13,19 @@ loads, so cc/projection.cuh loads the weights with weak loads. This test reads t
 It also holds indexer_projection's cluster kernels to no MEMBAR: cooperative_groups'
 cluster.sync() (any cluster-scope release) compiles to MEMBAR.ALL.GPU, which ncu found in
 17% of the kernel's stall samples at M=64; cc/cluster.cuh says how the kernel avoids it.
+
+The SASS needs the built module and cuobjdump, not a GPU (marker cuda_build): CI runs these
+tests after its CUDA compile, and a device-code change made without a GPU meets them on the
+CPU machine.
 """
-import os
-import pathlib
 import re
-import shutil
-import subprocess
 
 import pytest
+from conftest import missing
 
-pytestmark = pytest.mark.gpu
+from glm5_jax.testing.sass import module_sass
+
+pytestmark = pytest.mark.cuda_build
 
 # Kernel families (mangled-name pattern) and the instructions that must come before their
 # first ACQBULK: a projection kernel's lane loads 2 x blocks 16-byte weight fragments (rows
@@ -39,30 +42,6 @@ BEFORE_WAIT = {re.compile(r"indexer_q_kernelILi\d+E"): r"^(@\S+\s+)?UBLKCP",
 WAIT = "ACQBULK"
 
 
-def _cuobjdump():
-  for path in (shutil.which("cuobjdump"),
-               os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")):
-    if path and os.path.exists(path):
-      return path
-  if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
-    pytest.fail("cuobjdump (CUDA toolkit) not found: PATH or $CUDA_HOME/bin")
-  pytest.skip("needs cuobjdump (CUDA toolkit)")
-
-
-def _functions(sass):
-  """{mangled name: [instruction, ...]} of cuobjdump -sass output."""
-  functions, current = {}, None
-  for line in sass.splitlines():
-    m = re.search(r"Function : (\S+)", line)
-    if m:
-      current = functions.setdefault(m.group(1), [])
-      continue
-    m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-    if m and current is not None:
-      current.append(m.group(1))
-  return functions
-
-
 def _before_wait(instructions, pattern):
   """How many instructions matching `pattern` precede the first PDL wait (None: no wait)."""
   for i, ins in enumerate(instructions):
@@ -73,14 +52,14 @@ def _before_wait(instructions, pattern):
 
 @pytest.fixture(scope="module")
 def functions():
-  """{mangled name: [instruction, ...]} of the built module."""
-  from glm5_jax._ffi import register_targets
-  if not register_targets():
-    pytest.fail("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON) on a GPU machine")
-  from glm5_jax import _glm5_cuda
-  sass = subprocess.run([_cuobjdump(), "-sass", str(pathlib.Path(_glm5_cuda.__file__))],
-                        check=True, capture_output=True, text=True).stdout
-  return _functions(sass)
+  """{kernel: [instruction, ...]} of the built module (glm5_jax.testing.sass)."""
+  from glm5_jax import _ffi
+  if _ffi._glm5_cuda is None:
+    missing("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON)")
+  try:
+    return module_sass(_ffi._glm5_cuda.__file__)
+  except RuntimeError as e:
+    missing(str(e))
 
 
 def test_weight_loads_precede_the_pdl_wait(functions):
