@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_projection_wgmma(
   const int32_t n0 = static_cast<int32_t>(blockIdx.x / kSplit) * kRows;
   const int32_t k0 = rank * boxes * wgmma::kBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
-  const int first = min(boxes, kSlots);              // boxes issued before the loop
+  const int first = L::Ring::first(boxes);           // boxes issued before the loop
   const typename L::Ring ring{base, full, &w_map, &x_map, k0, n0, chunk0};
 
   if (threadIdx.x == 0) {

@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_q_wgmma_kernel(
   const int64_t n0 = static_cast<int64_t>(blockIdx.x / kSplit) * kRows;
   const int32_t k0 = rank * a.boxes * wgmma::kBoxK;
   const int32_t chunk0 = static_cast<int32_t>(blockIdx.y) * kN;
-  const int first = min(a.boxes, kSlots);          // boxes issued before the loop
+  const int first = L::Ring::first(a.boxes);       // boxes issued before the loop
   const typename L::Ring ring{base, full, &w_map, &x_map, k0, static_cast<int32_t>(n0), chunk0};
 
   if (threadIdx.x == 0) {

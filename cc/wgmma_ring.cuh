@@ -27,6 +27,9 @@ struct Ring {
     return raw + (kAtom - raw % kAtom) % kAtom;
   }
 
+  // Boxes thread 0 issues before sum(), one a slot: sum() refills from box first(boxes) on.
+  static __device__ __forceinline__ int first(int boxes) { return min(boxes, kSlots); }
+
   static constexpr int kWeightBox = kRows * 128;
   static constexpr int kTokenBox = kN * 128;
   static constexpr int kSlot = kWeightBox + kTokenBox;
@@ -63,8 +66,8 @@ struct Ring {
     bulk::copy_box(base + s * kSlot + kWeightBox, x_map, k0 + b * kBoxK, chunk0, full + 8 * s);
   }
 
-  // d = the CTA's weight rows x its token rows over `boxes` boxes of K, the first
-  // min(boxes, kSlots) already issued by thread 0: each box's 16-K wgmma steps in K order
+  // d = the CTA's weight rows x its token rows over `boxes` boxes of K, the first(boxes)
+  // already issued by thread 0: each box's 16-K wgmma steps in K order
   // into one fp32 accumulator from +0 (the first step does not accumulate). Once box b - 1's
   // wgmma group has completed in every warp (box b's may still run), thread 0 refills its
   // slot with box b - 1 + kSlots. All threads of the warpgroup call it.
