@@ -11,6 +11,7 @@ import os
 import jax
 import pytest
 
+from glm5_jax import _ffi
 from glm5_jax._ffi import local_cuda, register_targets
 
 
@@ -45,6 +46,8 @@ def pytest_runtest_setup(item):
     if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
       pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but this machine has no CUDA device")
     pytest.skip("needs a CUDA GPU (GLM5_JAX_REQUIRE_GPU=1 makes this a failure)")
+  if "cuda_build" in item.keywords and _ffi._glm5_cuda is None:
+    missing("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON)")
 
 
 def pytest_collection_modifyitems(session, config, items):
