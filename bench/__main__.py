@@ -57,8 +57,8 @@ def parser():
   p.add_argument("--max-sets", type=int, default=None, metavar="R",
                  help="at most R rotated input sets per chain (default: Sizes.r_max; an op's own "
                       "minimum still applies); fewer "
-                      "sets dispatch faster: the H200's 64-set chains of the projection were "
-                      "host-bound where 32-set ones were not (bench/NOTES.md, session 18)")
+                      "sets dispatch faster: 64-set chains of the projection were host-bound "
+                      "where 32-set ones were not")
   p.add_argument("--max-calls", type=int, default=None, metavar="N",
                  help="at most N calls unrolled per chain (default: Sizes.max_calls); the "
                       "dispatch of a chain grows with its FFI calls")

@@ -93,7 +93,7 @@ def stage_table(rows):
   if unchained:
     out += ["", "† layers and steps independent (measured before the stage group chained "
             "them): XLA's dot merger batched one layer's GEMMs over the steps of a run, so "
-            "both columns read low (bench/NOTES.md, twenty-first session); the other cells "
+            "both columns read low (docs/performance.md, Method); the other cells "
             "chain each layer to the output before it, as a model runs."]
   return out + [""]
 

@@ -276,7 +276,7 @@ def check(outs, caches, want_outs, want_caches, metadata, chunks):
             "not the kernels."]
   # GPU: the kernels against the reference. The projection GEMM and the fp8 K-cache
   # rounding differ within SPEC D2 and the logits kernel sums in its own order, so
-  # near-tied pools may swap at the top-k boundary (issue 10's rule: equal counts,
+  # near-tied pools may swap at the top-k boundary (the kernels' rule: equal counts,
   # >= 99% of the selected slots).
   agree, total = 0, 0
   for step_out, step_want in zip(outs, want_outs):

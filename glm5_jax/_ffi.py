@@ -23,7 +23,7 @@ def _supported_gpu():
   if caps == {SUPPORTED_CAPABILITY}:
     return True
   warn_once(f"glm5_jax: the CUDA kernels need compute capability {SUPPORTED_CAPABILITY} "
-            f"(H100/H200), this machine has {', '.join(sorted(caps))}; every op runs its "
+            f"(Hopper, sm_90a), this machine has {', '.join(sorted(caps))}; every op runs its "
             "pure-JAX reference")
   return False
 

@@ -12,17 +12,16 @@ The pattern (examples/decode_loop.py runs it on 11 layers):
 
 `packed` is a numpy array passed straight to the jitted step: jax copies it to the
 device as one argument (16 bytes per row). Building a DecodeBatch of device arrays
-every step (jnp.asarray or jax.device_put per field) costs one transfer per field
-and, on the H200, several times the device time of an 11-layer step (issue 11).
+every step (jnp.asarray or jax.device_put per field) costs one transfer per field,
+several times the device time of an 11-layer step (docs/serving.md).
 
 Cheaper still, and what the bench measures fastest: keep `packed` on the device and
 compute the next step's from it inside the jitted step with `advance` (positions + the
 tokens each request accepted, loc and tslot from the device page table), returning it
 donated like the caches. Steps then move no metadata at all; the host sends a new
 packed array (decode_metadata) only when the batch changes: a request admitted or
-finished. On the H200 (11 layers, 1K context) a host-built packed array per step cost
-1.9-3.2x the device-resident step, and advancing on the device 0.85-0.97x (bench group
-serving).
+finished. A host-built packed array per step costs more than the whole device-resident
+step; advancing on the device costs nothing measurable (BENCHMARKS.json, op "serving").
 
 page_table and block_table change only when a request is admitted, finishes or grows
 a page/block: keep them as device arrays and pass them unchanged; when they change,

@@ -39,7 +39,7 @@ def layer_inputs(rng, rows, layers, hidden=HIDDEN, q_lora=Q_LORA):
 
   Every layer gets its own x and qr, as in a model (each layer's hidden state): given one
   x and qr for all layers, XLA merged the layers' q GEMMs into one that first copied
-  their wq_b together (H200, 11 layers at M=16: 86 µs a step), which no model pays."""
+  their wq_b together, a cost no model pays (docs/performance.md, Method)."""
   drawn = [inputs(rng, rows, hidden, q_lora) for _ in range(layers)]
   return [x for x, _ in drawn], [qr for _, qr in drawn]
 

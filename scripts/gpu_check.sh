@@ -36,7 +36,7 @@ if [ "$tests" = 1 ]; then
   # --dist loadgroup hands out one test at a time (each ungrouped test is its own group),
   # so the `long` tests that conftest collects first start on different workers; the
   # default load scheduler sends each worker a run of consecutive tests, which put all
-  # eight million-pool batches on one worker (the H200 suite's tail, 2026-11-30).
+  # eight million-pool batches on one worker (the suite's tail).
   GLM5_JAX_REQUIRE_GPU=1 timeout "${GLM5_JAX_TEST_SECONDS:-560}" python3 -m pytest -v \
     -p no:cacheprovider -p no:benchmark --timeout 300 --durations 15 --dist loadgroup \
     -n "${GLM5_JAX_TEST_WORKERS:-15}" $targets > "$out/pytest.log" 2>&1

@@ -1,4 +1,6 @@
-"""The README's usage snippet runs as written."""
+"""The README: its snippets run as written (with docs/serving.md's, which continue them),
+its generated tables match the op registry and BENCHMARKS.json, it stays short, and CI
+runs its two commands."""
 import os
 import pathlib
 import re
@@ -6,17 +8,28 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import readme_ops  # noqa: E402
+
+README = (ROOT / "README.md").read_text()
 
 
-def snippets():
-  return re.findall(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(),
+def snippets(path):
+  return re.findall(r"^```python\n(.*?)^```$", (ROOT / path).read_text(),
                     re.DOTALL | re.MULTILINE)
 
 
-def test_usage_snippet_runs():
+def commands():
+  """The README's indented shell commands that start with `python`, in order."""
+  return re.findall(r"^    (python .*)$", README, re.MULTILINE)
+
+
+def test_usage_snippets_run():
   """In a fresh interpreter (nothing of the test process leaks in), from the repository
-  root as a reader would; it prints one line per decode step."""
-  code = "\n".join(snippets())      # the serving snippet continues the first one
+  root as a reader would: the README's decode snippet, then docs/serving.md's serving
+  snippets, which continue it; each prints one line per decode step."""
+  code = "\n".join(snippets("README.md") + snippets("docs/serving.md"))
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -30,3 +43,37 @@ def test_usage_snippet_runs():
                         re.M)
   # positions 304 and 2504, then 305 and 2505: 2503 completed a pool, the tail restarts
   assert advanced == [("305", "2049"), ("306", "2050")], run.stdout
+
+
+def test_generated_tables_in_sync():
+  """The op table is the registry's and the stage table BENCHMARKS.json's."""
+  assert readme_ops.synced(README) == README, (
+      f"README.md's generated tables are out of sync: run `{readme_ops.COMMAND}`")
+
+
+def test_op_table_lists_every_op_and_no_figures():
+  table = readme_ops.op_table()
+  names = [re.match(r"\| `(\w+)` \|", row).group(1) for row in table[2:]]
+  assert names == list(readme_ops.Op.registry)
+  assert not [row for row in table if re.search(r"µs|\d+(\.\d+)?x\b|H[12]00", row)]
+
+
+def test_sync_check_catches_a_stale_table():
+  """The check is not vacuous: a README whose op table lost a row reads out of sync."""
+  row = next(line for line in README.splitlines() if line.startswith("| `pool_topk` |"))
+  stale = README.replace(row + "\n", "")
+  assert stale != README and readme_ops.synced(stale) == README
+
+
+def test_readme_is_short():
+  assert len(README.splitlines()) <= 200
+
+
+def test_ci_runs_the_readme_commands():
+  """.ci/run runs the README's install-and-demo line (plus its build directory) and its
+  test command, exactly."""
+  install, tests = commands()
+  assert tests == 'python -m pytest -q -n 2 -m "not slow"'
+  assert "pytest-xdist" in install
+  ci = (ROOT / ".ci" / "run").read_text().replace(' "${build[@]}"', "").splitlines()
+  assert install in ci and tests in ci, (install, tests)

@@ -1,4 +1,4 @@
-"""The update part of a decode step after the q GEMM (issue 12): indexer_projection,
+"""The update part of a decode step after the q GEMM: indexer_projection,
 indexer_query and kpool_update composed, as indexer_stage composes them; update_epilogue
 the last two on the projection's GEMM sums (indexer_update = the GEMM, its split, then
 update_epilogue); update_epilogue_q the q GEMM (indexer_q) then update_epilogue;
