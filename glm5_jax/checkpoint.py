@@ -269,6 +269,7 @@ def load_indexer_weights(path, layers=None, config: IndexerConfig | None = None,
   (TypeError) or head count than config.heads (ValueError); where a shard file is
   missing (FileNotFoundError) or the index JSON is malformed (ValueError).
   """
+  _safetensors()               # a missing dependency first, before any file is looked at
   config = IndexerConfig() if config is None else config
   if not isinstance(config, IndexerConfig):
     raise TypeError(f"glm5_jax.{OP}: config must be a glm5_jax.IndexerConfig, "

@@ -94,9 +94,10 @@ def write_checkpoint(path, rng, config, layers=(0, 1, 2), *, hidden=256, q_lora=
   if shards == 1:
     save_file(tensors, os.path.join(path, checkpoint.SINGLE_FILE))
     return tensors
-  # Contiguous groups of about total / shards bytes each, in file order.
+  # Contiguous groups of about total / shards bytes each, in file order (a tensor in the
+  # group where it begins).
   ends = np.cumsum([a.nbytes for a in tensors.values()])
-  shard_of = np.minimum(ends * shards // (ends[-1] + 1), shards - 1)
+  shard_of = (ends - [a.nbytes for a in tensors.values()]) * shards // ends[-1]
   files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
   weight_map = {name: files[s] for name, s in zip(tensors, shard_of)}
   for file in files:
