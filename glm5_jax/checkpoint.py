@@ -96,7 +96,10 @@ class Checkpoint:
   def layers(self, names):
     """The layers whose `wq_b` (names["wq_b"]) the checkpoint holds, ascending."""
     pattern = re.compile(re.escape(names["wq_b"]).replace(re.escape("{layer}"), r"(\d+)"))
-    return sorted({int(m.group(1)) for m in map(pattern.fullmatch, self.weight_map) if m})
+    layers = sorted({int(m.group(1)) for m in map(pattern.fullmatch, self.weight_map) if m})
+    if not layers:
+      raise ValueError(f"glm5_jax.{OP}: {self.root} holds no tensor named {names['wq_b']}")
+    return layers
 
   def file(self, name, where):
     """The path of the shard holding `name` (`where`: the layer and part it is)."""
@@ -105,6 +108,11 @@ class Checkpoint:
       _fail(*where, name, f"is in the shard {self.weight_map[name]} (named by {INDEX_FILE}), "
             f"which is not in {self.root}", FileNotFoundError)
     return path
+
+  def shape(self, name):
+    """A tensor's shape, from its file's header (no data read)."""
+    with _safetensors().safe_open(self.file(name, (None, None)), "numpy") as f:
+      return tuple(f.get_slice(name).get_shape())
 
   def read(self, wanted):
     """{name: (safetensors dtype, numpy array)} of the tensors `wanted` (name -> (layer,
@@ -243,6 +251,23 @@ def _part(layer, part, name, tensors, expected, config, scales, inferred):
   return dequantize(array, scale)
 
 
+def indexer_sizes(path, names: dict | None = None) -> dict:
+  """What the checkpoint at `path` holds for the indexer, read from its index (or header)
+  and config.json, no tensor data: {"layers": the layers whose wq_b it holds, ascending;
+  "heads", "hidden", "q_lora": config.json's index_n_heads, hidden_size, q_lora_rank,
+  else the shapes of the first layer's wq_b and wk}. Build the IndexerConfig with
+  heads=sizes["heads"] for load_indexer_weights."""
+  _safetensors()
+  names = {**INDEXER_TENSORS, **(names or {})}
+  ckpt = Checkpoint(path)
+  layers = ckpt.layers(names)
+  cj = ckpt.config_json
+  wq_b = ckpt.shape(names["wq_b"].format(layer=layers[0]))
+  wk = ckpt.shape(names["wk"].format(layer=layers[0]))
+  return {"layers": layers, "heads": cj.get("index_n_heads", wq_b[0] // DIM),
+          "hidden": cj.get("hidden_size", wk[-1]), "q_lora": cj.get("q_lora_rank", wq_b[-1])}
+
+
 def load_indexer_weights(path, layers=None, config: IndexerConfig | None = None, *,
                          hidden: int | None = None, q_lora: int | None = None,
                          names: dict | None = None
@@ -284,8 +309,6 @@ def load_indexer_weights(path, layers=None, config: IndexerConfig | None = None,
   one = isinstance(layers, (int, np.integer))
   if layers is None:
     layers = ckpt.layers(names)
-    if not layers:
-      raise ValueError(f"glm5_jax.{OP}: {path} holds no tensor named {names['wq_b']}")
   layers = [int(layers)] if one else [int(layer) for layer in layers]
   wanted = {}
   for layer in layers:

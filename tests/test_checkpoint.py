@@ -389,3 +389,29 @@ def test_one_layer_reads_only_its_bytes(tmp_path, monkeypatch):
   else:
     pytest.skip("the page cache of the checkpoint's files cannot be emptied here "
                 "(posix_fadvise DONTNEED): only the counted reads were checked")
+
+
+def test_indexer_sizes(tmp_path):
+  write(tmp_path)
+  want = {"layers": list(LAYERS), "heads": CONFIG.heads, **DIMS}
+  assert checkpoint.indexer_sizes(tmp_path) == want
+  (tmp_path / checkpoint.CONFIG_FILE).unlink()          # from the tensors' shapes
+  assert checkpoint.indexer_sizes(tmp_path) == want
+
+
+@pytest.mark.slow
+def test_decode_loop_demo_on_a_checkpoint(tmp_path):
+  """`examples/decode_loop.py --checkpoint DIR`, small: the first layer of a synthetic
+  fp8 checkpoint (GLM-5.3-Flash's 32 heads, reduced hidden and q_lora) runs and its check
+  against the reference passes."""
+  synthetic.write_checkpoint(tmp_path, np.random.default_rng(0), glm5_jax.IndexerConfig(),
+                             layers=(3, 7), hidden=512, q_lora=256, fp8=("wq_b", "wk"))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "examples/decode_loop.py", "--checkpoint",
+                         str(tmp_path), "--layers", "1", "--contexts", "30,2100", "--steps", "3"],
+                        cwd=root, capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, PYTHONPATH=root))
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert (f"weights: layers [3] of the checkpoint {tmp_path} (hidden 512, q_lora 256, 32 heads)"
+          in done.stdout)
+  assert "check:" in done.stdout and done.stdout.rstrip().endswith("ok")
