@@ -109,31 +109,40 @@ class Checkpoint:
             f"which is not in {self.root}", FileNotFoundError)
     return path
 
-  def shape(self, name):
-    """A tensor's shape, from its file's header (no data read)."""
-    with _safetensors().safe_open(self.file(name, (None, None)), "numpy") as f:
-      return tuple(f.get_slice(name).get_shape())
-
-  def read(self, wanted):
-    """{name: (safetensors dtype, numpy array)} of the tensors `wanted` (name -> (layer,
-    part)): each file opened once (safe_open, memory-mapped), only these tensors copied
-    out of it."""
+  def _by_file(self, wanted):
     by_file = {}
     for name, where in wanted.items():
       by_file.setdefault(self.file(name, where), []).append(name)
-    safetensors = _safetensors()
+    return by_file.items()
+
+  def headers(self, wanted):
+    """{name: (safetensors dtype, shape)} of the tensors `wanted` (name -> (layer, part)),
+    from their files' headers: no tensor data read."""
+    safe_open = _safetensors().safe_open
     out = {}
-    for path, names in by_file.items():
-      with safetensors.safe_open(path, "numpy") as f:
+    for path, names in self._by_file(wanted):
+      with safe_open(path, "numpy") as f:
         held = set(f.keys())
         for name in names:
           if name not in held:
             _fail(*wanted[name], name, f"is missing from {os.path.basename(path)}, the shard "
                   f"{INDEX_FILE} names for it")
-          dtype = f.get_slice(name).get_dtype()
+          tensor = f.get_slice(name)
+          out[name] = tensor.get_dtype(), tuple(tensor.get_shape())
+    return out
+
+  def read(self, wanted, dtypes):
+    """{name: numpy array} of the tensors `wanted` (name -> (layer, part)), `dtypes` their
+    safetensors dtypes: each file opened once (safe_open, memory-mapped), only these
+    tensors copied out of it."""
+    safe_open = _safetensors().safe_open
+    out = {}
+    for path, names in self._by_file(wanted):
+      with safe_open(path, "numpy") as f:
+        for name in names:
           # safetensors' numpy backend has no fp8 dtype: fp8 tensors are mapped from the
           # file at the offsets of its header (the safetensors format) instead.
-          out[name] = dtype, (_mapped(path, name) if dtype == F8 else f.get_tensor(name))
+          out[name] = _mapped(path, name) if dtypes[name] == F8 else f.get_tensor(name)
     return out
 
 
@@ -213,14 +222,15 @@ def _check_config_json(ckpt, config, hidden, q_lora):
           cj.get("q_lora_rank") if q_lora is None else q_lora)
 
 
-def _check(layer, part, name, dtype, array, expected, config, inferred):
+def _check(layer, part, name, header, expected, config, inferred):
+  """One part's dtype and shape (from the header) against what the stage needs."""
+  dtype, shape = header
   if part in MATRICES:
     if dtype not in (BF16, F8):
       _fail(layer, part, name, f"must be BF16 (or F8_E4M3 with a {SCALE_SUFFIX} scale), got "
             f"{dtype}", TypeError)
   elif dtype not in (F32, BF16):
     _fail(layer, part, name, f"must be F32 (or BF16), got {dtype}", TypeError)
-  shape = tuple(array.shape)
   if len(shape) == len(expected) and all(w is None or w == d for w, d in zip(expected, shape)):
     return
   # Where only the heads differ, the config is what disagrees with the checkpoint.
@@ -231,24 +241,20 @@ def _check(layer, part, name, dtype, array, expected, config, inferred):
   _fail(layer, part, name, f"must have shape {_shape_str(expected)}{inferred}, got {shape}")
 
 
-def _part(layer, part, name, tensors, expected, config, scales, inferred):
-  dtype, array = tensors[name]
-  _check(layer, part, name, dtype, array, expected[part], config, inferred.get(part, ""))
-  if dtype != F8:
-    return array
+def _check_scale(layer, part, name, header, headers):
+  """An fp8 part's block scale: present, f32, one per 128 x 128 block."""
   scale_name = name + SCALE_SUFFIX
-  if scale_name not in scales:
+  if scale_name not in headers:
     _fail(layer, part, name, f"is F8_E4M3 but the checkpoint has no {scale_name} (its block "
           "scale): the indexer needs bf16 weights, and an fp8 tensor without its scale "
           "cannot be dequantised")
-  scale_dtype, scale = scales[scale_name]
-  want = tuple(math.ceil(d / QUANT_BLOCK) for d in array.shape)
+  scale_dtype, scale_shape = headers[scale_name]
+  want = tuple(math.ceil(d / QUANT_BLOCK) for d in header[1])
   if scale_dtype != F32:
     _fail(layer, part, scale_name, f"must be F32, got {scale_dtype}", TypeError)
-  if tuple(scale.shape) != want:
+  if scale_shape != want:
     _fail(layer, part, scale_name, f"must have shape {want} (one scale per 128 x 128 block "
-          f"of {name}, shape {tuple(array.shape)}), got {tuple(scale.shape)}")
-  return dequantize(array, scale)
+          f"of {name}, shape {header[1]}), got {scale_shape}")
 
 
 def indexer_sizes(path, names: dict | None = None) -> dict:
@@ -262,8 +268,9 @@ def indexer_sizes(path, names: dict | None = None) -> dict:
   ckpt = Checkpoint(path)
   layers = ckpt.layers(names)
   cj = ckpt.config_json
-  wq_b = ckpt.shape(names["wq_b"].format(layer=layers[0]))
-  wk = ckpt.shape(names["wk"].format(layer=layers[0]))
+  wq_b, wk = (names[part].format(layer=layers[0]) for part in ("wq_b", "wk"))
+  headers = ckpt.headers({wq_b: (layers[0], "wq_b"), wk: (layers[0], "wk")})
+  wq_b, wk = headers[wq_b][1], headers[wk][1]
   return {"layers": layers, "heads": cj.get("index_n_heads", wq_b[0] // DIM),
           "hidden": cj.get("hidden_size", wk[-1]), "q_lora": cj.get("q_lora_rank", wq_b[-1])}
 
@@ -320,22 +327,32 @@ def load_indexer_weights(path, layers=None, config: IndexerConfig | None = None,
   # The scales of the fp8 matrices: read with the tensors where the checkpoint has them.
   scale_names = {name + SCALE_SUFFIX: where for name, where in wanted.items()
                  if where[1] in MATRICES and name + SCALE_SUFFIX in ckpt.weight_map}
-  tensors = ckpt.read({**wanted, **scale_names})
-  scales = {name: tensors[name] for name in scale_names}
-  out = []
+  # Every dtype and shape checked from the headers before any tensor is read.
+  headers = ckpt.headers({**wanted, **scale_names})
   for layer in layers:
     layer_names = {part: template.format(layer=layer) for part, template in names.items()}
     # hidden and q_lora: the caller's (or config.json's), else this layer's wk's and wq_b's.
-    wk, wq_b = tensors[layer_names["wk"]][1], tensors[layer_names["wq_b"]][1]
+    wk, wq_b = headers[layer_names["wk"]][1], headers[layer_names["wq_b"]][1]
     layer_hidden, layer_q_lora, inferred = hidden, q_lora, {}
-    if hidden is None and wk.ndim == 2:
-      layer_hidden = wk.shape[1]
+    if hidden is None and len(wk) == 2:
+      layer_hidden = wk[1]
       note = f" (hidden = {layer_hidden}, the width of this layer's wk)"
       inferred.update(weights_proj=note, gate=note)
-    if q_lora is None and wq_b.ndim == 2:
-      layer_q_lora = wq_b.shape[1]
+    if q_lora is None and len(wq_b) == 2:
+      layer_q_lora = wq_b[1]
     expected = _expected(config, layer_hidden, layer_q_lora)
-    parts = [_part(layer, part, layer_names[part], tensors, expected, config, scales, inferred)
-             for part in INDEXER_TENSORS]
+    for part, name in layer_names.items():
+      _check(layer, part, name, headers[name], expected[part], config, inferred.get(part, ""))
+      if headers[name][0] == F8:
+        _check_scale(layer, part, name, headers[name], headers)
+  tensors = ckpt.read({**wanted, **scale_names}, {n: h[0] for n, h in headers.items()})
+  out = []
+  for layer in layers:
+    parts = []
+    for part in INDEXER_TENSORS:
+      name = names[part].format(layer=layer)
+      fp8 = headers[name][0] == F8
+      parts.append(dequantize(tensors[name], tensors[name + SCALE_SUFFIX]) if fp8
+                   else tensors[name])
     out.append(prepare_weights(*parts))
   return out[0] if one else out

@@ -186,14 +186,17 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_checkpoint_names_layer_and_tensor(tmp_path, case):
+def test_bad_checkpoint_names_layer_and_tensor(tmp_path, monkeypatch, case):
   edit, error, pattern = BAD[case]
   tensors = write(tmp_path / "good", shards=1)
   bad = tmp_path / "bad"
   # Without config.json: the tensors alone say what disagrees.
   rewrite(bad, edit(tensors), config=False)
+  counting = CountingOpen(safetensors.safe_open)
+  monkeypatch.setattr(safetensors, "safe_open", counting)
   with pytest.raises(error, match=pattern):
     glm5_jax.load_indexer_weights(bad, config=CONFIG)
+  assert counting.read == {}          # found from the headers, before any tensor is read
   # The unedited tensors load (the edit is what the error is about).
   rewrite(tmp_path / "same", tensors, config=False)
   glm5_jax.load_indexer_weights(tmp_path / "same", config=CONFIG)
