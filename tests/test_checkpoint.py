@@ -5,6 +5,8 @@ import ctypes
 import json
 import mmap
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -418,3 +420,18 @@ def test_decode_loop_demo_on_a_checkpoint(tmp_path):
   assert (f"weights: layers [3] of the checkpoint {tmp_path} (hidden 512, q_lora 256, 32 heads)"
           in done.stdout)
   assert "check:" in done.stdout and done.stdout.rstrip().endswith("ok")
+
+
+def test_docs_snippet_runs(tmp_path):
+  """docs/serving.md's "Loading real weights" snippet, on a synthetic checkpoint."""
+  text = (pathlib.Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+  section = text[text.index("## Loading real weights"):]
+  code = re.search(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE).group(1)
+  placeholder = 'path = "/models/GLM-5.3-Flash"'
+  assert placeholder in code
+  write(tmp_path)
+  scope = {}
+  exec(code.replace(placeholder, f"path = {str(tmp_path)!r}"), scope)
+  assert scope["sizes"] == {"layers": list(LAYERS), "heads": CONFIG.heads, **DIMS}
+  assert len(scope["weights"]) == len(LAYERS)
+  assert leaves_equal(scope["weights"], glm5_jax.load_indexer_weights(tmp_path, config=CONFIG))
