@@ -138,11 +138,16 @@ class Checkpoint:
     safe_open = _safetensors().safe_open
     out = {}
     for path, names in self._by_file(wanted):
+      header = None
       with safe_open(path, "numpy") as f:
         for name in names:
+          if dtypes[name] != F8:
+            out[name] = f.get_tensor(name)
+            continue
           # safetensors' numpy backend has no fp8 dtype: fp8 tensors are mapped from the
           # file at the offsets of its header (the safetensors format) instead.
-          out[name] = _mapped(path, name) if dtypes[name] == F8 else f.get_tensor(name)
+          header = header or _header(path)
+          out[name] = _mapped(path, header, name)
     return out
 
 
@@ -171,15 +176,21 @@ def _read_index(path):
   return weight_map
 
 
-def _mapped(path, name):
-  """A tensor of `path` as a numpy array on the file's memory map (the safetensors format:
-  u64 header length, the JSON header, then the data at the header's data_offsets)."""
+def _header(path):
+  """(data offset, header) of the safetensors file `path`: a u64 header length, the JSON
+  header, then the tensors' data at the header's data_offsets."""
   with open(path, "rb") as f:
     size, = struct.unpack("<Q", f.read(8))
-    entry = json.loads(f.read(size))[name]
+    return 8 + size, json.loads(f.read(size))
+
+
+def _mapped(path, header, name):
+  """A tensor of `path` (its _header) as a numpy array on the file's memory map."""
+  data, header = header
+  entry = header[name]
   begin, end = entry["data_offsets"]
   dtype = np.dtype(NUMPY_DTYPES[entry["dtype"]])
-  return np.memmap(path, dtype, "r", offset=8 + size + begin,
+  return np.memmap(path, dtype, "r", offset=data + begin,
                    shape=(end - begin) // dtype.itemsize).reshape(entry["shape"])
 
 
@@ -312,6 +323,11 @@ def load_indexer_weights(path, layers=None, config: IndexerConfig | None = None,
                      f"are {list(INDEXER_TENSORS)}")
   names = {**INDEXER_TENSORS, **(names or {})}
   ckpt = Checkpoint(path)
+  # Where config.json gave hidden or q_lora, the shape errors say so.
+  notes = {}
+  for key, arg, given in (("hidden_size", "hidden", hidden), ("q_lora_rank", "q_lora", q_lora)):
+    if given is None and key in ckpt.config_json:
+      notes[arg] = f" ({arg} = {ckpt.config_json[key]}, {CONFIG_FILE}'s {key})"
   hidden, q_lora = _check_config_json(ckpt, config, hidden, q_lora)
   one = isinstance(layers, (int, np.integer))
   if layers is None:
@@ -333,7 +349,11 @@ def load_indexer_weights(path, layers=None, config: IndexerConfig | None = None,
     layer_names = {part: template.format(layer=layer) for part, template in names.items()}
     # hidden and q_lora: the caller's (or config.json's), else this layer's wk's and wq_b's.
     wk, wq_b = headers[layer_names["wk"]][1], headers[layer_names["wq_b"]][1]
-    layer_hidden, layer_q_lora, inferred = hidden, q_lora, {}
+    layer_hidden, layer_q_lora = hidden, q_lora
+    inferred = {part: notes["hidden"] for part in ("wk", "weights_proj", "gate")
+                if "hidden" in notes}
+    if "q_lora" in notes:
+      inferred["wq_b"] = notes["q_lora"]
     if hidden is None and len(wk) == 2:
       layer_hidden = wk[1]
       note = f" (hidden = {layer_hidden}, the width of this layer's wk)"

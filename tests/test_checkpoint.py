@@ -212,6 +212,13 @@ def test_config_disagreement(tmp_path):
     glm5_jax.load_indexer_weights(tmp_path, 3, glm5_jax.IndexerConfig(heads=8))
   with pytest.raises(ValueError, match=r"hidden_size = 256, which disagrees with hidden = 512"):
     glm5_jax.load_indexer_weights(tmp_path, 3, CONFIG, hidden=512)
+  # A config.json that disagrees with the tensors: the error says where the size came from.
+  config_json = json.loads((tmp_path / checkpoint.CONFIG_FILE).read_text())
+  (tmp_path / checkpoint.CONFIG_FILE).write_text(json.dumps({**config_json, "hidden_size": 512}))
+  with pytest.raises(ValueError, match=r"layer 3: .*indexer\.wk\.weight \(wk\) must have shape "
+                                       r"\(128, 512\) \(hidden = 512, config\.json's "
+                                       r"hidden_size\), got \(128, 256\)"):
+    glm5_jax.load_indexer_weights(tmp_path, 3, CONFIG)
   # Without config.json, against the tensors.
   (tmp_path / checkpoint.CONFIG_FILE).unlink()
   with pytest.raises(ValueError, match=r"layer 3: .*indexer\.wq_b\.weight \(wq_b\) has 4 heads "
