@@ -72,7 +72,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import glm5_jax  # noqa: E402
-from glm5_jax import serving, sharding, synthetic  # noqa: E402
+from glm5_jax import checkpoint, serving, sharding, synthetic  # noqa: E402
 from glm5_jax.reference.numerics import POOL  # noqa: E402
 
 PAGE = 64             # K-cache entries per page (synthetic.decode_cache's default)
@@ -108,7 +108,6 @@ def parse():
   args = p.parse_args()
   args.sizes = None
   if args.checkpoint:
-    from glm5_jax import checkpoint
     args.sizes = checkpoint.indexer_sizes(args.checkpoint)
     args.sizes["layers"] = args.sizes["layers"][:args.layers]
     args.layers = len(args.sizes["layers"])
