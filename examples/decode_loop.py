@@ -16,10 +16,15 @@ then replays the same steps on the pure-JAX reference composition
 step's selected slots and the final caches against it.
 
   python examples/decode_loop.py [--layers N] [--contexts 300,1200,3000] [--steps 20]
-                                 [--devices N] [--metadata device|host]
+                                 [--devices N] [--metadata device|host] [--checkpoint DIR]
 
 Defaults: 2 layers, contexts 300,1200,3000 and 20 steps on the CPU (well under a
 minute on two cores); 11 layers, 300,5000,30000 and 200 steps on a GPU.
+
+--checkpoint DIR runs on real weights: the indexers of a Hugging Face-style safetensors
+checkpoint (glm5_jax.load_indexer_weights; pip install 'glm5_jax[checkpoint]'), every
+layer that has one (--layers N: the first N of them), x and qr at its hidden and q_lora
+sizes and IndexerConfig(heads=) from it (glm5_jax.checkpoint.indexer_sizes).
 
 --devices N (default 1) runs the loop data-parallel over N devices (glm5_jax.sharding,
 mesh axis "data"): the requests in blocks, device d holding requests d*b .. d*b + b - 1
@@ -67,7 +72,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import glm5_jax  # noqa: E402
-from glm5_jax import serving, sharding, synthetic  # noqa: E402
+from glm5_jax import checkpoint, serving, sharding, synthetic  # noqa: E402
 from glm5_jax.reference.numerics import POOL  # noqa: E402
 
 PAGE = 64             # K-cache entries per page (synthetic.decode_cache's default)
@@ -79,13 +84,17 @@ AXIS = "data"         # the mesh axis the requests are split over (--devices > 1
 def parse():
   gpu = jax.default_backend() == "gpu"
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[DEVICES])
-  p.add_argument("--layers", type=int, default=11 if gpu else 2)
+  p.add_argument("--layers", type=int,
+                 help="layers (default: 11 on a GPU, 2 on the CPU, a checkpoint's all)")
   p.add_argument("--contexts", default="300,5000,30000" if gpu else "300,1200,3000",
                  help="prompt length (tokens) of each request")
   p.add_argument("--steps", type=int, default=200 if gpu else 20)
   p.add_argument("--chunk", type=int, default=4096 if gpu else 1024,
                  help="prefill rows per call (prompts are cut into chunks of this many)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--checkpoint", metavar="DIR",
+                 help="load the layers' indexer weights from this safetensors checkpoint "
+                      "(its index JSON and shards, or one model.safetensors)")
   p.add_argument("--endurance", action="store_true",
                  help="long runs: keep only the last step's outputs, time one step in "
                       f"{SAMPLES} (the others not waited on), no reference replay")
@@ -97,6 +106,13 @@ def parse():
                       "built on the host every step (the default, and the only choice, "
                       "with --devices > 1)")
   args = p.parse_args()
+  args.sizes = None
+  if args.checkpoint:
+    args.sizes = checkpoint.indexer_sizes(args.checkpoint)
+    args.sizes["layers"] = args.sizes["layers"][:args.layers]
+    args.layers = len(args.sizes["layers"])
+  elif args.layers is None:
+    args.layers = 11 if gpu else 2
   if args.metadata is None:
     args.metadata = "device" if args.devices == 1 else "host"
   if args.metadata == "device" and args.devices > 1:
@@ -118,7 +134,7 @@ def empty_caches(rng, layers, requests, longest):
   return caches, page_table, block_table
 
 
-def prefill_chunks(contexts, chunk, cache, page_table, key):
+def prefill_chunks(contexts, chunk, cache, page_table, key, hidden):
   """[(PrefillBatch, x bf16[chunk, hidden])]: the prompts laid out request-major and
   cut into chunks of `chunk` rows (the last one padded), each chunk continuing the
   requests the one before left off; x random on the device."""
@@ -128,7 +144,7 @@ def prefill_chunks(contexts, chunk, cache, page_table, key):
   for i, a in enumerate(range(0, int(ends[-1]), chunk)):
     lo, hi = np.clip(a, begins, ends), np.clip(a + chunk, begins, ends)
     batch, _ = synthetic.prefill_batch(lo - begins, hi - lo, cache, page_table, rows=chunk)
-    x = jax.random.normal(jax.random.fold_in(key, i), (chunk, synthetic.HIDDEN), jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, i), (chunk, hidden), jnp.bfloat16)
     out.append((batch, x))
   return out
 
@@ -334,10 +350,17 @@ def main():
   rng = np.random.default_rng(args.seed)
   longest = int(contexts.max()) + args.steps
   # The logits width of a deployment serving up to `longest` tokens, page-padded.
+  sizes = args.sizes or dict(heads=glm5_jax.IndexerConfig.heads, hidden=synthetic.HIDDEN,
+                             q_lora=synthetic.Q_LORA)
   config = glm5_jax.IndexerConfig(max_pools=max(math.ceil(longest / POOL / PAGE) * PAGE,
-                                                glm5_jax.IndexerConfig.topk_tokens // POOL))
+                                                glm5_jax.IndexerConfig.topk_tokens // POOL),
+                                  heads=sizes["heads"])
+  dims = dict(hidden=sizes["hidden"], q_lora=sizes["q_lora"])
   t0 = time.perf_counter()
-  weights = [synthetic.layer(rng, config) for _ in range(args.layers)]
+  if args.checkpoint:
+    weights = glm5_jax.load_indexer_weights(args.checkpoint, sizes["layers"], config, **dims)
+  else:
+    weights = [synthetic.layer(rng, config) for _ in range(args.layers)]
   # Per device: its caches (one per layer) and tables, device-local ids (as for one
   # device), and a copy of its caches for the reference replay.
   local = [jax.device_put(empty_caches(rng, args.layers, b, longest), dev) for dev in devices]
@@ -347,21 +370,26 @@ def main():
   # The reference replay starts from a copy (none in --endurance: no replay).
   start = None if args.endurance else jax.tree.map(jnp.copy, caches)
   # Each set: every layer's x and qr, ([x of layer l], [qr of layer l]).
-  inputs = [synthetic.layer_inputs(rng, b * n, args.layers) for _ in range(INPUT_SETS)]
+  inputs = [synthetic.layer_inputs(rng, b * n, args.layers, **dims)
+            for _ in range(INPUT_SETS)]
   jax.block_until_ready((weights, caches, start, inputs))
   per_device = (f", data-parallel over {n} devices ({b} requests each, "
                 f"{b * n - len(contexts)} pad request(s))" if mesh else "")
   print(f"glm5_jax {glm5_jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}): {args.layers} layers, {len(contexts)} requests, "
         f"prompts {contexts.tolist()} tokens, {args.steps} decode steps{per_device}")
-  print(f"setup {time.perf_counter() - t0:.1f} s (weights, caches)")
+  source = (f"layers {sizes['layers']} of the checkpoint {args.checkpoint} (hidden "
+            f"{dims['hidden']}, q_lora {dims['q_lora']}, {config.heads} heads)"
+            if args.checkpoint else "synthetic")
+  print(f"setup {time.perf_counter() - t0:.1f} s (weights: {source}; caches)")
   device_weights = [jax.device_put(weights, dev) for dev in devices]
   chunks = [[] for _ in devices]
   if hasattr(glm5_jax, "indexer_prefill"):
     key = jax.random.key(args.seed)
     chunks = [jax.device_put(prefill_chunks(prompts[d], args.chunk, caches[d][0],
                                             page_tables[d],
-                                            jax.random.fold_in(key, d) if mesh else key), dev)
+                                            jax.random.fold_in(key, d) if mesh else key,
+                                            dims["hidden"]), dev)
               for d, dev in enumerate(devices)]
     t0 = time.perf_counter()
     for d in range(n):

@@ -23,6 +23,7 @@ from .logits import upcast_logits, mqa_logits, pool_topk, select_pools, select_s
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)
 from .prefill import PrefillBatch, indexer_prefill
+from .checkpoint import load_indexer_weights  # safetensors: imported when it is called
 
 __version__ = "0.1.0"
 
@@ -41,5 +42,5 @@ def export_checks() -> list[_export.DisabledSafetyCheck]:
 __all__ = list(OPS) + [
     "DecodeBatch", "IndexerCache", "IndexerConfig", "IndexerOutput",
     "IndexerWeights", "KERNEL_TARGETS", "OPS", "PrefillBatch", "Routing", "export_checks",
-    "indexer_prefill", "indexer_stage", "prepare_weights", "reference",
+    "indexer_prefill", "indexer_stage", "load_indexer_weights", "prepare_weights", "reference",
 ]

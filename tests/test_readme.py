@@ -15,9 +15,11 @@ import readme_ops  # noqa: E402
 README = (ROOT / "README.md").read_text()
 
 
-def snippets(path):
-  return re.findall(r"^```python\n(.*?)^```$", (ROOT / path).read_text(),
-                    re.DOTALL | re.MULTILINE)
+def snippets(path, until=None):
+  """The ```python blocks of `path` (those before the heading `until`, where given)."""
+  text = (ROOT / path).read_text()
+  text = text if until is None else text[:text.index(until)]
+  return re.findall(r"^```python\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
 
 
 def commands():
@@ -29,7 +31,7 @@ def test_usage_snippets_run():
   """In a fresh interpreter (nothing of the test process leaks in), from the repository
   root as a reader would: the README's decode snippet, then docs/serving.md's serving
   snippets, which continue it; each prints one line per decode step."""
-  code = "\n".join(snippets("README.md") + snippets("docs/serving.md"))
+  code = "\n".join(snippets("README.md") + snippets("docs/serving.md", until="## 7. "))
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
