@@ -1,9 +1,11 @@
-// Generated from glm5_jax/limits.py by `python -m glm5_jax.limits > cc/limits.h`: edit that
+// Generated from glm5_jax/limits.py by `python scripts/limits_header.py`: edit that
 // module, not this file (tests/test_cc_sources.py checks that they agree).
 #pragma once
 
 namespace glm5::limits {
 
+inline constexpr int kDim = 128;  // DIM
+inline constexpr int kPool = 4;  // POOL
 inline constexpr int kWarp = 32;  // WARP
 inline constexpr int kTileRows = 16;  // TILE_ROWS
 inline constexpr int kBlockK = 32;  // BLOCK_K

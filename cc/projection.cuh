@@ -331,9 +331,8 @@ inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t
                                       std::to_string(kMaxBlocks)));
   return ffi::Unexpected(check.fail(
       tactic + " tile K = " + std::to_string(k) + ": K must be " + std::to_string(kBlockK) +
-      " * warps * split * blocks " +
-      "with blocks in 1.." + std::to_string(kMaxBlocks) + " or a multiple of " +
-      std::to_string(kMaxBlocks)));
+      " * warps * split * blocks with blocks in 1.." + std::to_string(kMaxBlocks) +
+      " or a multiple of " + std::to_string(kMaxBlocks)));
 }
 
 // The GEMM operands of a launch (chunk_pad from M).

@@ -4,14 +4,16 @@ The ops' checks, tactics and routing read them from here (indexer, logits, updat
 import them under the same names); the kernels read them from cc/limits.h, which is
 generated from this module and checked in:
 
-  python -m glm5_jax.limits > cc/limits.h
+  python scripts/limits_header.py
 
 tests/test_cc_sources.py regenerates the header and fails where the checked-in one differs.
 Each NAME becomes glm5::limits::kName (an int, or an int array for a tuple); a tuple of
 tactic names NAME_TACTICS becomes one kName<Tactic> constant per tactic, its index (the FFI
 attribute that names it). Plain ints and tuples only: the header is all the C++ sees.
 """
-import sys
+# The SPEC's sizes, declared by the executable spec (glm5_jax.reference.numerics): the
+# header carries them too, so that cc/constants.h states no number of its own.
+from .reference.numerics import DIM, POOL  # noqa: F401 (into the header)
 
 WARP = 32  # lanes per warp
 
@@ -70,7 +72,7 @@ LOGITS_MAX_ROWS = 8192
 LOGITS_ITEM_POOLS = 64
 TOPK_MAX_POOLS = 32768
 
-COMMAND = "python -m glm5_jax.limits > cc/limits.h"
+COMMAND = "python scripts/limits_header.py"
 
 
 def _camel(name: str) -> str:
@@ -80,7 +82,7 @@ def _camel(name: str) -> str:
 def _declarations():
   """(C++ declaration, Python name) of every limit, in the order of this module."""
   for name, value in list(globals().items()):
-    if not name.isupper() or name == "COMMAND":
+    if not name.isupper() or name.startswith("_") or name == "COMMAND":
       continue
     if name.endswith("_TACTICS"):
       prefix = _camel(name[: -len("_TACTICS")])
@@ -102,6 +104,3 @@ def header() -> str:
   lines += ["", "}  // namespace glm5::limits", ""]
   return "\n".join(lines)
 
-
-if __name__ == "__main__":
-  sys.stdout.write(header())

@@ -1,6 +1,9 @@
 """The CUDA sources in cc/: their limits generated from glm5_jax/limits.py, files a reader can
 take in, comments without measurement history. CPU only: text, no build."""
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +19,27 @@ SOURCES = sorted(p for p in CC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".
 HISTORY = re.compile(r"session|twenty|H200|[0-9]+(\.[0-9]+)? ?µs", re.IGNORECASE)
 
 
+# The SPEC's sizes, which the header carries from glm5_jax.reference.numerics.
+SPEC_SIZES = ("DIM", "POOL")
+
+
 def _limit_names():
-  return [name for name in vars(limits) if name.isupper() and name != "COMMAND"]
+  return [name for name in vars(limits)
+          if name.isupper() and not name.startswith("_") and name != "COMMAND"]
 
 
 def test_limits_header_is_generated():
   """cc/limits.h is, byte for byte, what glm5_jax/limits.py generates."""
   assert HEADER.read_bytes() == limits.header().encode(), (
       f"cc/limits.h differs from glm5_jax/limits.py: regenerate it with `{limits.COMMAND}`")
+
+
+def test_limits_header_script_checks(tmp_path):
+  """scripts/limits_header.py --check agrees that the checked-in header is current."""
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "limits_header.py"), "--check"],
+                        capture_output=True, text=True, env=env, cwd=tmp_path)
+  assert done.returncode == 0 and "up to date" in done.stdout, done.stdout + done.stderr
 
 
 def test_limits_header_follows_the_declaration(monkeypatch):
@@ -36,7 +52,8 @@ def test_limits_header_follows_the_declaration(monkeypatch):
                "inline constexpr int kQMma = 0;  // Q_TACTICS[0]",
                "inline constexpr int kQWgmma = 1;  // Q_TACTICS[1]",
                "inline constexpr int kWgmmaSplit = -1;  // WGMMA_SPLIT",
-               "inline constexpr int kMaxStages = 1048576;  // MAX_STAGES"):
+               "inline constexpr int kMaxStages = 1048576;  // MAX_STAGES",
+               "inline constexpr int kDim = 128;  // DIM"):
     assert line in text.splitlines()
   declared = re.findall(r"  // ([A-Z_0-9]+)", text)
   assert sorted(set(declared)) == sorted(_limit_names())
@@ -49,7 +66,9 @@ def test_limits_header_follows_the_declaration(monkeypatch):
 def test_limits_declared_once_in_python():
   """No module of the op layer assigns a limit's name but glm5_jax/limits.py (the op modules
   import them; the test oracles in glm5_jax/testing name their own cases)."""
-  names = "|".join(_limit_names())
+  from glm5_jax.reference import numerics
+  assert all(getattr(limits, n) is getattr(numerics, n) for n in SPEC_SIZES)
+  names = "|".join(n for n in _limit_names() if n not in SPEC_SIZES)
   assignment = re.compile(rf"^(?:\w+, )*({names})(?:, \w+)* *=[^=]", re.MULTILINE)
   modules = [p for p in sorted((ROOT / "glm5_jax").rglob("*.py"))
              if p.name != "limits.py" and "testing" not in p.parts]
