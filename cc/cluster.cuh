@@ -2,8 +2,8 @@
 // the GPU-scope fence of cooperative_groups' cluster.sync(). On sm_90 (CUDA 13.0) any
 // cluster-scope release (barrier.cluster.arrive's default, fence.acq_rel.cluster) compiles
 // to MEMBAR.ALL.GPU, which waits until every earlier global store of the thread is
-// acknowledged: ncu on the H200 counted membar as 17% of indexer_projection's stall samples
-// at M=64 (two cluster.sync() per CTA). Data handed between CTAs goes instead through
+// acknowledged: ncu found membar among indexer_projection's main stall reasons (two
+// cluster.sync() per CTA). Data handed between CTAs goes instead through
 // st.async, which the receiving CTA's mbarrier counts (bytes); the barriers here are relaxed.
 #pragma once
 

@@ -20,6 +20,7 @@
 #include "common.h"
 #include "constants.h"
 #include "handlers.h"
+#include "limits.h"
 #include "remap.cuh"
 
 namespace glm5 {
@@ -27,7 +28,9 @@ namespace {
 
 constexpr int kExpandThreads = 128;   // expand_pools: quads per CTA
 constexpr int kMaxGridY = 65535;      // CUDA's limit on gridDim.y
-constexpr int kMaxGroups = 1024;      // expand_and_remap: one thread per pool, one CTA per row
+// expand_and_remap: one thread per pool in whole warps (the ballot), one CTA per row.
+constexpr int kMinGroups = limits::kRemapGroups[0], kMaxGroups = limits::kRemapGroups[1];
+static_assert(kMinGroups % kWarp == 0, "G is whole warps");
 
 // ---------------------------------------------------------------------------------------
 // expand_pools: grid (rows, ctas), thread q of a row's quad range writes quad q. Any G.
@@ -224,9 +227,10 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
   if (out->dimensions()[0] != rows || counts->dimensions()[0] != rows)
     return check.fail("out/counts rows != req_ids length");
   // The op routes other G to the reference (its kernel_supports); this only validates.
-  if (groups % kWarp != 0 || groups < kWarp || groups > kMaxGroups)
-    return check.fail("pool_ids has G = " + std::to_string(groups) +
-                      " pools per row; the kernel needs G % 32 == 0 and 32 <= G <= 1024");
+  if (groups % kWarp != 0 || groups < kMinGroups || groups > kMaxGroups)
+    return check.fail("pool_ids has G = " + std::to_string(groups) + " pools per row; the " +
+                      "kernel needs G % " + std::to_string(kWarp) + " == 0 and " +
+                      std::to_string(kMinGroups) + " <= G <= " + std::to_string(kMaxGroups));
   if (ffi::Error err = check_remap(check, requests, max_blocks, block_size, stride_rows,
                                    groups, width);
       err.failure())

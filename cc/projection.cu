@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
 // weights and of the chunk's kN token rows (rows past M zero-filled), counted on the slot's
 // mbarrier; thread 0 refills the slot of box b - 1 once its wgmma group has completed. The
 // mma tactics load every 16-row tile's weights and x with their own loads, whose latency
-// beside q's weight stream set the projection's end (bench/NOTES.md, twenty-fifth session);
+// beside q's weight stream set the projection's end;
 // here a CTA issues a few bulk copies, and x is read once per 64 rows, not per 16.
 //
 // The parts meet at the rows' owners over DSMEM: rank r owns the tile's rows 8 r .. 8 r + 7,
@@ -380,7 +380,7 @@ ffi::ErrorOr<ProjectionLaunch> prepare_projection(const Check& check, ffi::Buffe
   const auto wd = head_w->dimensions();
   const int64_t heads = wd[1];
   if (wd[0] != rows || heads <= 0 || heads % kTileN != 0)
-    return fail("head_w result must be f32[M, H] with H % 16 == 0");
+    return fail("head_w result must be f32[M, H] with H % " + std::to_string(kTileN) + " == 0");
   const auto cd = w_cat.dimensions();
   if (cd[0] != 2 * kKeyRows + heads || cd[1] != k) return fail("w_cat must be bf16[256 + H, K]");
   const auto kd = key->dimensions(), gd = gate->dimensions();

@@ -23,30 +23,34 @@
 
 #include "common.h"
 #include "constants.h"
+#include "limits.h"
 #include "wgmma.cuh"
 
 namespace glm5 {
 namespace gemm {
 
-constexpr int kTileN = 16;                  // w_cat rows (outputs n) per CTA (mma M)
-constexpr int kTile = 8;                    // token rows per mma (mma N)
-constexpr int kStep = 2 * kTile;            // token rows a warp handles per loop step
-constexpr int kChunk = 128;                 // token rows per CTA; grid z covers more
-constexpr int kBlockK = 32;                 // K per fragment block (two mma K steps)
-constexpr int kMaxBlocks = 8;               // K blocks per warp and stage, held in registers
-constexpr int kMaxStages = 1 << 20;         // stages of kMaxBlocks (bounds the int32 stages)
-constexpr int kMaxWarps = 8;                // warps per CTA (attribute warps)
-constexpr int kMaxSplit = 8;                // CTAs per cluster splitting K (attribute split):
-                                            // the portable cluster size
-constexpr int kKeyRows = kDim;              // key rows = gate rows = head dim
-constexpr int kGemvSplit = 0;               // attribute split naming the GEMV tactic
-constexpr int kGemvK = 8 * kWarp;           // GEMV: K a warp covers per 16-byte lane load
-// Attribute split naming the wgmma tactic (projection.cu, glm5_jax.indexer.WGMMA_SPLIT): one
-// warpgroup a CTA (warps kWgmmaWarps), clusters of kWgmmaCluster CTAs splitting K in boxes of
-// wgmma::kBoxK (K = kWgmmaCluster * wgmma::kBoxK * boxes).
-constexpr int kWgmmaSplit = -1;
-constexpr int kWgmmaWarps = 4;
-constexpr int kWgmmaCluster = 8;
+// The tactics' sizes are glm5_jax.limits' (cc/limits.h), where the Python side reads them too.
+constexpr int kTileN = limits::kTileRows;       // w_cat rows (outputs n) per CTA (mma M)
+constexpr int kTile = 8;                        // token rows per mma (mma N)
+constexpr int kStep = 2 * kTile;                // token rows a warp handles per loop step
+constexpr int kChunk = 128;                     // token rows per CTA; grid z covers more
+constexpr int kBlockK = limits::kBlockK;        // K per fragment block (two mma K steps)
+constexpr int kMaxBlocks = limits::kMaxBlocks;  // K blocks per warp and stage, in registers
+constexpr int kMaxStages = limits::kMaxStages;  // stages of kMaxBlocks (bounds int32 stages)
+constexpr int kMaxWarps = limits::kMaxWarps;    // warps per CTA (attribute warps)
+constexpr int kMaxSplit = limits::kMaxSplit;    // CTAs per cluster splitting K (attribute
+                                                // split): the portable cluster size
+constexpr int kKeyRows = kDim;                  // key rows = gate rows = head dim
+constexpr int kGemvSplit = limits::kGemvSplit;  // attribute split naming the GEMV tactic
+constexpr int kGemvK = limits::kGemvK;          // GEMV: K a warp covers per 16-byte lane load
+static_assert(kTileN == 16 && kBlockK == 32, "one m16n8k16 tile of rows, two K steps a block");
+static_assert(kGemvK == 8 * kWarp, "a GEMV lane loads 16 bytes of bf16");
+// Attribute split naming the wgmma tactic (projection.cu): one warpgroup a CTA (warps
+// kWgmmaWarps), clusters of kWgmmaCluster CTAs splitting K in boxes of wgmma::kBoxK
+// (K = kWgmmaCluster * wgmma::kBoxK * boxes).
+constexpr int kWgmmaSplit = limits::kWgmmaSplit;
+constexpr int kWgmmaWarps = limits::kWgmmaWarps;
+constexpr int kWgmmaCluster = limits::kWgmmaCluster;
 
 static_assert(kChunk % kStep == 0, "a chunk is whole loop steps");
 
@@ -326,9 +330,9 @@ inline ffi::ErrorOr<Staging> check_tactic(const Check& check, int64_t k, int32_t
                                       " * warps * loads with loads in 1.." +
                                       std::to_string(kMaxBlocks)));
   return ffi::Unexpected(check.fail(
-      tactic + " tile K = " + std::to_string(k) + ": K must be 32 * warps * split * blocks " +
-      "with blocks in 1.." + std::to_string(kMaxBlocks) + " or a multiple of " +
-      std::to_string(kMaxBlocks)));
+      tactic + " tile K = " + std::to_string(k) + ": K must be " + std::to_string(kBlockK) +
+      " * warps * split * blocks with blocks in 1.." + std::to_string(kMaxBlocks) +
+      " or a multiple of " + std::to_string(kMaxBlocks)));
 }
 
 // The GEMM operands of a launch (chunk_pad from M).

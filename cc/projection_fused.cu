@@ -171,7 +171,7 @@ ffi::Error IndexerProjectionFusedImpl(cudaStream_t stream, ffi::BufferR2<ffi::BF
   const auto qd = q.dimensions();
   const int64_t heads = qd[1];
   if (qd[0] != rows || qd[2] != kDim || heads <= 0 || heads % kTileN != 0)
-    return check.fail("q must be bf16[M, H, 128] with H % 16 == 0");
+    return check.fail("q must be bf16[M, H, 128] with H % " + std::to_string(kTileN) + " == 0");
   const auto cd = w_cat.dimensions();
   if (cd[0] != 2 * kKeyRows + heads || cd[1] != k)
     return check.fail("w_cat must be bf16[256 + H, K]");

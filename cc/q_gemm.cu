@@ -4,9 +4,9 @@
 // A weight-streaming GEMM for decode's few rows: wq_b (12.6 MB at GLM-5.3-Flash) is the
 // whole cost, so each CTA owns kRows = 32 consecutive rows of it (one contiguous 2 K * 32
 // bytes span) and has the TMA copy them into shared memory in bulk, before the PDL wait
-// (model parameters, not written by the preceding kernel). The projection's GEMM core held
-// the weights in registers instead: measured on the H200 at every (warps, split) it read
-// wq_b slower than XLA's GEMM (best 6.7 vs 5.6 µs at M=1, 14 vs 9 at M=64, bench --sweep).
+// (model parameters, not written by the preceding kernel). The projection's GEMM core, which
+// holds the weights in registers instead, read wq_b slower than XLA's GEMM at every
+// (warps, split) (bench --sweep).
 //
 // Warp w of kWarps owns K blocks [w * kBlocks, (w + 1) * kBlocks) of 32 K, for all 32 rows;
 // its copies land on its own two mbarriers (the first and second half of its blocks), so it
@@ -21,11 +21,13 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <string>
 
 #include "bulk.cuh"
 #include "cluster.cuh"
 #include "common.h"
 #include "handlers.h"
+#include "limits.h"
 #include "projection.cuh"
 #include "q_gemm.cuh"
 #include "wgmma.cuh"
@@ -38,10 +40,10 @@ using gemm::kBlockK;
 using gemm::kStep;   // token rows per loop step: two 8-row mma tiles
 using gemm::kTile;
 
-constexpr int kWarps = 8;
-constexpr int kRows = 32;                   // wq_b rows per CTA: two 16-row mma tiles
+constexpr int kWarps = limits::kQWarps;
+constexpr int kRows = limits::kQTileRows;   // wq_b rows per CTA: two 16-row mma tiles
 constexpr int kChunk = 64;                  // token rows per CTA; grid y covers more
-constexpr int kMaxBlocks = 8;               // K blocks per warp: K <= 8 * 32 * 8 = 2048
+constexpr int kMaxBlocks = limits::kQMaxBlocks;  // K blocks per warp: K <= kWarps * 32 * 8
 constexpr int kPad = 64;                    // bytes of padding per shared weight row
 constexpr int kHalves = 2;                  // mbarriers per warp (halves of its K blocks)
 static_assert(kRows == kWarp, "lane r of each warp copies weight row r");
@@ -176,9 +178,9 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // ---------------------------------------------------------------------------------------
 // The wgmma tactic (kWgmma). Each CTA (one warpgroup) owns kRows = 64 wq_b rows (one m64
 // tile) and half of K: a cluster of kSplit = 2 CTAs covers the rows' whole K, and N / kRows
-// clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's N = 4096, one wave on the H200's
-// 132 SMs). The K half streams through a ring of kSlots slots in shared memory: slot s holds
-// one 64-column box of the CTA's weights (kRows x 128 B) and of the token rows (kN x 128 B,
+// clusters the whole of wq_b (128 CTAs at GLM-5.3-Flash's N = 4096: one wave on 132 SMs).
+// The K half streams through a ring of kSlots slots in shared memory: slot s holds one
+// 64-column box of the CTA's weights (kRows x 128 B) and of the token rows (kN x 128 B,
 // rows past M zero-filled by the TMA), counted on the slot's mbarrier. The first kSlots
 // weight boxes are copied before the PDL wait, their token boxes after it; thread 0 refills
 // the slot of box b - 1 with box b - 1 + kSlots once the wgmma group of box b - 1 has
@@ -186,19 +188,14 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // swizzle; one wgmma m64nNk16 (N = the token rows, 16-64) per 16 K; more than kMaxTokens rows
 // take more grid rows.
 //
-// Why a ring of 6 (H200 bench, µs at M = 1 / 16 / 64 / 128, bench/NOTES.md): with every box
-// of K = 1536 (12) issued at once they landed together and the wgmma work (0.4-0.9 µs at M
-// 16-64) ran after the last one: 7.5 / 7.8 / 8.8 / 14.3; at most W in flight: W=10 7.2 / 7.4 /
-// 8.3 / 13.8, W=8 6.8 / 7.1 / 8.0 / 13.0, W=6 6.7 / 7.0 / 7.7 / 12.5, W=4 7.1 / 7.2 / 7.8.
-// Holding only those 6 boxes (97 KB at kN = 64, 193 KB with all 12) lets two CTAs share an
-// SM (M=128's two grid rows run at once: 9.5 µs, was 12.5; M 1-64 6.8 / 7.2 / 8.0), and K is
-// no longer bounded by shared memory.
+// Why a ring of 6: with every box of K issued at once the boxes land together and the wgmma
+// work runs after the last one; 6 in flight was the fastest of 4 to 12 at every M, and
+// holding only those boxes lets two CTAs share an SM (two grid rows run at once) and frees K
+// from the bound of shared memory.
 //
-// The shape (same bench, every box in flight): this one 7.5 / 7.7 / 9.0 / 14.8; 128 rows a
-// CTA in clusters of 4 (two warpgroups, K in quarters) 8.1 / 8.2 / 13.1 / 17.7: clusters of 4
-// whose CTAs fill an SM cost 2-3 µs more to place (the same kernel launched without clusters
-// ran 2.6 µs faster at M=64), and the 4-way exchange 2.6 µs more at M=64 (both with the
-// exchange by the TMA that the one below replaced).
+// The shape: 128 rows a CTA in clusters of 4 (two warpgroups, K in quarters) was slower at
+// every M: clusters of 4 whose CTAs fill an SM cost more to place, and the 4-way exchange
+// more again.
 //
 // The halves meet in registers: the rows of a warp belong to one rank (kOwned = 32 rows,
 // two warps' m64 fragments), and the warps of the other rank's rows hand their accumulators
@@ -208,10 +205,8 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 // cluster barrier is a relaxed one at the start (every receive mbarrier initialised before a
 // peer sends); no CTA waits for its peer to finish reading its operands, and nothing is
 // staged in shared memory. It replaced a cluster barrier after the mainloop, the partial
-// blocks written over the ring and a TMA copy of them to the peer: from the wgmma's end to
-// the peer's half received 0.39 -> 0.25 µs at M = 16, 0.64 -> 0.42 at M = 64 (per-CTA
-// %globaltimer stamps, H200); the same bits; the update part (indexer_update_q, 1K, barrier
-// chain, one run) 9.34 -> 9.19 µs a layer at M = 16, 13.10 -> 12.88 at M = 64.
+// blocks written over the ring and a TMA copy of them to the peer, which took longer from the
+// wgmma's end to the peer's half received (per-CTA %globaltimer stamps), for the same bits.
 //
 // Order of the sums: per (token, row), one fp32 accumulator from +0 per half of K takes the
 // half's 16-K wgmma steps in K order (the order of the 16 products inside a step is the
@@ -221,8 +216,8 @@ Pick pick(int blocks, std::integer_sequence<int, kBlocks...>) {
 namespace wg {
 
 constexpr int kThreads = 128;                 // one warpgroup
-constexpr int kRows = 64;                     // wq_b rows per CTA: one m64 tile
-constexpr int kSplit = 2;                     // CTAs per cluster: halves of K
+constexpr int kRows = limits::kQWgmmaRows;    // wq_b rows per CTA: one m64 tile
+constexpr int kSplit = limits::kQWgmmaSplit;  // CTAs per cluster: halves of K
 constexpr int kOwned = kRows / kSplit;        // rows each rank adds up and writes
 constexpr int kSlots = 6;                     // the ring: boxes in flight (see above)
 constexpr int kMaxTokens = wgmma::kMaxTokens;  // token rows per CTA; grid y covers more
@@ -384,12 +379,16 @@ ffi::ErrorOr<QGemmLaunch> prepare_q_gemm(const Check& check, ffi::BufferR2<ffi::
       return fail("too many rows for one grid");
     return plan;
   }
-  if (tactic != kQMma) return fail("tactic must be 0 (mma) or 1 (wgmma)");
-  if (n <= 0 || n % kRows != 0) return fail("wq_b's rows N must be a multiple of 32");
+  if (tactic != kQMma)
+    return fail("tactic must be " + std::to_string(kQMma) + " (mma) or " +
+                std::to_string(kQWgmma) + " (wgmma)");
+  if (n <= 0 || n % kRows != 0)
+    return fail("wq_b's rows N must be a multiple of " + std::to_string(kRows));
   if (n / kRows > kI32Max) return fail("wq_b has too many rows");
   const int64_t per_block = int64_t{kWarps} * kBlockK;
   if (k % per_block != 0 || k / per_block < 1 || k / per_block > kMaxBlocks)
-    return fail("K = " + std::to_string(k) + " must be 256 * blocks, blocks in 1.." +
+    return fail("K = " + std::to_string(k) + " must be " + std::to_string(per_block) +
+                " * blocks, blocks in 1.." +
                       std::to_string(kMaxBlocks));
   if ((rows + kChunk - 1) / kChunk > 65535) return fail("too many rows for one grid");
   return plan;

@@ -5,11 +5,13 @@
 #include <cstdint>
 
 #include "common.h"
+#include "limits.h"
 
 namespace glm5 {
 
-// Tactics (the "tactic" attribute; glm5_jax.indexer.Q_TACTICS names them).
-constexpr int32_t kQMma = 0, kQWgmma = 1;
+// Tactics (the "tactic" attribute: its index in glm5_jax.limits.Q_TACTICS).
+using limits::kQMma;
+using limits::kQWgmma;
 
 struct QGemmLaunch {
   const void* x = nullptr;   // qr bf16[M, K]

@@ -24,6 +24,7 @@
 #include "constants.h"
 #include "handlers.h"
 #include "kpool.cuh"
+#include "limits.h"
 #include "projection.cuh"
 #include "q_gemm.cuh"
 #include "query.cuh"
@@ -31,9 +32,9 @@
 namespace glm5 {
 namespace {
 
-// update_epilogue reads raw's rows of 256 + H floats four at a time (glm5_jax.update's
-// RAW_HEADS_MULTIPLE, the op's kernel_supports rule).
-constexpr int kRawHeadsMultiple = 4;
+// update_epilogue reads raw's rows of 256 + H floats four at a time (the op's kernel_supports
+// rule).
+constexpr int kRawHeadsMultiple = limits::kRawHeadsMultiple;
 
 // A result's bytes seen with other dimensions of the same element count (XLA buffers are
 // dense, row-major): the query epilogue writes key and the projection gate as [M, 128],
@@ -241,7 +242,7 @@ ffi::Error UpdateEpilogueImpl(
 
 // update_epilogue_q: indexer_q's GEMM, then update_epilogue's kernel on its q, launched by one
 // handler so that XLA records both kernels in the one child graph of a single FFI call (a
-// separate indexer_q call costs a child-graph launch of its own per layer, bench/NOTES.md),
+// separate indexer_q call costs a child-graph launch of its own per layer),
 // with PDL between them: the epilogue reads q only after its griddepcontrol.wait. The GEMM
 // writes the q result bf16[M, H * 128]; the epilogue reads it as [M, H, 128] (H from raw's
 // columns). Bit for bit indexer_q's kernel (the same tactic) followed by update_epilogue's.

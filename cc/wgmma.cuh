@@ -10,11 +10,13 @@
 
 #include <cstdint>
 
+#include "limits.h"
+
 namespace glm5 {
 namespace wgmma {
 
 constexpr int kAtom = 1024;  // one 128-byte swizzle atom: 8 rows x 128 B
-constexpr int kBoxK = 64;    // K per TMA box of the bf16 kernels: one 128-byte swizzle row
+constexpr int kBoxK = limits::kWgmmaBoxK;  // K per TMA box of the bf16 kernels
 static_assert(kBoxK * 2 == 128, "a box row is one 128-byte swizzle row");
 
 // Token rows a CTA of the bf16 kernels (indexer_q's wgmma tactic, the projection's) takes at

@@ -6,14 +6,12 @@ import jax
 from . import reference as ref
 from ._checks import expect, fail
 from ._primitive import Op, Routing, Split, local_ids
+from .limits import REMAP_GROUPS, WARP
 from .reference.expand import expand_width, remap_stride
 from .reference.numerics import POOL
 
 I32 = np.int32
 I32_MAX = int(np.iinfo(I32).max)
-# expand_and_remap's kernel: one CTA per row with a thread per pool, in whole warps for the
-# ballot (cc/expand.cu sizes its shared memory for REMAP_GROUPS[1] and only validates).
-WARP, REMAP_GROUPS = 32, (32, 1024)
 
 
 def _check_int32(op, arg, value):

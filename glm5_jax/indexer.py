@@ -8,6 +8,27 @@ from jax.typing import DTypeLike
 from . import reference as ref
 from ._checks import expect, fail
 from ._primitive import Op, Routing, Split
+from .limits import (
+  BLOCK_K,
+  FUSED_WARPS,
+  GEMV_K,
+  GEMV_SPLIT,
+  MAX_BLOCKS,
+  MAX_SPLIT,
+  MAX_STAGES,
+  MAX_WARPS,
+  Q_MAX_BLOCKS,
+  Q_TACTICS,
+  Q_TILE_ROWS,
+  Q_WARPS,
+  Q_WGMMA_ROWS,
+  Q_WGMMA_SPLIT,
+  TILE_ROWS,
+  WGMMA_BOX_K,
+  WGMMA_CLUSTER,
+  WGMMA_SPLIT,
+  WGMMA_WARPS,
+)
 from .reference.indexer import padded_heads
 from .reference.numerics import DIM
 
@@ -45,22 +66,16 @@ def _query_shapes(op, q, head_w, norm_weight, norm_bias, m, heads, scale, eps,
 # per CTA; a tactic (warps, split) = warps per CTA and CTAs per cluster splitting K; a warp's
 # span of K is 1..MAX_BLOCKS blocks of BLOCK_K held in registers, or whole stages of
 # MAX_BLOCKS blocks (at most MAX_STAGES).
-TILE_ROWS, BLOCK_K, MAX_BLOCKS, MAX_WARPS, MAX_SPLIT, MAX_STAGES = 16, 32, 8, 8, 8, 1 << 20
 # split = GEMV_SPLIT names the GEMV tactic (warps, GEMV_SPLIT): no mma and no cluster, one
 # CTA per w_cat row whose warps split K, a warp's lanes taking GEMV_K of it per 16-byte load,
 # 1..MAX_BLOCKS loads held in registers (K = GEMV_K * warps * loads). For few tokens: each
 # token's sums take one pass over the CTA.
-GEMV_SPLIT, GEMV_K = 0, 8 * 32
 # split = WGMMA_SPLIT names the wgmma tactic (WGMMA_WARPS, WGMMA_SPLIT): one warpgroup a CTA
 # owning 64 w_cat rows (rows past 256 + heads read as zeros) and a WGMMA_CLUSTER-th of K,
 # the weights and x streamed by the TMA in boxes of WGMMA_BOX_K through a ring (indexer_q's wgmma
 # kernel's way), a cluster of WGMMA_CLUSTER CTAs adding its sums over DSMEM (K =
 # WGMMA_K * boxes). For the projection beside q's GEMM (indexer_update_q), where the mma
 # tactics' loads of every 16-row tile's x and weights wait behind q's stream.
-WGMMA_SPLIT, WGMMA_WARPS, WGMMA_CLUSTER = -1, 4, 8
-# K per TMA box of both wgmma kernels (the projection's and indexer_q's): one 128-byte
-# swizzle row of bf16 (cc/wgmma.cuh kBoxK).
-WGMMA_BOX_K = 64
 WGMMA_K = WGMMA_CLUSTER * WGMMA_BOX_K
 # The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): the GEMV (GEMV_WARPS
 # warps) up to GEMV_ROWS rows (M=1 3.39-3.61 µs, the mma tactics 4.6-5.3; M=2 3.92, 8x4
@@ -68,7 +83,6 @@ WGMMA_K = WGMMA_CLUSTER * WGMMA_BOX_K
 # 8 past that (fastest at M 64: more CTAs overlap the x reads) where that tiles K.
 AUTO_ROWS, AUTO_SMALL, AUTO_LARGE = 32, (8, 4), (8, 8)
 GEMV_ROWS, GEMV_WARPS = 2, 4
-FUSED_WARPS = 8         # the fused kernel's warps without a tactic (its split is always 1)
 # M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
 # its default; XLA's GEMM elsewhere. At M=1 the GEMV and XLA's GEMV are at parity (3.39-3.61
 # vs 3.46-3.48 µs over two runs): XLA's, which may also fuse with its neighbours. M 32-64
@@ -83,16 +97,6 @@ def default_rows(bounds, why):
   low, high = bounds
   return dict(kernel_default=lambda first, *rest, **params: low <= first.shape[0] <= high,
               kernel_default_note=f"M {low} to {high}, {why}")
-# glm5_indexer_q's tactics (the FFI attribute `tactic`: their index here; cc/q_gemm.cu holds
-# the matching compile-time sizes and checks them).
-# - "mma": 32 wq_b rows per CTA, 8 warps each owning K / 8 of them in 1..Q_MAX_BLOCKS
-#   blocks of BLOCK_K, mma.sync.
-# - "wgmma": Q_WGMMA_ROWS wq_b rows per CTA (one warpgroup), K split in Q_WGMMA_SPLIT over a
-#   cluster, each part >= 1 TMA boxes of WGMMA_BOX_K streamed through a ring; wgmma
-#   m64nNk16. It tiles every wq_b the mma tactic tiles.
-Q_TACTICS = ("mma", "wgmma")
-Q_TILE_ROWS, Q_WARPS, Q_MAX_BLOCKS = 32, 8, 8
-Q_WGMMA_ROWS, Q_WGMMA_SPLIT = 64, 2
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:

@@ -8,6 +8,13 @@ from . import reference as ref
 from ._checks import check_cache, check_scale_format, expect, fail
 from ._primitive import Op, Routing, Split, local_ids
 from .expand import check_remap
+from .limits import (
+  LOGITS_HEADS,
+  LOGITS_ITEM_POOLS,
+  LOGITS_MAX_ROWS,
+  LOGITS_PAGE_MULTIPLE,
+  TOPK_MAX_POOLS,
+)
 from .reference.expand import remap_stride
 from .reference.numerics import DIM
 
@@ -57,18 +64,6 @@ def _mqa_shapes(q_fp8, w_out, kv_cache, page_table, pool_lens, *, max_pools,
   if max_pools < 0:
     fail(op, "max_pools", f"must be >= 0, got {max_pools}")
   return [((rows, max_pools), F32)]
-
-
-# The select kernels' limits (cc/select.cu), decided here and only validated there:
-# 32 or 64 (padded) heads (the mma's 8-head tiles: 4 or 8), K-cache pages of a multiple
-# of 16 entries (a warp's 16 pools share a page), at most 8192 rows (the CTA's row
-# tables in shared memory: 3 words a row, 96 KB at 8192 beside the ~42 KB ring); the
-# top-k keeps a row of at most 32768 pools in shared memory.
-LOGITS_HEADS = (32, 64)
-LOGITS_PAGE_MULTIPLE = 16
-LOGITS_MAX_ROWS = 8192
-LOGITS_ITEM_POOLS = 64
-TOPK_MAX_POOLS = 32768
 
 
 def _logits_kernel_supports(q_fp8, kv_cache, max_pools):

@@ -15,6 +15,7 @@ from . import indexer, kpool
 from . import reference as ref
 from ._checks import expect, fail
 from ._primitive import Op, Routing, Split
+from .limits import RAW_HEADS_MULTIPLE
 from .reference.numerics import DIM
 
 I32, BF16 = indexer.I32, indexer.BF16
@@ -212,8 +213,6 @@ def kernel_chosen(*args: jax.Array, heads: int, scale: float, eps: float = 1e-6,
 # Without it XLA's GEMM is followed by three slice copies of its output, the query kernel and
 # kpool_update.
 EPILOGUE_OP = "update_epilogue"
-# The epilogue kernel's 16-byte loads of raw's columns: H % RAW_HEADS_MULTIPLE == 0.
-RAW_HEADS_MULTIPLE = 4
 
 
 def _epilogue_parts(raw, q, *rest, **params):

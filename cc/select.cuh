@@ -1,0 +1,50 @@
+// The select path's device code shared by its logits (select_logits.cuh) and top-k
+// (select_topk.cuh): the pool tiles, the top-k's shape limits, a row's pool count.
+//
+// The select headers hold device code for cc/select.cu alone, in its anonymous namespace:
+// one translation unit, so the kernels keep internal linkage and their names.
+#pragma once
+
+#include <cstdint>
+
+#include "constants.h"
+#include "limits.h"
+
+namespace glm5 {
+namespace {
+
+// A tile is one warp's wgmma rows of pools, a work item the tiles of the consumer warps: one
+// m64 wgmma (glm5_jax.limits: a page holds whole tiles, LOGITS_PAGE_MULTIPLE).
+constexpr int kWarpPools = limits::kLogitsPageMultiple;   // pools per tile
+constexpr int kItemPools = limits::kLogitsItemPools;      // pools per work item
+constexpr int kConsumerWarps = kItemPools / kWarpPools;  // + a producer warp: kLogitsWarps
+static_assert(kConsumerWarps == 4 && kItemPools == 64, "one warpgroup's m64 wgmma an item");
+// Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys
+// (launch_topk's widest shape): TOPK_MAX_POOLS.
+constexpr int kTopkMaxThreads = 1024;
+constexpr int kTopkMaxPools = limits::kTopkMaxPools;
+constexpr int kTopkMaxKeys = kTopkMaxPools / kTopkMaxThreads;
+static_assert(kTopkMaxKeys * kTopkMaxThreads == kTopkMaxPools && kTopkMaxKeys <= 32,
+              "a row is whole keys per thread of the widest CTA, at most 32 (its registers)");
+// Keys gathered into shared memory after the bound (pool_topk_kernel): 2 per thread at 1024
+// threads; the bound leaves ~1000-1500 of 8K-32K normal logits (numpy model of the bound).
+constexpr int kTopkCandidates = 2048;
+constexpr int kTopkClusterBoundWarps = 16;          // J of the bound in a cluster (warp_bound)
+constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
+constexpr int kTopkBins = 1 << kTopkDigitBits;
+
+// Pools of a row: pool_lens[r], or (positions[r] + 1) / 4 (0 for pads) without the int32
+// overflow of pos + 1; at most `width` (the logits width).
+__device__ __forceinline__ int32_t row_pools(const int32_t* lens, bool from_positions, int r,
+                                             int32_t width) {
+  const int32_t v = lens[r];
+  int32_t n;
+  if (from_positions)
+    n = v < 0 ? 0 : v / kPool + (v % kPool == kPool - 1 ? 1 : 0);
+  else
+    n = v < 0 ? 0 : v;
+  return min(n, width);
+}
+
+}  // namespace
+}  // namespace glm5
