@@ -105,6 +105,8 @@ def initialize(coordinator: str | None = None, processes: int | None = None,
   if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   who = f"process {process_id} of {processes}"
+  if local_device_ids is None and os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+    local_device_ids = [int(i) for i in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
 
   def expire():
     if process_id == 0:
