@@ -6,8 +6,8 @@ prompts have mixed lengths (--contexts) prefilled into every layer's caches
 synthetic caches stand in and the demo says so), then --steps decode steps of one
 jitted step (every layer's indexer_stage) with the caches donated (updated in place).
 The step's metadata is one packed int32 array (glm5_jax.serving): with --metadata device
-(the default) it is sent once and then stays on the device, each step computing the next
-one (serving.advance) and returning it donated with the caches; with
+(the default on one device) it is sent once and then stays on the device, each step
+computing the next one (serving.advance) and returning it donated with the caches; with
 --metadata host it is built with numpy on the host every step (one host->device transfer
 per step). Prints the compile time, the per-step latency (p50/p90, metadata + dispatch +
 device, waited on) and steps/s;
@@ -27,10 +27,11 @@ mesh axis "data"): the requests in blocks, device d holding requests d*b .. d*b 
 at every step, no prompt); each device its own caches and tables with device-local
 ids, prefilled on that device (indexer_prefill on its own requests); one jitted step
 per decode step (every layer's sharding.data_parallel_step, no collective), its packed
-metadata built per device with numpy, joined (sharding.assemble) and then advanced on
-the devices (sharding.data_parallel_advance). The check then compares each device's
-shard with the single-device reference run of that shard alone. On the CPU the script
-asks XLA for N host devices itself (XLA_FLAGS, unless it already forces a count).
+metadata built per device with numpy and joined (sharding.assemble) every step, or with
+--metadata device once, then advanced on the devices (sharding.data_parallel_advance).
+The check then compares each device's shard with the single-device reference run of
+that shard alone. On the CPU the script asks XLA for N host devices itself (XLA_FLAGS,
+unless it already forces a count).
 
 --processes P runs the same loop as one multi-process jax program (glm5_jax.distributed)
 of P processes with --devices N each, P * N devices on one global mesh: started as is,
@@ -106,11 +107,15 @@ def parse():
                       f"{SAMPLES} (the others not waited on), no reference replay")
   p.add_argument("--digest", metavar="FILE",
                  help="write the digest and the memory in use as JSON to FILE")
-  p.add_argument("--metadata", choices=("device", "host"), default="device",
+  p.add_argument("--metadata", choices=("device", "host"),
                  help="where each step's packed metadata comes from: advanced on the device "
-                      "by the step itself (serving.advance; sharding.data_parallel_advance "
-                      "over several devices; the default) or built on the host every step")
-  return p.parse_args()
+                      "by the step itself (serving.advance, sharding.data_parallel_advance "
+                      "over several devices; the default on one device) or built on the "
+                      "host every step (the default over several devices)")
+  args = p.parse_args()
+  if args.metadata is None:
+    args.metadata = "device" if args.devices * args.processes == 1 else "host"
+  return args
 
 
 def launch_processes():

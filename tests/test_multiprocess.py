@@ -5,6 +5,7 @@ reached ends the run with a clear error within a timeout. On two GPUs, one proce
 GPU: test_two_gpus_one_process_each."""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -124,3 +125,28 @@ def test_two_gpus_one_process_each():
   finished = launch("--devices", "1", "data", "context", "jit", cpu=False, local_devices=1,
                     timeout_s=600)
   assert_checks_pass(finished, ["data", "context", "jit"])
+
+
+@pytest.mark.slow
+def test_decode_loop_demo_over_two_processes():
+  """`examples/decode_loop.py --processes 2 --devices 2 --metadata device` (the script
+  starting its processes) prints the digest of `--devices 4` in one process with host
+  metadata (the whole final caches and last outputs, gathered), and each process's
+  devices' shards equal their one-device reference runs."""
+  demo = [sys.executable, "examples/decode_loop.py", "--steps", "3", "--layers", "1",
+          "--contexts", "30,2100,700,900,5"]
+  env = environment()
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "xla_force_host_platform_device_count" not in f)
+  runs = [subprocess.run(demo + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+          for args in (["--processes", "2", "--devices", "2", "--metadata", "device"],
+                       ["--devices", "4"])]
+  for done in runs:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  digests = [re.findall(r"digest: sha256 (\w+)", done.stdout) for done in runs]
+  assert len(digests[0]) == 2 and len(set(digests[0] + digests[1])) == 1, digests
+  for d in range(4):
+    assert (f"[{d // 2}] device {d}: check: every step's selected slots"
+            in runs[0].stdout), runs[0].stdout
+  assert "in 2 processes; this one, 1, holds devices 2..3" in runs[0].stdout
