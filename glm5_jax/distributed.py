@@ -33,6 +33,7 @@ stops its heartbeats and jax's coordination service terminates the others within
 `heartbeat_s` ("the JAX distributed service detected fatal errors ... another task
 died"); `launch` kills what is left after that and says which process failed first.
 """
+import inspect
 import os
 import selectors
 import socket
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -128,8 +130,10 @@ def initialize(coordinator: str | None = None, processes: int | None = None,
   options = dict(initialization_timeout=int(timeout_s) + _JAX_MARGIN_S,
                  heartbeat_timeout_seconds=int(heartbeat_s))
   try:
-    import inspect
     known = inspect.signature(jax.distributed.initialize).parameters
+    if missing := sorted(set(options) - set(known)):
+      warnings.warn(f"{op}: jax {jax.__version__} has no {missing}: its defaults apply",
+                    RuntimeWarning, stacklevel=2)
     jax.distributed.initialize(coordinator, processes, process_id,
                                local_device_ids=local_device_ids,
                                **{k: v for k, v in options.items() if k in known})
