@@ -16,7 +16,8 @@ then replays the same steps on the pure-JAX reference composition
 step's selected slots and the final caches against it.
 
   python examples/decode_loop.py [--layers N] [--contexts 300,1200,3000] [--steps 20]
-                                 [--devices N] [--metadata device|host] [--checkpoint DIR]
+                                 [--devices N] [--processes P] [--metadata device|host]
+                                 [--checkpoint DIR]
 
 Defaults: 2 layers, contexts 300,1200,3000 and 20 steps on the CPU (well under a
 minute on two cores); 11 layers, 300,5000,30000 and 200 steps on a GPU.
@@ -32,10 +33,21 @@ mesh axis "data"): the requests in blocks, device d holding requests d*b .. d*b 
 at every step, no prompt); each device its own caches and tables with device-local
 ids, prefilled on that device (indexer_prefill on its own requests); one jitted step
 per decode step (every layer's sharding.data_parallel_step, no collective), its packed
-metadata built per device with numpy and joined (sharding.assemble). The check then
-compares each device's shard with the single-device reference run of that shard alone.
-On the CPU the script asks XLA for N host devices itself (XLA_FLAGS, unless it already
-forces a count).
+metadata built per device with numpy and joined (sharding.assemble) every step, or with
+--metadata device once, then advanced on the devices (sharding.data_parallel_advance).
+The check then compares each device's shard with the single-device reference run of
+that shard alone. On the CPU the script asks XLA for N host devices itself (XLA_FLAGS,
+unless it already forces a count).
+
+--processes P runs the same loop as one multi-process jax program (glm5_jax.distributed)
+of P processes with --devices N each, P * N devices on one global mesh: started as is,
+the script starts its P processes on this host (a coordinator on 127.0.0.1, each line of
+output prefixed with its process); on several hosts, start one per host with
+GLM5_JAX_COORDINATOR=host0:port GLM5_JAX_PROCESSES=P GLM5_JAX_PROCESS_ID=i set
+(docs/serving.md). Each process builds and feeds only its devices' requests and caches
+(distributed.from_local) and checks its own devices' shards; the digest, of the whole
+gathered caches and outputs, is the one the same loop prints in one process over
+P * N devices.
 
 Every run prints the device memory in use (jax's memory_stats()["bytes_in_use"], summed
 over the devices of the loop; the CPU backend reports none and the line says so) after
@@ -60,9 +72,14 @@ import time
 # backend. The flag only adds host CPU devices, so on a GPU machine it changes nothing.
 DEVICES = argparse.ArgumentParser(add_help=False)
 DEVICES.add_argument("--devices", type=int, default=1,
-                     help="devices the requests are split over (data parallelism)")
+                     help="devices the requests are split over (data parallelism); with "
+                          "--processes, each process's")
+DEVICES.add_argument("--processes", type=int, default=1,
+                     help="processes of one multi-process jax program (glm5_jax."
+                          "distributed), --devices each; started here unless "
+                          "GLM5_JAX_PROCESS_ID says this is one of them")
 _FORCE = "--xla_force_host_platform_device_count"
-_devices = DEVICES.parse_known_args()[0].devices
+_devices, _processes = (lambda a: (a.devices, a.processes))(DEVICES.parse_known_args()[0])
 if _devices > 1 and _FORCE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
                                                    f"{_FORCE}={_devices}"]))
@@ -72,7 +89,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import glm5_jax  # noqa: E402
-from glm5_jax import checkpoint, serving, sharding, synthetic  # noqa: E402
+from glm5_jax import checkpoint, distributed, serving, sharding, synthetic  # noqa: E402
 from glm5_jax.reference.numerics import POOL  # noqa: E402
 
 PAGE = 64             # K-cache entries per page (synthetic.decode_cache's default)
@@ -102,9 +119,9 @@ def parse():
                  help="write the digest and the memory in use as JSON to FILE")
   p.add_argument("--metadata", choices=("device", "host"),
                  help="where each step's packed metadata comes from: advanced on the device "
-                      "by the step itself (serving.advance; the default on one device) or "
-                      "built on the host every step (the default, and the only choice, "
-                      "with --devices > 1)")
+                      "by the step itself (serving.advance, sharding.data_parallel_advance "
+                      "over several devices; the default on one device) or built on the "
+                      "host every step (the default over several devices)")
   args = p.parse_args()
   args.sizes = None
   if args.checkpoint:
@@ -114,11 +131,22 @@ def parse():
   elif args.layers is None:
     args.layers = 11 if gpu else 2
   if args.metadata is None:
-    args.metadata = "device" if args.devices == 1 else "host"
-  if args.metadata == "device" and args.devices > 1:
-    p.error("--metadata device: on one device only (with --devices > 1 the packed "
-            "metadata is built on the host per device)")
+    args.metadata = "device" if args.devices * args.processes == 1 else "host"
   return args
+
+
+def launch_processes():
+  """--processes N here: this script started N times on this host as one multi-process
+  jax program (glm5_jax.distributed.launch: a coordinator on 127.0.0.1, process i on
+  GPUs i*devices .. on a GPU machine), their output prefixed "[i] "; exits with the
+  first failure's status."""
+  args = DEVICES.parse_known_args()[0]
+  try:
+    distributed.launch([sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+                       args.processes, local_devices=args.devices, echo=True,
+                       timeout_s=24 * 3600)
+  except distributed.ProcessesFailed as e:
+    raise SystemExit(str(e).split("\n")[0]) from None
 
 
 def empty_caches(rng, layers, requests, longest):
@@ -167,9 +195,11 @@ def model_step(config, use_reference=False, mesh=None, ring=None):
   layer's step is data-parallel over its axis AXIS (arguments laid out as
   sharding.request_specs). With `ring` (the tail ring's rows) the step also returns the
   next step's packed metadata, computed on the device (serving.advance: every request
-  one token further), donated with the caches."""
+  one token further; sharding.data_parallel_advance with a mesh, each device from its
+  own page-table rows), donated with the caches."""
   layer_step = serving.indexer_step if mesh is None else sharding.data_parallel_step(mesh,
                                                                                      AXIS)
+  advance = serving.advance if mesh is None else sharding.data_parallel_advance(mesh, AXIS)
 
   def step(weights, caches, xs, qrs, packed, page_table, block_table):
     outs, new = [], []
@@ -180,7 +210,7 @@ def model_step(config, use_reference=False, mesh=None, ring=None):
       new.append(c)
     if ring is None:
       return outs, new
-    return outs, new, serving.advance(packed, page_table, page=PAGE, ring=ring)
+    return outs, new, advance(packed, page_table, page=PAGE, ring=ring)
   return jax.jit(step, donate_argnums=1 if ring is None else (1, 4))
 
 
@@ -335,13 +365,21 @@ def data_mesh(n):
 
 
 def main():
+  # One of --processes' processes: joins the others before jax starts its backends.
+  processes = jax.process_count() if distributed.initialize() else 1
   args = parse()
   contexts = np.array([int(c) for c in args.contexts.split(",")])
-  n = args.devices
+  n = args.devices * processes
   if n < 1:
     raise SystemExit(f"--devices must be >= 1, got {n}")
-  mesh = data_mesh(n) if n > 1 else None
-  devices = list(mesh.devices.flat) if mesh else jax.devices()[:1]
+  if processes > 1 and jax.device_count() != n:
+    raise SystemExit(f"--processes {processes} --devices {args.devices}: jax has "
+                     f"{jax.device_count()} devices over the processes, not {n}")
+  mesh = (distributed.global_mesh((AXIS,)) if processes > 1 else
+          data_mesh(n) if n > 1 else None)
+  # The devices of this process: mesh positions `mine` (all of them in one process).
+  mine = distributed.local_indexes(mesh) if mesh else [0]
+  devices = [mesh.devices.flat[d] for d in mine] if mesh else jax.devices()[:1]
   # Requests in blocks of b per device, pad requests (context -1) at the end: the
   # sharded rows are the requests in order, then the pads.
   b = -(-len(contexts) // n)
@@ -363,7 +401,10 @@ def main():
     weights = [synthetic.layer(rng, config) for _ in range(args.layers)]
   # Per device: its caches (one per layer) and tables, device-local ids (as for one
   # device), and a copy of its caches for the reference replay.
-  local = [jax.device_put(empty_caches(rng, args.layers, b, longest), dev) for dev in devices]
+  # (every device's drawn in every process, in order: the same caches as in one process)
+  drawn = [empty_caches(rng, args.layers, b, longest) for _ in range(n)]
+  local = [jax.device_put(drawn[d], dev) for d, dev in zip(mine, devices)]
+  del drawn
   caches = [c for c, _, _ in local]
   page_tables = [pt for _, pt, _ in local]
   block_tables = [bt for _, _, bt in local]
@@ -375,6 +416,9 @@ def main():
   jax.block_until_ready((weights, caches, start, inputs))
   per_device = (f", data-parallel over {n} devices ({b} requests each, "
                 f"{b * n - len(contexts)} pad request(s))" if mesh else "")
+  if processes > 1:
+    per_device += (f" in {processes} processes; this one, {jax.process_index()}, holds "
+                   f"devices {mine[0]}..{mine[-1]}")
   print(f"glm5_jax {glm5_jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}): {args.layers} layers, {len(contexts)} requests, "
         f"prompts {contexts.tolist()} tokens, {args.steps} decode steps{per_device}")
@@ -386,14 +430,14 @@ def main():
   chunks = [[] for _ in devices]
   if hasattr(glm5_jax, "indexer_prefill"):
     key = jax.random.key(args.seed)
-    chunks = [jax.device_put(prefill_chunks(prompts[d], args.chunk, caches[d][0],
-                                            page_tables[d],
+    chunks = [jax.device_put(prefill_chunks(prompts[d], args.chunk, caches[k][0],
+                                            page_tables[k],
                                             jax.random.fold_in(key, d) if mesh else key,
                                             dims["hidden"]), dev)
-              for d, dev in enumerate(devices)]
+              for k, (d, dev) in enumerate(zip(mine, devices))]
     t0 = time.perf_counter()
-    for d in range(n):
-      caches[d] = prefill(device_weights[d], caches[d], chunks[d], config)
+    for k in range(len(mine)):
+      caches[k] = prefill(device_weights[k], caches[k], chunks[k], config)
     print(f"prefill {time.perf_counter() - t0:.1f} s (compile included): "
           f"{int(contexts.sum())} prompt tokens in {sum(map(len, chunks))} chunks of "
           f"{args.chunk} rows x {args.layers} layers (glm5_jax.indexer_prefill"
@@ -407,21 +451,26 @@ def main():
   host_pages = [np.asarray(pt) for pt in page_tables]
   ring = caches[0][0].tail.shape[2]
 
-  def metadata_of(d, s):
+  def metadata_of(k, s):
+    requests = shards[mine[k]]
     return lambda: serving.decode_metadata(
-        np.where(shards[d] >= 0, shards[d] + s, -1)[:, None], host_pages[d], page=PAGE,
+        np.where(requests >= 0, requests + s, -1)[:, None], host_pages[k], page=PAGE,
         ring=ring)
-  device_metadata = [[metadata_of(d, s) for s in range(args.steps)] for d in range(n)]
+  device_metadata = [[metadata_of(k, s) for s in range(args.steps)] for k in range(len(mine))]
 
   if mesh:
-    # Every device's trees joined along their split dims and placed (request_specs).
+    # This process's devices' trees joined along their split dims and placed
+    # (request_specs): its block of the global arrays (all of them in one process).
     specs = sharding.request_specs(AXIS)
-    put = lambda spec, parts: sharding.put(mesh, spec, sharding.assemble(spec, parts))
-    step_weights = sharding.put(mesh, [specs.weights] * args.layers, weights)
+    put = lambda spec, parts: distributed.from_local(mesh, spec, sharding.assemble(spec, parts))
+    step_weights = distributed.from_local(mesh, [specs.weights] * args.layers, weights)
     step_caches = put([specs.cache] * args.layers, caches)
     page_table = put(specs.batch.page_table, page_tables)
     block_table = put(specs.batch.block_table, block_tables)
-    step_inputs = [sharding.put(mesh, ([specs.rows] * args.layers,) * 2, i) for i in inputs]
+    rows = slice(mine[0] * b, (mine[-1] + 1) * b)      # this process's requests' rows
+    step_inputs = [distributed.from_local(mesh, ([specs.rows] * args.layers,) * 2,
+                                          jax.tree.map(lambda a: np.asarray(a)[rows], i))
+                   for i in inputs]
     del caches                          # step_caches holds them now (a copy): free them
 
     def joined(s):
@@ -455,11 +504,14 @@ def main():
       f"{args.steps / wall:.1f} steps/s over the {args.steps} steps (dispatched back to "
       "back, only the timed ones waited on)" if sample > 1 else
       f"{len(ms) / sec.sum():.1f} steps/s (the first step included)"))
-  counts = np.asarray(outs[-1][0][1])[:len(contexts)]        # the pads come last
+  # Across processes, the whole arrays gathered into each one (its own are a block).
+  whole = (lambda t: distributed.gather(mesh, t)) if processes > 1 else (lambda t: t)
+  counts = np.asarray(whole(outs[-1][0][1]))[:len(contexts)]        # the pads come last
   print(f"last step: positions {(contexts + args.steps - 1).tolist()} -> selected tokens "
         f"{counts.tolist()} (layer 0)")
   first, last = memory
-  where = f"summed over the {n} devices" if mesh else jax.devices()[0].device_kind
+  where = (f"summed over this process's {len(mine)} devices" if processes > 1 else
+           f"summed over the {n} devices" if mesh else jax.devices()[0].device_kind)
   if first is None:
     print(f"device memory in use: not reported on the {jax.default_backend()} backend "
           "(memory_stats() is None)")
@@ -470,14 +522,15 @@ def main():
           f"first step; {mib(last)} after step {args.steps} ({held}): "
           f"{last - first:+,d} bytes")
   # The final caches and the last step's outputs, pad requests included.
-  sha = digest((step_caches, outs[-1]))
+  sha = digest(whole((step_caches, outs[-1])))
   print(f"digest: sha256 {sha} (the final caches of {args.layers} layers and the last "
         "step's slots and counts)")
-  if args.digest:
+  if args.digest and jax.process_index() == 0:      # (the same digest in every process)
     with open(args.digest, "w") as f:
       json.dump(dict(sha256=sha, backend=jax.default_backend(),
                      device=jax.devices()[0].device_kind, steps=args.steps,
                      layers=args.layers, contexts=contexts.tolist(), devices=n,
+                     processes=processes,
                      endurance=args.endurance, metadata=args.metadata,
                      memory_first=first, memory_last=last,
                      p50_ms=p50, steps_per_s=args.steps / wall), f, indent=1)
@@ -492,34 +545,39 @@ def main():
   reference = model_step(config, use_reference=True)
   t0 = time.perf_counter()
   wanted = []
-  for d, dev in enumerate(devices):
-    if chunks[d]:
-      start[d] = prefill(device_weights[d], start[d], chunks[d], config, use_reference=True)
+  for k, (d, dev) in enumerate(zip(mine, devices)):
+    if chunks[k]:
+      start[k] = prefill(device_weights[k], start[k], chunks[k], config, use_reference=True)
     rows = slice(d * b, (d + 1) * b)
     device_inputs = jax.device_put([([x[rows] for x in xs], [qr[rows] for qr in qrs])
                                     for xs, qrs in inputs], dev)
-    wanted.append(run(reference, device_weights[d], start[d], device_inputs,
-                      device_metadata[d], page_tables[d], block_tables[d],
+    wanted.append(run(reference, device_weights[k], start[k], device_inputs,
+                      device_metadata[k], page_tables[k], block_tables[k],
                       progress=False)[:2])
-  alone = f", each of the {n} devices' shards alone" if mesh else ""
+  alone = f", each of the {len(mine)} devices' shards alone" if mesh else ""
   print(f"reference replay {time.perf_counter() - t0:.1f} s (compile included{alone})")
-  got = jax.device_get((outs, step_caches))
-  for d, (want_outs, want_caches) in enumerate(wanted):
-    # Device d's shard: its block of every split dim (dim 0 of every output and cache).
-    outs_d, caches_d = jax.tree.map(lambda a, d=d: np.split(np.asarray(a), n)[d], got)
-    lines = check(outs_d, caches_d, want_outs, want_caches, device_metadata[d], chunks[d])
+  # This process's block of every split dim (dim 0 of every output and cache), then
+  # device d's within it.
+  got = distributed.to_local((outs, step_caches))
+  for k, (d, (want_outs, want_caches)) in enumerate(zip(mine, wanted)):
+    outs_d, caches_d = jax.tree.map(lambda a, k=k: np.split(a, len(mine))[k], got)
+    lines = check(outs_d, caches_d, want_outs, want_caches, device_metadata[k], chunks[k])
     if not mesh:
       print("\n".join(lines))
-    elif d == n - 1:
+    elif k == len(mine) - 1:
       print(f"device {d}: {lines[0]}")
       print("\n".join(lines[1:]))
-      print(f"  With --devices {n}: the data-parallel step (sharding.data_parallel_step, "
-            "one shard_map per layer) against each device's shard run alone on one "
-            "device.")
+      where = f" in each of {processes} processes" if processes > 1 else ""
+      print(f"  With --devices {args.devices}{where}: the data-parallel step "
+            "(sharding.data_parallel_step, one shard_map per layer) against each device's "
+            "shard run alone on one device.")
     else:
       print(f"device {d}: {lines[0]}")
   print("ok")
 
 
 if __name__ == "__main__":
-  main()
+  if _processes > 1 and distributed.PROCESS_ID_ENV not in os.environ:
+    launch_processes()
+  else:
+    main()

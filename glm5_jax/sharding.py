@@ -195,6 +195,33 @@ def data_parallel_step(mesh: jax.sharding.Mesh, axis: str = "data"):
                          s.batch.block_table), (s.output, s.cache))
 
 
+def data_parallel_advance(mesh: jax.sharding.Mesh, axis: str = "data"):
+  """glm5_jax.serving.advance on data_parallel_step's layout: advance(packed, page_table,
+  *, page, ring, accepted=1) -> the next step's packed metadata, packed split along its
+  requests (request_specs(axis).packed), page_table by request rows with device-local
+  ids, accepted an int or i32[B] split likewise. Each device advances its own requests
+  from its own page-table rows, so nothing moves between devices. Call it inside the
+  jitted decode step, the result donated with the caches (serving's pattern)."""
+  op = "data_parallel_advance"
+  _check_axis(op, mesh, axis)
+  s = request_specs(axis)
+
+  def advance(packed, page_table, *, page, ring, accepted=1):
+    _check_divides(op, mesh, axis, ("packed", "page_table"), (s.packed, s.batch.page_table),
+                   (packed, page_table))
+    fn = functools.partial(serving.advance, page=page, ring=ring)
+    if jnp.ndim(accepted) == 0:
+      return _shard_map(lambda p, t: fn(p, t, accepted=accepted), mesh=mesh,
+                        in_specs=(s.packed, s.batch.page_table), out_specs=s.packed)(
+                            packed, page_table)
+    return _shard_map(lambda p, t, a: fn(p, t, accepted=a), mesh=mesh,
+                      in_specs=(s.packed, s.batch.page_table, P(axis)),
+                      out_specs=s.packed)(packed, page_table, accepted)
+
+  advance.__name__ = advance.__qualname__ = op
+  return advance
+
+
 def to_global(index: int, cache: IndexerCache, batch: DecodeBatch) -> DecodeBatch:
   """Device `index`'s batch with device-local ids (data_parallel_stage's form, built
   with device `index`'s cache shard `cache`) -> the same batch with global ids (plain

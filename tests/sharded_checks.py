@@ -22,9 +22,11 @@ ARGS.add_argument("--devices", type=int, default=4)
 ARGS.add_argument("checks", nargs="*")
 ARGS = ARGS.parse_args() if __name__ == "__main__" else ARGS.parse_args([])
 DEVICES = ARGS.devices
-# Only adds host CPU devices: on a GPU machine jax still picks its GPUs.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={DEVICES}")
+# Only adds host CPU devices: on a GPU machine jax still picks its GPUs. (Imported, as
+# tests/multiprocess_checks.py does for its builders, the importer sets its own count.)
+if __name__ == "__main__":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={DEVICES}")
 
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
