@@ -366,8 +366,8 @@ _fused = Op(
     kernel_supports=_fused_kernel_supports,
     kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING} at (warps, split) "
                    f"({FUSED_WARPS}, 1)"),
-    kernel_off=("slower than the indexer_projection and indexer_query kernels at every "
-                "measured M (1-64)"),
+    kernel_off=('indexer_projection_fused "kernel" against "projection + query kernels": '
+                "slower at every M"),
     split=Split(("rows", None, "rows", None, None), ("rows",) * 4))
 
 

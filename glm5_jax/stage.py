@@ -356,7 +356,8 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   rows, k = x.shape
   weights, cache, x, qr, batch = jax.tree.map(_shaped, (weights, cache, x, qr, batch))
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
-               w_out_dtype=np.dtype(config.w_out_dtype), scale_format=config.scale_format)
+               w_out_dtype=np.dtype(config.w_out_dtype))
+  update = dict(query, scale_format=config.scale_format)
   cache_args = _cache_args(weights, cache, batch)
   raw = jax.eval_shape(reference.projection_sums, x, weights.w_cat)
   q = jax.ShapeDtypeStruct((rows, config.heads, DIM), weights.wq_b.dtype)
@@ -365,11 +366,11 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   positions = jax.ShapeDtypeStruct((rows,), batch.positions.dtype)
   calls = {   # each op as the stage calls it
       "indexer_update_q": (indexer_update_q, (x, weights.w_cat, qr, weights.wq_b, *cache_args),
-                           query),
+                           update),
       "indexer_update": (indexer_update, (x, weights.w_cat, q, *cache_args),
-                         dict(query, heads=config.heads)),
-      "update_epilogue_q": (update_epilogue_q, (raw, qr, weights.wq_b, *cache_args), query),
-      "update_epilogue": (update_epilogue, (raw, q, *cache_args), query),
+                         dict(update, heads=config.heads)),
+      "update_epilogue_q": (update_epilogue_q, (raw, qr, weights.wq_b, *cache_args), update),
+      "update_epilogue": (update_epilogue, (raw, q, *cache_args), update),
       "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
                                       batch.req_ids, positions, batch.block_table),
                        dict(_select_params(config), **_remap_params(config))),
@@ -379,17 +380,28 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
     fn, args, params = calls[op]
     return _plan.chooses_kernel(fn, *args, routing=config.routing, **params)
 
-  update = _plan.update_path(config.update, config.fused, kernels, chosen)
+  path = _plan.update_path(config.update, config.fused, kernels, chosen)
   select = _plan.select_path(kernels and not select_pools, chosen)
+  # The GEMM kernels' tactics on that path (None where XLA's GEMM or a reference runs).
+  calls.update({
+      "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
+      "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
+      "indexer_projection_fused": (indexer_projection_fused, (
+          x, weights.w_cat, q, weights.norm_weight, weights.norm_bias),
+          dict(query, heads=config.heads))})
   projection = q_tactic = None
   if kernels:
-    if update is UpdatePath.UPDATE_Q:
-      projection = update_q_projection_tactic(rows, k)
-    elif update in (UpdatePath.UPDATE, UpdatePath.OPS):
-      projection = ProjectionTactic.given(_indexer.projection_tactic(rows, k))
-    if update is not UpdatePath.FUSED_PROJECTION:
+    in_one_call = path in (UpdatePath.UPDATE_Q, UpdatePath.EPILOGUE_Q)
+    if in_one_call or chosen("indexer_q"):
       q_tactic = _indexer.q_tactic(rows, *weights.wq_b.shape)
-  return StagePlan(rows, update, select, projection, q_tactic)
+    if path is UpdatePath.UPDATE_Q:
+      projection = update_q_projection_tactic(rows, k)
+    elif (path is UpdatePath.UPDATE
+          or (path is UpdatePath.OPS and chosen("indexer_projection"))):
+      projection = _indexer.projection_tactic(rows, k)
+    elif path is UpdatePath.FUSED_PROJECTION and chosen("indexer_projection_fused"):
+      projection = ProjectionTactic(_indexer.fused_warps(), 1)
+  return StagePlan(rows, path, select, projection, q_tactic)
 
 
 def _cache_args(weights, cache, batch):
