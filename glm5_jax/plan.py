@@ -2,9 +2,9 @@
 
 The tables below are the only place a row range or a tactic choice is written. The ops
 take their default kernel rows (Op.kernel_default) and their tactic tables from them, and
-`stage_plan` reads them, once per trace of indexer_stage, into a `StagePlan` that the stage
-executes as it is. `python -m glm5_jax.info --plan --rows M --next-n N --context C` prints
-the plan for those shapes.
+glm5_jax.stage.stage_plan reads them, once per trace of indexer_stage, into a `StagePlan`
+that the stage executes as it is.
+`python -m glm5_jax.info --plan --rows M --next-n N --context C` prints it for those shapes.
 
 A default's reason names the BENCHMARKS.json rows (op, variant) that decided it.
 """

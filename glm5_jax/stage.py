@@ -352,7 +352,6 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   a select_pools of its own (the select part then runs it and expand_and_remap). Decided
   from avals alone (nothing is computed), each op asked at the arguments the stage would
   call it with."""
-  b, n = batch.positions.shape
   rows, k = x.shape
   weights, cache, x, qr, batch = jax.tree.map(_shaped, (weights, cache, x, qr, batch))
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
@@ -374,6 +373,12 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
                                       batch.req_ids, positions, batch.block_table),
                        dict(_select_params(config), **_remap_params(config))),
+      # and those whose tactics the plan reports
+      "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
+      "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
+      "indexer_projection_fused": (indexer_projection_fused, (
+          x, weights.w_cat, q, weights.norm_weight, weights.norm_bias),
+          dict(query, heads=config.heads)),
   }
 
   def chosen(op):
@@ -383,12 +388,6 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   path = _plan.update_path(config.update, config.fused, kernels, chosen)
   select = _plan.select_path(kernels and not select_pools, chosen)
   # The GEMM kernels' tactics on that path (None where XLA's GEMM or a reference runs).
-  calls.update({
-      "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
-      "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
-      "indexer_projection_fused": (indexer_projection_fused, (
-          x, weights.w_cat, q, weights.norm_weight, weights.norm_bias),
-          dict(query, heads=config.heads))})
   projection = q_tactic = None
   if kernels:
     in_one_call = path in (UpdatePath.UPDATE_Q, UpdatePath.EPILOGUE_Q)
