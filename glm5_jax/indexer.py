@@ -117,10 +117,11 @@ def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
   1..MAX_BLOCKS (one stage) or a multiple of MAX_BLOCKS (stages of MAX_BLOCKS); for the
   GEMV (split GEMV_SPLIT), (loads, 1) with K = GEMV_K * warps * loads, loads in
   1..MAX_BLOCKS."""
-  if split == GEMV_SPLIT:
+  kind = ProjectionTactic(warps, split).kind
+  if kind is plan.TacticKind.GEMV:
     loads, rest = divmod(k, GEMV_K * warps)
     return (loads, 1) if not rest and 1 <= loads <= MAX_BLOCKS else None
-  if split == WGMMA_SPLIT:
+  if kind is plan.TacticKind.WGMMA:
     boxes, rest = divmod(k, WGMMA_K)
     return (boxes, 1) if warps == WGMMA_WARPS and not rest and boxes >= 1 else None
   blocks, rest = divmod(k, BLOCK_K * warps * split)
@@ -204,8 +205,9 @@ def check_tactic(op, tactic, k, max_split=MAX_SPLIT):
   if tactic is None:
     return
   warps, split = tactic
-  gemv = max_split > 1 and split == GEMV_SPLIT
-  wg = max_split > 1 and split == WGMMA_SPLIT
+  kind = ProjectionTactic(warps, split).kind
+  gemv = max_split > 1 and kind is plan.TacticKind.GEMV
+  wg = max_split > 1 and kind is plan.TacticKind.WGMMA
   if not (1 <= warps <= MAX_WARPS and (gemv or wg or 1 <= split <= max_split)):
     splits = (f"{GEMV_SPLIT} (the GEMV), {WGMMA_SPLIT} (wgmma) or " if max_split > 1
               else "") + f"1..{max_split}"

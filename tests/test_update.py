@@ -26,7 +26,7 @@ def update_args(b, n, seed=0):
 
 
 def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                     pos, *, heads, scale, eps, padded, w_out_dtype, scale_format,
+                     positions, *, heads, scale, eps, padded, w_out_dtype, scale_format,
                      round_scale):
   """The three references, each jitted on its own, composed as indexer_stage did."""
   key_raw, head_w, gate = jax.jit(functools.partial(ref.indexer_projection, heads=heads))(
@@ -38,7 +38,7 @@ def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot,
   update = jax.jit(functools.partial(ref.kpool_update, scale_format=scale_format,
                                      round_scale=round_scale))
   kv_cache, tail = update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid), ape,
-                          loc, pos)
+                          loc, positions)
   return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
 
 
