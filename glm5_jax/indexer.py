@@ -211,13 +211,13 @@ def check_tactic(op, tactic, k, max_split=MAX_SPLIT):
   if not (1 <= warps <= MAX_WARPS and (gemv or wg or 1 <= split <= max_split)):
     splits = (f"{GEMV_SPLIT} (the GEMV), {WGMMA_SPLIT} (wgmma) or " if max_split > 1
               else "") + f"1..{max_split}"
-    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split {splits}), got {tactic}")
+    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split {splits}), got {tuple(tactic)}")
   if not tile_k(k, warps, split):
     rule = (f"K must be {GEMV_K} * warps * loads with loads in 1..{MAX_BLOCKS}" if gemv else
             f"warps must be {WGMMA_WARPS} and K a multiple of {WGMMA_K}" if wg else
             f"K must be 32 * warps * split * blocks with blocks in 1..{MAX_BLOCKS} or a "
             f"multiple of {MAX_BLOCKS}")
-    fail(op, "tactic", f"{tactic} does not tile K = {k}: {rule}")
+    fail(op, "tactic", f"{tuple(tactic)} does not tile K = {k}: {rule}")
 
 
 def _projection_op_shapes(x, w_cat, *, heads, tactic):
