@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 import glm5_jax
-from glm5_jax import indexer, synthetic
+from glm5_jax import plan, synthetic
 from glm5_jax import stage as glm5_stage
 
 from .harness import host_note, time_step
@@ -106,8 +106,8 @@ def add_arguments(parser):
                            "calls) instead of select_slots' one")
   parser.add_argument("--stage-q-kernel", action="store_true",
                       help="also time the stage with indexer_q's kernel forced on at every "
-                           "M (the default runs it at M %d-%d, indexer.Q_KERNEL_ROWS); with "
-                           "--stage-pdl-off also with PDL off" % indexer.Q_KERNEL_ROWS)
+                           f"M (the default runs it at {plan.KERNEL_ROWS['indexer_q'].rows}, "
+                           "plan.KERNEL_ROWS); with --stage-pdl-off also with PDL off")
   parser.add_argument("--stage-q-epilogue", action="store_true",
                       help="also time the stage with update_epilogue_q's kernel on (q's GEMM "
                            "and the epilogue in one FFI call)")

@@ -111,9 +111,9 @@ class Op:
   are not a static param of the same name (derived from shapes or other params);
   kernel_supports: (avals, params) -> whether the kernel handles these shapes (like
   `shapes`; otherwise the reference), described by kernel_limits; kernel_off: why the
-  kernel is off unless the routing names it (it lost to the reference in BENCHMARKS.json);
+  kernel is off unless the routing names it (the BENCHMARKS.json rows it lost);
   kernel_default: (avals, params) -> whether it runs at these shapes when the routing
-  does not name the op (where BENCHMARKS.json has it faster), described by
+  does not name the op (glm5_jax.plan.kernel_default: its plan.KERNEL_ROWS), described by
   kernel_default_note; kernel_params: (avals, params) -> params the kernel runs with
   that depend on the whole call's shapes (a tactic chosen by row count), so that a
   device running the op on its block under `split` runs what the whole call would.

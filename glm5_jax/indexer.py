@@ -1,10 +1,13 @@
 """Indexer projection and query epilogue (SPEC §1, §2), separate or fused.
 Shapes and dtypes: see glm5_jax.reference.indexer."""
+from typing import NamedTuple
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from . import plan
 from . import reference as ref
 from ._checks import expect, fail
 from ._primitive import Op, Routing, Split
@@ -36,7 +39,9 @@ I32, F32, BF16 = np.int32, np.float32, jnp.bfloat16
 W_OUT_DTYPES = (np.dtype(F32), np.dtype(BF16))
 
 
-def _projection_shapes(op, x, w_cat, heads):
+def projection_shapes(op, x, w_cat, heads):
+  """[(shape, dtype)] of the projection's key, head weights and gate for x bf16[M, K] and
+  w_cat bf16[256 + heads, K], errors naming `op`."""
   expect(op, "x", x, BF16, (None, None))
   m, k = x.shape
   if heads <= 0:
@@ -45,8 +50,10 @@ def _projection_shapes(op, x, w_cat, heads):
   return [((m, DIM), BF16), ((m, heads), F32), ((m, DIM), BF16)]
 
 
-def _query_shapes(op, q, head_w, norm_weight, norm_bias, m, heads, scale, eps,
-                  padded, w_out_dtype):
+def query_shapes(op, q, head_w, norm_weight, norm_bias, m, heads, scale, eps,
+                 padded, w_out_dtype):
+  """[(shape, dtype)] of the query epilogue's q_fp8, w_out and key for q bf16[m, heads, 128]
+  (head_w None: not an operand), errors naming `op`."""
   expect(op, "q", q, BF16, (m, heads, DIM))
   if head_w is not None:
     expect(op, "head_w", head_w, F32, (m, heads))
@@ -77,26 +84,34 @@ def _query_shapes(op, q, head_w, norm_weight, norm_bias, m, heads, scale, eps,
 # WGMMA_K * boxes). For the projection beside q's GEMM (indexer_update_q), where the mma
 # tactics' loads of every 16-row tile's x and weights wait behind q's stream.
 WGMMA_K = WGMMA_CLUSTER * WGMMA_BOX_K
-# The tactic by rows (the H200 sweep, BENCHMARKS.md, K 4096, H 32): the GEMV (GEMV_WARPS
-# warps) up to GEMV_ROWS rows (M=1 3.39-3.61 µs, the mma tactics 4.6-5.3; M=2 3.92, 8x4
-# 4.8), then 8 warps in clusters of 4 up to AUTO_ROWS rows (fastest at M 4-16), clusters of
-# 8 past that (fastest at M 64: more CTAs overlap the x reads) where that tiles K.
-AUTO_ROWS, AUTO_SMALL, AUTO_LARGE = 32, (8, 4), (8, 8)
-GEMV_ROWS, GEMV_WARPS = 2, 4
-# M where the projection kernel beat XLA's GEMM on the H200 (BENCHMARKS.md, K 4096, H 32):
-# its default; XLA's GEMM elsewhere. At M=1 the GEMV and XLA's GEMV are at parity (3.39-3.61
-# vs 3.46-3.48 µs over two runs): XLA's, which may also fuse with its neighbours. M 32-64
-# since the cluster's sums stopped fencing (cc/cluster.cuh): 6.06 vs 7.76 µs at M=32, 8.02 vs
-# 8.81 at M=64; at M=128 both rows were host-bound (10.33 vs 9.28 µs, upper bounds).
-PROJECTION_KERNEL_ROWS = (2, 64)
 
 
-def default_rows(bounds, why):
-  """An Op's kernel_default and kernel_default_note for a kernel that runs by default where
-  its first operand's rows M lie in bounds = (low, high) (both included), `why` in words."""
-  low, high = bounds
-  return dict(kernel_default=lambda first, *rest, **params: low <= first.shape[0] <= high,
-              kernel_default_note=f"M {low} to {high}, {why}")
+class ProjectionTactic(NamedTuple):
+  """A projection kernel tactic: warps per CTA and split, the FFI attributes `warps` and
+  `split` as the handler takes them: CTAs per cluster splitting K for an mma tactic,
+  GEMV_SPLIT for the GEMV, WGMMA_SPLIT for the wgmma tactic (see `kind`)."""
+  warps: int
+  split: int
+
+  @property
+  def kind(self) -> plan.TacticKind:
+    return {GEMV_SPLIT: plan.TacticKind.GEMV,
+            WGMMA_SPLIT: plan.TacticKind.WGMMA}.get(self.split, plan.TacticKind.MMA)
+
+  @classmethod
+  def of(cls, kind: plan.TacticKind, warps: int = 0, split: int = 0) -> "ProjectionTactic":
+    """The tactic of a plan table's (kind, warps, split): split for MMA only, warps fixed
+    for WGMMA."""
+    if kind is plan.TacticKind.GEMV:
+      return cls(warps, GEMV_SPLIT)
+    if kind is plan.TacticKind.WGMMA:
+      return cls(WGMMA_WARPS, WGMMA_SPLIT)
+    return cls(warps, split)
+
+  @classmethod
+  def given(cls, tactic) -> "ProjectionTactic | None":
+    """A `tactic=` argument: None, or (warps, split) ints (the old tuples)."""
+    return None if tactic is None else cls(*(int(v) for v in tactic))
 
 
 def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
@@ -105,10 +120,11 @@ def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
   1..MAX_BLOCKS (one stage) or a multiple of MAX_BLOCKS (stages of MAX_BLOCKS); for the
   GEMV (split GEMV_SPLIT), (loads, 1) with K = GEMV_K * warps * loads, loads in
   1..MAX_BLOCKS."""
-  if split == GEMV_SPLIT:
+  kind = ProjectionTactic(warps, split).kind
+  if kind is plan.TacticKind.GEMV:
     loads, rest = divmod(k, GEMV_K * warps)
     return (loads, 1) if not rest and 1 <= loads <= MAX_BLOCKS else None
-  if split == WGMMA_SPLIT:
+  if kind is plan.TacticKind.WGMMA:
     boxes, rest = divmod(k, WGMMA_K)
     return (boxes, 1) if warps == WGMMA_WARPS and not rest and boxes >= 1 else None
   blocks, rest = divmod(k, BLOCK_K * warps * split)
@@ -121,17 +137,40 @@ def tile_k(k: int, warps: int, split: int) -> tuple[int, int] | None:
   return None
 
 
+def table_tactic(table, rows: int, k: int, gemv: bool = True) -> ProjectionTactic:
+  """The tactic of a plan tactic table (plan.PROJECTION_TACTICS, plan.UPDATE_Q_TACTICS) at
+  M = rows and K = k, as plan.TacticRow says; GEMV rows skipped unless `gemv`. The last
+  row's tactic may not tile K: then the op runs the reference (kernel_supports)."""
+  *rest, (_, kind, warps, split) = table
+  for row in rest:
+    if rows in row.rows and (gemv or row.kind is not plan.TacticKind.GEMV):
+      tactic = (table_tactic(plan.PROJECTION_TACTICS, rows, k, gemv=False) if row.kind is None
+                else ProjectionTactic.of(row.kind, row.warps, row.split))
+      if tile_k(k, *tactic):
+        return tactic
+  if kind is None:
+    return table_tactic(plan.PROJECTION_TACTICS, rows, k, gemv=False)
+  return ProjectionTactic.of(kind, warps, split)
+
+
+def table_words(table) -> str:
+  """A plan tactic table in words."""
+  def words(row):
+    if row.kind is None:
+      return f"{table_words(plan.PROJECTION_TACTICS)} without the GEMV"
+    return f"{row.kind.value} {tuple(ProjectionTactic.of(row.kind, row.warps, row.split))}"
+  *rest, last = table
+  return ", ".join([f"{words(r)} at {r.rows} where it tiles K" for r in rest]
+                   + [f"else {words(last)}"])
+
+
 def projection_tactic(rows: int, k: int, tactic: tuple[int, int] | None = None,
-                      gemv: bool = True) -> tuple[int, int]:
-  """The (warps, split) glm5_indexer_projection runs at M = rows: `tactic` where given,
-  else the table by rows (the GEMV up to GEMV_ROWS rows where it tiles K and `gemv`,
-  AUTO_SMALL up to AUTO_ROWS rows, AUTO_LARGE past that where it tiles K). It may not tile
-  K: then the op runs the reference (kernel_supports)."""
+                      gemv: bool = True) -> ProjectionTactic:
+  """The tactic glm5_indexer_projection runs at M = rows: `tactic` where given, else
+  plan.PROJECTION_TACTICS' (without its GEMV unless `gemv`)."""
   if tactic is not None:
-    return tuple(tactic)
-  if gemv and rows <= GEMV_ROWS and tile_k(k, GEMV_WARPS, GEMV_SPLIT):
-    return GEMV_WARPS, GEMV_SPLIT
-  return AUTO_LARGE if rows > AUTO_ROWS and tile_k(k, *AUTO_LARGE) else AUTO_SMALL
+    return ProjectionTactic.given(tactic)
+  return table_tactic(plan.PROJECTION_TACTICS, rows, k, gemv)
 
 
 def q_kernel_tiles(n: int, k: int, tactic: str = "mma") -> bool:
@@ -147,12 +186,10 @@ def q_kernel_tiles(n: int, k: int, tactic: str = "mma") -> bool:
 
 def q_tactic(rows: int, n: int, k: int, tactic: str | None = None) -> str:
   """The tactic glm5_indexer_q runs for qr bf16[rows, k] and wq_b bf16[n, k]: `tactic` where
-  given, else "wgmma" (it tiles every wq_b that "mma" tiles; where it does not tile, the op
-  runs the reference). The rows do not choose: one tactic for every M keeps a token's sums
-  independent of the batch, and on the H200 wgmma is the faster from M=16 on (7.2 / 8.0 /
-  9.5 µs at M 16 / 64 / 128 vs mma's 7.7 / 14.3 / 24.3; 6.8 vs 6.5 at M=1, BENCHMARKS.md)."""
+  given, else plan.Q_TACTIC at every M (where it does not tile, the op runs the
+  reference)."""
   del rows, n, k
-  return "wgmma" if tactic is None else tactic
+  return plan.Q_TACTIC if tactic is None else tactic
 
 
 def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, int]]:
@@ -164,31 +201,32 @@ def projection_tactics(k: int, max_split: int = MAX_SPLIT) -> list[tuple[int, in
           if w <= MAX_WARPS and s <= max_split and tile_k(k, w, s)]
 
 
-def _check_tactic(op, tactic, k, max_split=MAX_SPLIT):
+def check_tactic(op, tactic, k, max_split=MAX_SPLIT):
   """An explicit (warps, split) must tile K; split GEMV_SPLIT (the GEMV) and WGMMA_SPLIT
   (the wgmma tactic, WGMMA_WARPS warps) only where K is split across CTAs at all
   (max_split > 1)."""
   if tactic is None:
     return
   warps, split = tactic
-  gemv = max_split > 1 and split == GEMV_SPLIT
-  wg = max_split > 1 and split == WGMMA_SPLIT
+  kind = ProjectionTactic(warps, split).kind
+  gemv = max_split > 1 and kind is plan.TacticKind.GEMV
+  wg = max_split > 1 and kind is plan.TacticKind.WGMMA
   if not (1 <= warps <= MAX_WARPS and (gemv or wg or 1 <= split <= max_split)):
     splits = (f"{GEMV_SPLIT} (the GEMV), {WGMMA_SPLIT} (wgmma) or " if max_split > 1
               else "") + f"1..{max_split}"
-    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split {splits}), got {tactic}")
+    fail(op, "tactic", f"must be (warps 1..{MAX_WARPS}, split {splits}), got {tuple(tactic)}")
   if not tile_k(k, warps, split):
     rule = (f"K must be {GEMV_K} * warps * loads with loads in 1..{MAX_BLOCKS}" if gemv else
             f"warps must be {WGMMA_WARPS} and K a multiple of {WGMMA_K}" if wg else
             f"K must be 32 * warps * split * blocks with blocks in 1..{MAX_BLOCKS} or a "
             f"multiple of {MAX_BLOCKS}")
-    fail(op, "tactic", f"{tactic} does not tile K = {k}: {rule}")
+    fail(op, "tactic", f"{tuple(tactic)} does not tile K = {k}: {rule}")
 
 
 def _projection_op_shapes(x, w_cat, *, heads, tactic):
   op = "indexer_projection"
-  out = _projection_shapes(op, x, w_cat, heads)
-  _check_tactic(op, tactic, x.shape[1])
+  out = projection_shapes(op, x, w_cat, heads)
+  check_tactic(op, tactic, x.shape[1])
   return out
 
 
@@ -219,17 +257,15 @@ _projection = Op(
     kernel_supports=_projection_kernel_supports,
     kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING} (the GEMV, split {GEMV_SPLIT}: "
                    f"{_GEMV_TILING}; wgmma, split {WGMMA_SPLIT}: {_WGMMA_TILING}); tactic "
-                   f"(warps, split) ({GEMV_WARPS}, {GEMV_SPLIT}) up "
-                   f"to {GEMV_ROWS} rows where it tiles K, {AUTO_SMALL} up to {AUTO_ROWS} "
-                   f"rows, {AUTO_LARGE} past that where it tiles K"),
-    **default_rows(PROJECTION_KERNEL_ROWS, "where it beats XLA's GEMM"),
+                   f"(warps, split) {table_words(plan.PROJECTION_TACTICS)}"),
+    **plan.kernel_default("indexer_projection"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda x, w_cat, *, heads, tactic: dict(
         tactic=projection_tactic(x.shape[0], x.shape[1], tactic)),
     split=Split(("rows", None), ("rows",) * 3))
 
 
-def _q_shapes(qr, wq_b, *, tactic, op="indexer_q"):
+def q_shapes(qr, wq_b, *, tactic, op="indexer_q"):
   expect(op, "qr", qr, BF16, (None, None))
   m, k = qr.shape
   expect(op, "wq_b", wq_b, BF16, (None, k))
@@ -254,46 +290,8 @@ def _q_tactic(qr, wq_b, tactic):
   return q_tactic(qr.shape[0], *wq_b.shape, tactic)
 
 
-# Where the update part's kernels run by default (H200, 2026-12-02, bench/NOTES.md
-# twenty-first session): the stage's update part alone, 1K context, 11 layers, 16 decode steps
-# an executable with layers and steps chained (each reads the output before it, so XLA cannot
-# batch a layer's GEMMs over the steps), from one profiled run (step_times --timeline), µs per
-# layer at M = 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128:
-#   XLA's q GEMM, XLA's projection GEMM, update_epilogue: 11.4 / 16.9 / 15.9 / 16.9 / 17.0 /
-#     17.7 / 19.9 / 24.1 (the default before)
-#   indexer_q's kernel instead of XLA's q GEMM:             12.8 / 16.0 / 15.9 / 16.2 / 16.4 /
-#     17.1 / 18.7 / 21.2
-#   indexer_q's kernel, then indexer_update's kernel:        13.5 / 14.3 / 15.0 / 15.2 / 15.7 /
-#     16.9 / 19.6 / 24.3
-#   XLA's projection GEMM, then update_epilogue_q:          12.4 / 15.6 / 15.5 / 15.8 / 15.9 /
-#     16.6 / 18.3 / 20.9
-# So XLA's GEMV at M = 1, indexer_q + indexer_update at M 2-16, update_epilogue_q past that.
-# (The rows the bench measured before 2026-12-02 let XLA batch its GEMMs over 16 independent
-# steps, 0.55 µs a layer for wq_b's 12.6 MB against its 2.6 µs floor, and read the other way.)
-# The same bench, twenty-second session, one run, the default above against indexer_update_q
-# (q's GEMM, the projection beside it, the epilogue: one FFI call):
-#   the default above:  11.3 / 14.1 / 14.9 / 15.2 / 15.6 / 16.6 / 18.2 / 20.7
-#   indexer_update_q:   13.8 / 15.7 / 13.0 / 13.2 / 13.5 / 14.9 / 18.3 / 23.9
-# and at M = 1 / 2 / 3 once its projection no longer took the GEMV (another run): the default
-# above 11.1 / 14.2 / 14.9, indexer_update_q 12.7 / 12.9 / 12.9.
-# So indexer_update_q at M 2-32; XLA's GEMV at M = 1, update_epilogue_q past 32.
-# Twenty-fifth session (barrier chain): with its projection at 4-warp CTAs
-# (update.UPDATE_Q_TACTICS) indexer_update_q took 11.45 µs a layer at M = 64 against the
-# default's 13.78, and 19.45 against 16.73 at M = 128: indexer_update_q at M 2-64 since.
-# Twenty-sixth session (barrier chain): its projection waiting for q's GEMM only before
-# exiting, and at the wgmma tactic past 32 rows: 8.33 / 8.03 / 10.39 at M = 1 / 16 / 64
-# against XLA's GEMV path's 9.78 at M = 1 and update_epilogue_q's 11.46 at 64:
-# indexer_update_q at M 1-64 since.
-UPDATE_PART_MEASURED = ("the stage's update part on the H200, bench/NOTES.md twenty-first to "
-                        "twenty-sixth sessions")
-# The largest M those rows measured: no update-part kernel is a default past it.
-UPDATE_PART_MAX_ROWS = 128
-# indexer_q's kernel: at M 2 up to the rows measured (XLA's GEMV is faster at M = 1).
-Q_KERNEL_ROWS = (2, UPDATE_PART_MAX_ROWS)
-
-
 _q = Op(
-    "indexer_q", lambda qr, wq_b, *, tactic: ref.indexer_q(qr, wq_b), _q_shapes,
+    "indexer_q", lambda qr, wq_b, *, tactic: ref.indexer_q(qr, wq_b), q_shapes,
     rows=((0, None), (0,)), kernel="glm5_indexer_q",
     attributes=dict(tactic=np.int32),
     attribute_values=lambda qr, wq_b, *, tactic: dict(
@@ -302,7 +300,7 @@ _q = Op(
         *wq_b.shape, _q_tactic(qr, wq_b, tactic)),
     kernel_limits=(f"tactic \"wgmma\" (the default): {_Q_TILING['wgmma']}; "
                    f"\"mma\": {_Q_TILING['mma']}"),
-    **default_rows(Q_KERNEL_ROWS, f"where it beat XLA's GEMM ({UPDATE_PART_MEASURED})"),
+    **plan.kernel_default("indexer_q"),
     # A device's block of rows runs the whole call's tactic: the same fp32 sums.
     kernel_params=lambda qr, wq_b, *, tactic: dict(tactic=_q_tactic(qr, wq_b, tactic)),
     split=Split(("rows", None), ("rows",)))
@@ -329,7 +327,7 @@ def _query_op_shapes(q, key_raw, head_w, norm_weight, norm_bias, *, scale, eps,
   m = key_raw.shape[0]
   if q.ndim != 3:
     fail(op, "q", f"must have shape (M, H, 128), got {tuple(q.shape)}")
-  return _query_shapes(op, q, head_w, norm_weight, norm_bias, m, q.shape[1],
+  return query_shapes(op, q, head_w, norm_weight, norm_bias, m, q.shape[1],
                        scale, eps, padded, w_out_dtype)
 
 
@@ -345,10 +343,10 @@ _query = Op("indexer_query", ref.indexer_query, _query_op_shapes,
 def _fused_shapes(x, w_cat, q, norm_weight, norm_bias, *, heads, scale, eps, padded,
                   w_out_dtype, tactic):
   op = "indexer_projection_fused"
-  key, _, gate = _projection_shapes(op, x, w_cat, heads)
-  q_fp8, w_out, _ = _query_shapes(op, q, None, norm_weight, norm_bias, x.shape[0],
+  key, _, gate = projection_shapes(op, x, w_cat, heads)
+  q_fp8, w_out, _ = query_shapes(op, q, None, norm_weight, norm_bias, x.shape[0],
                                   heads, scale, eps, padded, w_out_dtype)
-  _check_tactic(op, tactic, x.shape[1], max_split=1)
+  check_tactic(op, tactic, x.shape[1], max_split=1)
   return [q_fp8, w_out, key, gate]
 
 
@@ -373,8 +371,8 @@ _fused = Op(
     kernel_supports=_fused_kernel_supports,
     kernel_limits=(f"heads % {TILE_ROWS} == 0, {_TILING} at (warps, split) "
                    f"({FUSED_WARPS}, 1)"),
-    kernel_off=("slower than the indexer_projection and indexer_query kernels at every "
-                "measured M (1-64)"),
+    kernel_off=('indexer_projection_fused "kernel" against "projection + query kernels": '
+                "slower at every M"),
     split=Split(("rows", None, "rows", None, None), ("rows",) * 4))
 
 
@@ -395,11 +393,11 @@ def indexer_projection(x: jax.Array, w_cat: jax.Array, *, heads: int,
   reference ignores it.
   routing: where the op runs on CUDA (None: Routing.from_env()).
   """
-  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  tactic = ProjectionTactic.given(tactic)
   return tuple(_projection(x, w_cat, heads=int(heads), tactic=tactic, routing=routing))
 
 
-def _query_params(op, scale, eps, padded, heads, w_out_dtype):
+def query_params(op, scale, eps, padded, heads, w_out_dtype):
   return dict(scale=float(scale), eps=float(eps),
               padded=padded_heads(op, heads, padded),
               w_out_dtype=np.dtype(w_out_dtype))
@@ -413,7 +411,7 @@ def indexer_query(q: jax.Array, key_raw: jax.Array, head_w: jax.Array,
   """(q_fp8 e4m3[M, padded, 128], w_out[M, padded], key bf16[M, 128]): key
   LayerNorm, q Hadamard + FP8, head-weight scaling and padding (SPEC §2);
   see glm5_jax.reference.indexer_query. routing: None = Routing.from_env()."""
-  params = _query_params("indexer_query", scale, eps, padded, q.shape[1], w_out_dtype)
+  params = query_params("indexer_query", scale, eps, padded, q.shape[1], w_out_dtype)
   return tuple(_query(q, key_raw, head_w, norm_weight, norm_bias, routing=routing, **params))
 
 
@@ -434,7 +432,7 @@ def indexer_projection_fused(x: jax.Array, w_cat: jax.Array, q: jax.Array,
   kernel. As for indexer_projection, w_cat is read before the preceding kernel has
   finished (PDL). routing: None = Routing.from_env().
   """
-  params = _query_params("indexer_projection_fused", scale, eps, padded, heads, w_out_dtype)
-  tactic = None if tactic is None else tuple(int(v) for v in tactic)
+  params = query_params("indexer_projection_fused", scale, eps, padded, heads, w_out_dtype)
+  tactic = ProjectionTactic.given(tactic)
   return tuple(_fused(x, w_cat, q, norm_weight, norm_bias, heads=int(heads), tactic=tactic,
                       routing=routing, **params))

@@ -1,11 +1,31 @@
 """Diagnostics: `python -m glm5_jax.info` prints versions, platforms, the routing and
-which ops run a CUDA kernel, all derived from the op declarations."""
+which ops run a CUDA kernel, all derived from the op declarations.
+
+`python -m glm5_jax.info --plan --rows M --next-n N --context C [--update auto|ops|fused]
+[--fused] [--heads H] [--scale-format fp32|ue8m0]` prints the stage's plan (glm5_jax.plan)
+at those shapes under the routing of the environment (GLM5_JAX_KERNELS), as a CUDA lowering
+would run it; no GPU is needed."""
+import argparse
+import math
+
+import numpy as np
 import jax
+import jax.numpy as jnp
 import jaxlib
 
 import glm5_jax
 from glm5_jax import _ffi
 from glm5_jax._primitive import KERNELS_ENV, Op, Routing
+from glm5_jax.reference.numerics import DIM, POOL
+from glm5_jax.stage import (
+  UPDATES,
+  DecodeBatch,
+  IndexerCache,
+  IndexerConfig,
+  IndexerWeights,
+  stage_plan,
+)
+from glm5_jax.synthetic import HIDDEN, Q_LORA, ring_size
 
 
 def describe(op: Op, routing: Routing, built: bool) -> str:
@@ -39,5 +59,58 @@ def report() -> list[str]:
   return lines
 
 
+def stage_args(rows: int, next_n: int, context: int, config: IndexerConfig, *,
+               hidden: int = HIDDEN, q_lora: int = Q_LORA, page: int = 64):
+  """Abstract (weights, cache, x, qr, batch) of indexer_stage: rows = requests x next_n
+  token rows, each request with `context` tokens of cache in pages of `page` entries."""
+  if rows <= 0 or next_n <= 0 or rows % next_n:
+    raise ValueError(f"glm5_jax.info: rows must be a positive multiple of next_n, got "
+                     f"rows={rows}, next_n={next_n}")
+  s, i32, bf16, f32 = jax.ShapeDtypeStruct, np.int32, jnp.bfloat16, np.float32
+  requests, heads = rows // next_n, config.heads
+  weights = IndexerWeights(s((heads * DIM, q_lora), bf16), s((2 * DIM + heads, hidden), bf16),
+                           s((DIM,), f32), s((DIM,), f32), s((POOL, DIM), f32))
+  pages = math.ceil((context // POOL + 1) / page)
+  cache = IndexerCache(s((requests * pages, page, DIM + 4), np.uint8),
+                       s((requests, 2, ring_size(next_n), DIM), bf16))
+  grid = s((requests, next_n), i32)
+  blocks = math.ceil((context + next_n) / config.block_size)
+  batch = DecodeBatch(grid, grid, grid, s((rows,), i32), s((requests, pages), i32),
+                      s((requests, blocks), i32))
+  return weights, cache, s((rows, hidden), bf16), s((rows, q_lora), bf16), batch
+
+
+def plan_report(rows: int, next_n: int, context: int, update: str = "auto",
+                fused: bool = False, heads: int = 32, scale_format: str = "fp32",
+                routing: Routing | None = None) -> list[str]:
+  """The stage's plan at these shapes (max_pools = context // 4) as lines of text."""
+  routing = Routing.from_env() if routing is None else routing
+  config = IndexerConfig(heads=heads, max_pools=max(context // POOL, 1), update=update,
+                         fused=fused, scale_format=scale_format, routing=routing)
+  plan = stage_plan(config, True, *stage_args(rows, next_n, context, config))
+  return ([f"stage plan: M {rows} (next_n {next_n}), context {context}, update {update!r}, "
+           f"fused {fused}, heads {heads}, scale_format {scale_format!r}",
+           f"routing: {routing}"] + [f"  {line}" for line in plan.lines()])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m glm5_jax.info", description=__doc__)
+  parser.add_argument("--plan", action="store_true", help="print the stage's plan")
+  parser.add_argument("--rows", type=int, default=1, help="token rows M = requests x next_n")
+  parser.add_argument("--next-n", type=int, default=1)
+  parser.add_argument("--context", type=int, default=8192, help="tokens of cache a request")
+  parser.add_argument("--update", choices=UPDATES, default="auto")
+  parser.add_argument("--fused", action="store_true")
+  parser.add_argument("--heads", type=int, default=32)
+  parser.add_argument("--scale-format", choices=("fp32", "ue8m0"), default="fp32")
+  args = parser.parse_args(argv)
+  if args.plan:
+    lines = plan_report(args.rows, args.next_n, args.context, args.update, args.fused,
+                        args.heads, args.scale_format)
+  else:
+    lines = report()
+  print("\n".join(lines))
+
+
 if __name__ == "__main__":
-  print("\n".join(report()))
+  main()

@@ -13,16 +13,17 @@ from .reference.numerics import DIM, POOL
 I32, F32, BF16 = np.int32, np.float32, jnp.bfloat16
 
 
-def _update_shapes(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
+def _update_shapes(kv_cache, tail, tslot, key, gate, ape, loc, positions, *,
                    scale_format, round_scale, op="kpool_update"):
-  # op: the name errors give (indexer_update checks its kpool_update part here too).
+  # op: the name errors give (the update part's composite ops check their kpool_update part
+  # here too, through Op.shapes).
   check_cache(op, kv_cache)
   check_tail(op, tail)
   expect(op, "key", key, BF16, (None, None, DIM))
   grid = key.shape[:2]
   expect(op, "gate", gate, BF16, grid + (DIM,))
   expect(op, "ape", ape, F32, (POOL, DIM))
-  for name, a in (("tslot", tslot), ("loc", loc), ("pos", pos)):
+  for name, a in (("tslot", tslot), ("loc", loc), ("positions", positions)):
     expect(op, name, a, I32, grid)
   check_scale_format(op, scale_format, round_scale)
   return [(kv_cache.shape, kv_cache.dtype), (tail.shape, tail.dtype)]
@@ -38,9 +39,11 @@ def _tail_slots(tail):
   return tail.shape[0] * tail.shape[2]
 
 
-def _update_localize(index, kv_cache, tail, tslot, key, gate, ape, loc, pos):
+def update_localize(index, kv_cache, tail, tslot, key, gate, ape, loc, positions):
+  """kpool_update's operands on device `index` of a split call (Split.localize): tslot and
+  loc made device-local."""
   return (kv_cache, tail, local_ids(tslot, index, _tail_slots(tail)), key, gate, ape,
-          local_ids(loc, index, _slots(kv_cache)), pos)
+          local_ids(loc, index, _slots(kv_cache)), positions)
 
 
 # The scale options of both kernels' handlers (cc/kpool.cu): round_scale is the static
@@ -56,11 +59,11 @@ _update = Op("kpool_update", ref.kpool_update, _update_shapes, aliases={0: 0, 1:
              kernel="glm5_kpool_update",
              attributes=_SCALE_ATTRIBUTES, attribute_values=_scale_attribute_values,
              split=Split(("pages", "blocks", "rows", "rows", "rows", None, "rows", "rows"),
-                         ("pages", "blocks"), _update_localize))
+                         ("pages", "blocks"), update_localize))
 
 
 def kpool_update(kv_cache: jax.Array, tail: jax.Array, tslot: jax.Array, key: jax.Array,
-                 gate: jax.Array, ape: jax.Array, loc: jax.Array, pos: jax.Array, *,
+                 gate: jax.Array, ape: jax.Array, loc: jax.Array, positions: jax.Array, *,
                  scale_format: str = "fp32", round_scale: bool = True,
                  routing: Routing | None = None) -> tuple[jax.Array, jax.Array]:
   """Decode tail stash + pool compression, requests x next_n rows (SPEC §3).
@@ -68,7 +71,7 @@ def kpool_update(kv_cache: jax.Array, tail: jax.Array, tslot: jax.Array, key: ja
   Returns the updated (kv_cache, tail); see glm5_jax.reference.kpool_update.
   routing: None = Routing.from_env().
   """
-  return tuple(_update(kv_cache, tail, tslot, key, gate, ape, loc, pos,
+  return tuple(_update(kv_cache, tail, tslot, key, gate, ape, loc, positions,
                        scale_format=scale_format, round_scale=bool(round_scale),
                        routing=routing))
 

@@ -29,7 +29,7 @@ def _upcast_shapes(logits, row_ends):
 
 _upcast = Op("upcast_logits", ref.upcast_logits, _upcast_shapes, rows=((0, 0), (0,)),
              kernel="glm5_upcast_logits",
-             kernel_off="XLA's fused convert is faster at most measured shapes",
+             kernel_off='upcast_logits "kernel" against "reference": XLA\'s fused convert wins',
              split=Split(("rows", "rows"), ("rows",)))
 
 
@@ -190,14 +190,15 @@ def _slots_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, block_
   return [((rows, width), I32), ((rows,), I32), ((rows, max_pools), F32)]
 
 
-# The top-k kernel writes each selected pool's slots where select_pools writes its id: the
-# kernel's limits are select_pools'.
+# select_slots is select_pools' kernel whose top-k writes each selected pool's slots where it
+# writes the pool id (the remap's arguments as attributes): its limits and scale attribute
+# are select_pools'.
 _slots = Op(
     "select_slots", ref.select_slots, _slots_shapes,
     rows=((0, 0, None, None, 0, 0, None), (0, 0, 0)), kernel="glm5_select_slots",
     attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64),
-    attribute_values=_ue8m0, kernel_supports=_select_kernel_supports,
-    kernel_limits=_SELECT_LIMITS,
+    attribute_values=_select.attribute_values, kernel_supports=_select.kernel_supports,
+    kernel_limits=_select.kernel_limits,
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
 
 
@@ -225,16 +226,3 @@ def select_slots(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
                             **_slots_params(k, max_pools, block_size, width, stride_rows,
                                             scale_format))
   return slots, counts
-
-
-def select_slots_kernel_chosen(*args: jax.Array, k: int, max_pools: int, block_size: int,
-                               width: int, stride_rows: int | None = None,
-                               scale_format: str = "fp32",
-                               routing: Routing | None = None) -> bool:
-  """Whether select_slots(*args, ...) would call its kernel on a GPU (the routing and the
-  kernel's limits): indexer_stage runs its select path as this op where it would, as
-  select_pools + expand_and_remap elsewhere. Decided from shapes at trace time."""
-  return _slots.kernel_chosen(Routing.resolve(routing, "select_slots"),
-                              [jax.typeof(a) for a in args],
-                              _slots_params(k, max_pools, block_size, width, stride_rows,
-                                            scale_format))

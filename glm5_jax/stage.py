@@ -10,27 +10,35 @@ import jax
 import jax.numpy as jnp
 from jax import export, lax
 
+from . import indexer as _indexer
+from . import plan as _plan
 from . import reference
-from . import update as _update_op
 from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
 from .expand import expand_and_remap
 from .indexer import (
   W_OUT_DTYPES,
+  ProjectionTactic,
   indexer_projection,
   indexer_projection_fused,
   indexer_q,
   indexer_query,
 )
 from .kpool import kpool_update
-from .logits import select_pools, select_slots, select_slots_kernel_chosen
+from .logits import select_pools, select_slots
+from .plan import SelectPath, StagePlan, UpdatePath
 from .reference.numerics import DIM, POOL
-from .update import indexer_update, indexer_update_q, update_epilogue_q
+from .update import (
+  indexer_update,
+  indexer_update_q,
+  update_epilogue,
+  update_epilogue_q,
+  update_q_projection_tactic,
+)
 
 MQA_MIN_HEADS = 32
-# IndexerConfig.update: the stage's update part as the routing chooses (indexer_update's
-# kernel, else XLA's GEMM + update_epilogue's kernel, else the three ops), always as the
-# three ops, or always as indexer_update.
+# IndexerConfig.update: the stage's update part as the plan chooses (glm5_jax.plan), always
+# as the ops, or always as indexer_update.
 UPDATES = ("auto", "ops", "fused")
 
 
@@ -41,25 +49,14 @@ class IndexerConfig:
   max_pools: width of the logits (max_model_len // 4); block_size: MLA tokens
   per block (block_table); w_out_dtype: the dtype of IndexerOutput.w_out; fused: the
   stage's op graph, indexer_projection_fused instead of indexer_projection +
-  indexer_query (off: on the H200 the two kernels are faster at every measured row
-  count, BENCHMARKS.md; the outputs agree within SPEC D2); routing: where each op runs
-  on CUDA (glm5_jax.Routing; by default GLM5_JAX_KERNELS and GLM5_JAX_PDL as they are
-  when the config is built). The config is a static argument of the jitted stage, so a
-  config with another routing (or fused) compiles anew instead of reusing a stale
-  executable. update: "ops" runs indexer_projection, indexer_query and kpool_update as
-  three ops; "fused" as indexer_update (its kernel, the three kernels' work in one FFI
-  call, where the routing names it; else XLA's GEMM and update_epilogue); "auto" (the
-  default) as indexer_update_q's one FFI call (q's GEMM, the projection beside it, the
-  epilogue) where the routing chooses its kernel (by default at M 1..64,
-  glm5_jax.update.UPDATE_Q_ROWS), else as indexer_update's one FFI call where the routing
-  chooses its kernel (by default at M 2..16, UPDATE_KERNEL_ROWS: only where the routing
-  turns indexer_update_q off), else as XLA's
-  projection GEMM and update_epilogue_q's one call (q's GEMM inside) where the routing
-  chooses that kernel (by default at M 17..128, EPILOGUE_Q_ROWS: so M 65..128), else as
-  XLA's projection GEMM and update_epilogue where the routing chooses update_epilogue's
-  kernel (M = 1 by default), else as the three ops (the faster path at each M on the H200:
-  glm5_jax.indexer.UPDATE_PART_MEASURED);
-  "fused" not with fused=True ("auto" then means "ops").
+  indexer_query (the outputs agree within SPEC D2); routing: where each op runs on CUDA
+  (glm5_jax.Routing; by default GLM5_JAX_KERNELS and GLM5_JAX_PDL as they are when the
+  config is built). The config is a static argument of the jitted stage, so a config with
+  another routing (or fused) compiles anew instead of reusing a stale executable. update:
+  "auto" (the default) runs the update part on the path glm5_jax.plan chooses by the
+  routing and the shapes (plan.AUTO_UPDATE); "ops" as indexer_projection (or
+  indexer_projection_fused), indexer_query and kpool_update; "fused" as indexer_update
+  (plan.FUSED_UPDATE); "fused" not with fused=True ("auto" then means "ops").
   rope_dim: the indexer's RoPE head dim, which must be 0 (a NoPE indexer, SPEC §9).
   """
   heads: int = 32
@@ -174,12 +171,10 @@ class DecodeBatch:
 
   # The per-step metadata as one operand. A serving loop builds positions, loc, tslot
   # and req_ids on the host every step; as a tree of arrays that is one host->device
-  # transfer (and one dispatch argument) per array, which on the H200 cost more than
-  # the 11-layer step itself (issue 11: 3.3 ms per step through jnp.asarray per field,
-  # 0.44 ms with numpy fields passed to the jitted step, 0.23 ms device time). Packed,
-  # it is one small numpy array (16 bytes per row) and one transfer; page_table and
-  # block_table change only when a request is admitted or grows, so they stay device
-  # arrays passed on their own (glm5_jax.serving.indexer_step).
+  # transfer (and one dispatch argument) per array, which costs more than the step's
+  # device time (issue 11). Packed, it is one small numpy array (16 bytes per row) and one
+  # transfer; page_table and block_table change only when a request is admitted or grows,
+  # so they stay device arrays passed on their own (glm5_jax.serving.indexer_step).
   PACKED_FIELDS = ("positions", "loc", "tslot", "req_ids")
 
   @staticmethod
@@ -248,10 +243,10 @@ def _ops(config, use_reference):
   """The ops the stage composes: glm5_jax.reference's functions, or the primitives
   under config.routing."""
   fns = (indexer_q, indexer_projection, indexer_query, indexer_projection_fused, kpool_update,
-         indexer_update, update_epilogue_q, indexer_update_q, select_pools, select_slots,
-         expand_and_remap)
-  # kernels: whether the ops are the primitives (IndexerConfig(update="auto") asks their
-  # routing; the reference composition runs the three ops).
+         indexer_update, update_epilogue, update_epilogue_q, indexer_update_q, select_pools,
+         select_slots, expand_and_remap)
+  # kernels: whether the ops are the primitives (the plan asks their routing; the
+  # reference composition runs the ops).
   if use_reference:
     return types.SimpleNamespace(kernels=False, **{f.__name__: getattr(reference, f.__name__)
                                                    for f in fns})
@@ -339,34 +334,107 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   config = IndexerConfig() if config is None else config
   b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
   ops = _ops(config, use_reference)
-  q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n)
-  slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n)
+  plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
+  q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)
+  slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n,
+                              plan=plan)
   return IndexerOutput(q_fp8, w_out, slots, counts), cache
 
 
-def update_path(ops, config, weights, cache, x, qr, batch, rows):
+def _shaped(a):
+  return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False) -> StagePlan:
+  """The plan (glm5_jax.plan) of indexer_stage at these (checked) arguments' shapes: its
+  update and select paths and GEMM tactics. kernels: whether the stage runs the ops as
+  primitives (False: the reference composition); select_pools: whether the caller brings
+  a select_pools of its own (the select part then runs it and expand_and_remap). Decided
+  from avals alone (nothing is computed), each op asked at the arguments the stage would
+  call it with."""
+  rows, k = x.shape
+  weights, cache, x, qr, batch = jax.tree.map(_shaped, (weights, cache, x, qr, batch))
+  query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
+               w_out_dtype=np.dtype(config.w_out_dtype))
+  update = dict(query, scale_format=config.scale_format)
+  cache_args = _cache_args(weights, cache, batch)
+  raw = jax.eval_shape(reference.projection_sums, x, weights.w_cat)
+  q = jax.ShapeDtypeStruct((rows, config.heads, DIM), weights.wq_b.dtype)
+  q_fp8 = jax.ShapeDtypeStruct((rows, config.padded, DIM), jnp.float8_e4m3fn)
+  w_out = jax.ShapeDtypeStruct((rows, config.padded), jnp.float32)
+  positions = jax.ShapeDtypeStruct((rows,), batch.positions.dtype)
+  calls = {   # each op as the stage calls it
+      "indexer_update_q": (indexer_update_q, (x, weights.w_cat, qr, weights.wq_b, *cache_args),
+                           update),
+      "indexer_update": (indexer_update, (x, weights.w_cat, q, *cache_args),
+                         dict(update, heads=config.heads)),
+      "update_epilogue_q": (update_epilogue_q, (raw, qr, weights.wq_b, *cache_args), update),
+      "update_epilogue": (update_epilogue, (raw, q, *cache_args), update),
+      "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
+                                      batch.req_ids, positions, batch.block_table),
+                       dict(_select_params(config), **_remap_params(config))),
+      # and those whose tactics the plan reports
+      "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
+      "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
+      "indexer_projection_fused": (indexer_projection_fused, (
+          x, weights.w_cat, q, weights.norm_weight, weights.norm_bias),
+          dict(query, heads=config.heads)),
+  }
+
+  def chosen(op):
+    fn, args, params = calls[op]
+    return _plan.chooses_kernel(fn, *args, routing=config.routing, **params)
+
+  path = _plan.update_path(config.update, config.fused, kernels, chosen)
+  select = _plan.select_path(kernels and not select_pools, chosen)
+  # The GEMM kernels' tactics on that path (None where XLA's GEMM or a reference runs).
+  projection = q_tactic = None
+  if kernels:
+    in_one_call = path in (UpdatePath.UPDATE_Q, UpdatePath.EPILOGUE_Q)
+    if in_one_call or chosen("indexer_q"):
+      q_tactic = _indexer.q_tactic(rows, *weights.wq_b.shape)
+    if path is UpdatePath.UPDATE_Q:
+      projection = update_q_projection_tactic(rows, k)
+    elif (path is UpdatePath.UPDATE
+          or (path is UpdatePath.OPS and chosen("indexer_projection"))):
+      projection = _indexer.projection_tactic(rows, k)
+    elif path is UpdatePath.FUSED_PROJECTION and chosen("indexer_projection_fused"):
+      projection = ProjectionTactic(_indexer.fused_warps(), 1)
+  return StagePlan(rows, path, select, projection, q_tactic)
+
+
+def _cache_args(weights, cache, batch):
+  """The operands the update part's composite ops take after their GEMM operands."""
+  return (weights.norm_weight, weights.norm_bias, cache.kv_cache, cache.tail, batch.tslot,
+          weights.ape, batch.loc, batch.positions)
+
+
+def _select_params(config):
+  return dict(k=config.topk_tokens // POOL, max_pools=config.max_pools,
+              scale_format=config.scale_format)
+
+
+def _remap_params(config):
+  return dict(block_size=config.block_size, width=config.width)
+
+
+def update_path(ops, config, weights, cache, x, qr, batch, rows, plan=None):
   """The stage up to the cache update (inputs already checked): q, the projection, the
-  query epilogue and kpool_update, as indexer_update, as XLA's GEMM and update_epilogue,
-  or as three ops (config.update, decided here so that every composition of update_path
-  honours it). Returns (q_fp8, w_out, IndexerCache)."""
+  query epilogue and kpool_update on the plan's update path (None: stage_plan's at these
+  shapes). Returns (q_fp8, w_out, IndexerCache)."""
+  if plan is None:
+    plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch, select_pools=True)
   b, n = batch.positions.shape
   query = dict(scale=config.scale, eps=config.eps, padded=config.padded,
                w_out_dtype=np.dtype(config.w_out_dtype))
-  auto = config.update == "auto" and ops.kernels and not config.fused
-  cache_args = (weights.norm_weight, weights.norm_bias, cache.kv_cache, cache.tail,
-                batch.tslot, weights.ape, batch.loc, batch.positions)
-  if auto and _update_op.update_q_kernel_chosen(x, weights.w_cat, qr, weights.wq_b,
-                                                *cache_args, routing=config.routing,
-                                                scale_format=config.scale_format, **query):
-    # The whole update part as indexer_update_q's one FFI call: q's GEMM, the projection
-    # beside it, the epilogue.
+  cache_args = _cache_args(weights, cache, batch)
+  path = plan.update
+  if path is UpdatePath.UPDATE_Q:
     *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update_q(
         x, weights.w_cat, qr, weights.wq_b, *cache_args, scale_format=config.scale_format,
         **query)
     return q_fp8, w_out, IndexerCache(kv_cache, tail)
-  if auto and _q_in_epilogue(config, weights, x, qr, cache_args, query):
-    # XLA's projection GEMM, then q's GEMM and the epilogue in one FFI call (no q GEMM of
-    # XLA's, no FFI call of its own for q: glm5_jax.update.EPILOGUE_Q_ROWS).
+  if path is UpdatePath.EPILOGUE_Q:
     raw = reference.projection_sums(x, weights.w_cat)
     _, q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue_q(
         raw, qr, weights.wq_b, *cache_args, scale_format=config.scale_format, **query)
@@ -377,26 +445,21 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
   # The bf16 q as a tensor of its own in every composition: without the barrier the
   # reference program fused the convert into its consumers, XLA then picked another GEMM
   # for the same dot than in the kernel program (where an FFI call reads q), and q_fp8
-  # differed in one fp8 code in 14% of a row's values on the H200 (2026-11-30). With it
-  # both programs run the same GEMM + convert; it costs nothing where a kernel reads q.
+  # differed in some fp8 codes. With it both programs run the same GEMM + convert; it costs
+  # nothing where a kernel reads q.
   q = lax.optimization_barrier(q).reshape(rows, config.heads, DIM)
-  update_args = (x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
-                 cache.kv_cache, cache.tail, batch.tslot, weights.ape, batch.loc,
-                 batch.positions)
-  update = dict(heads=config.heads, scale_format=config.scale_format, **query)
-  # indexer_update where "fused" asks for it, and where "auto" finds its kernel chosen or
-  # update_epilogue's: the op runs its kernel where the routing chooses it, else XLA's GEMM
-  # with its f32 sums straight into update_epilogue (no slice copies, one launch for the
-  # query epilogue and kpool_update; indexer.UPDATE_PART_MEASURED). The sums' aval decides:
-  # no GEMM is traced for the decision.
-  one_op = config.update == "fused" or (auto and (
-      _update_op.kernel_chosen(*update_args, routing=config.routing, **update)
-      or _update_op.epilogue_kernel_chosen(
-          jax.eval_shape(reference.projection_sums, x, weights.w_cat), q, *update_args[3:],
-          routing=config.routing, scale_format=config.scale_format, **query)))
-  if one_op:
-    *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(*update_args, **update)
-  elif config.fused:
+  if path is UpdatePath.UPDATE:
+    *_, q_fp8, w_out, _, kv_cache, tail = ops.indexer_update(
+        x, weights.w_cat, q, *cache_args, heads=config.heads,
+        scale_format=config.scale_format, **query)
+    return q_fp8, w_out, IndexerCache(kv_cache, tail)
+  if path is UpdatePath.EPILOGUE:
+    # XLA's GEMM with its f32 sums straight into update_epilogue (no slice copies).
+    raw = reference.projection_sums(x, weights.w_cat)
+    q_fp8, w_out, _, kv_cache, tail = ops.update_epilogue(
+        raw, q, *cache_args, scale_format=config.scale_format, **query)
+    return q_fp8, w_out, IndexerCache(kv_cache, tail)
+  if path is UpdatePath.FUSED_PROJECTION:
     q_fp8, w_out, key, gate = ops.indexer_projection_fused(
         x, weights.w_cat, q, weights.norm_weight, weights.norm_bias,
         heads=config.heads, **query)
@@ -404,45 +467,33 @@ def update_path(ops, config, weights, cache, x, qr, batch, rows):
     key_raw, head_w, gate = ops.indexer_projection(x, weights.w_cat, heads=config.heads)
     q_fp8, w_out, key = ops.indexer_query(q, key_raw, head_w, weights.norm_weight,
                                           weights.norm_bias, **query)
-  if not one_op:
-    kv_cache, tail = ops.kpool_update(
-        cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
-        gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
-        scale_format=config.scale_format)
+  kv_cache, tail = ops.kpool_update(
+      cache.kv_cache, cache.tail, batch.tslot, key.reshape(b, n, DIM),
+      gate.reshape(b, n, DIM), weights.ape, batch.loc, batch.positions,
+      scale_format=config.scale_format)
   return q_fp8, w_out, IndexerCache(kv_cache, tail)
 
 
-def _q_in_epilogue(config, weights, x, qr, cache_args, query):
-  """Whether update "auto" runs update_epilogue_q's one call (the routing chooses its kernel
-  at these shapes) where indexer_update's kernel is not chosen. Decided from avals: no GEMM
-  is traced for the decision."""
-  raw = jax.eval_shape(reference.projection_sums, x, weights.w_cat)
-  q = jax.ShapeDtypeStruct((qr.shape[0], config.heads, DIM), weights.wq_b.dtype)
-  update_args = (x, weights.w_cat, q) + cache_args
-  return (not _update_op.kernel_chosen(*update_args, routing=config.routing, heads=config.heads,
-                                       scale_format=config.scale_format, **query)
-          and _update_op.epilogue_q_kernel_chosen(
-              raw, qr, weights.wq_b, *cache_args, routing=config.routing,
-              scale_format=config.scale_format, **query))
-
-
-def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=None):
-  """The stage from the updated cache on: select_slots where its kernel runs, else
-  select_pools (or `select_pools`, a function of its signature: sharding's
-  context-parallel one) and expand_and_remap (the same slots and counts). Returns
-  (slots, counts)."""
+def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=None,
+                plan=None):
+  """The stage from the updated cache on, on the plan's select path: select_slots, or
+  select_pools (or `select_pools`, a function of its signature: sharding's context-parallel
+  one) and expand_and_remap (the same slots and counts). plan None: select_slots where the
+  routing runs its kernel at these shapes. Returns (slots, counts)."""
   positions = batch.positions.reshape(rows)
   # Rows whose pools all fit in the top-k select every pool (the causal fill), others
   # the top-k of their logits; decided per row inside the kernel: no branch here.
   args = (q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table, batch.req_ids,
           positions)
-  select = dict(k=config.topk_tokens // POOL, max_pools=config.max_pools,
-                scale_format=config.scale_format)
-  remap = dict(block_size=config.block_size, width=config.width)
-  # One FFI call where select_slots' kernel runs (its top-k writes the slots: no expand
-  # launch); the two ops elsewhere, and with a select_pools of the caller's.
-  if select_pools is None and ops.kernels and select_slots_kernel_chosen(
-      *args, batch.block_table, routing=config.routing, **select, **remap):
+  select, remap = _select_params(config), _remap_params(config)
+  if plan is None:
+    plan_select = _plan.select_path(
+        ops.kernels and select_pools is None,
+        lambda op: _plan.chooses_kernel(select_slots, *args, batch.block_table,
+                                        routing=config.routing, **select, **remap))
+  else:
+    plan_select = SelectPath.SELECT_POOLS_EXPAND if select_pools is not None else plan.select
+  if plan_select is SelectPath.SELECT_SLOTS:
     return ops.select_slots(*args, batch.block_table, **select, **remap)
   select_pools = ops.select_pools if select_pools is None else select_pools
   pool_ids, _ = select_pools(*args, **select)

@@ -22,7 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import glm5_jax  # noqa: E402
-from glm5_jax.indexer import GEMV_SPLIT, GEMV_WARPS  # noqa: E402
+from glm5_jax import plan  # noqa: E402
+from glm5_jax.indexer import GEMV_SPLIT  # noqa: E402
 from glm5_jax.testing import cases, oracle  # noqa: E402
 
 SEEDS = 3
@@ -52,10 +53,10 @@ def _variants():
   for params in (dict(scale_format="ue8m0"), dict(round_scale=False)):
     out.append((f"kpool_compress {params}", functools.partial(compress.fn, **params),
                 compress.make, None, True))
-  # indexer_projection's GEMV tactic (split GEMV_SPLIT): one token (the table's tactic up to
-  # GEMV_ROWS) and three tokens (its per-token loop, past the table's rows).
+  # indexer_projection's GEMV tactic (split GEMV_SPLIT): one token (plan.PROJECTION_TACTICS'
+  # first row) and three tokens (its per-token loop, past the table's rows).
   projection = cases.CASES["indexer_projection"]
-  for rows, warps in ((1, GEMV_WARPS), (3, 2)):
+  for rows, warps in ((1, plan.PROJECTION_TACTICS[0].warps), (3, 2)):
     out.append((f"indexer_projection GEMV M={rows}",
                 functools.partial(projection.fn, tactic=(warps, GEMV_SPLIT)),
                 lambda rng, rows=rows: tuple(a[:rows] if i == 0 else a for i, a in

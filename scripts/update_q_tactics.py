@@ -1,6 +1,6 @@
 """The stage's update part with indexer_update_q at given projection tactics, on the GPU.
 
-For choosing glm5_jax.update.UPDATE_Q_TACTICS: beside q's GEMM the projection is the update
+For choosing glm5_jax.plan.UPDATE_Q_TACTICS: beside q's GEMM the projection is the update
 part's critical path (docs/performance.md), and its best (warps, split)
 there is not the standalone table's. Each row: µs per layer of a jitted step of 11 layers,
 16 decode steps a run, every layer chained to the output before it through optimization

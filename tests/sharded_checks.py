@@ -596,10 +596,9 @@ def check_context_stage():
   w = weights()
   # (config, the update primitive its update_path traces)
   fused = glm5_jax.Routing(ops={"indexer_update": True})
-  low, high = glm5_jax.update.UPDATE_Q_ROWS
-  assert low <= 3 * NEXT_N <= high
+  assert 3 * NEXT_N in glm5_jax.plan.KERNEL_ROWS["indexer_update_q"].rows
   modes = {dataclasses.replace(CONFIG, update="ops"): None,
-           # M = 3 requests x NEXT_N: indexer_update_q's kernel rows (update.UPDATE_Q_ROWS)
+           # M = 3 requests x NEXT_N: indexer_update_q's kernel rows (plan.KERNEL_ROWS)
            dataclasses.replace(CONFIG, update="auto"): "glm5_indexer_update_q",
            dataclasses.replace(CONFIG, update="auto", routing=glm5_jax.Routing(
                ops={"indexer_update_q": False})): "glm5_indexer_update",

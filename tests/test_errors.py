@@ -42,7 +42,7 @@ BAD_ARGS = [
     ("kpool_update", _replace(4, _cast(jnp.float32)), TypeError, "gate must be bfloat16"),
     ("kpool_update", _replace(5, _cut(0)), ValueError, "ape must have shape"),
     ("kpool_update", _replace(6, _cut(1)), ValueError, "loc must have shape"),
-    ("kpool_update", _replace(7, _cast(jnp.float32)), TypeError, "pos must be int32"),
+    ("kpool_update", _replace(7, _cast(jnp.float32)), TypeError, "positions must be int32"),
     ("kpool_compress", _replace(4, _cut(0)), ValueError, "loc must have shape"),
     ("kpool_compress", _replace(5, _cast(jnp.int32)), TypeError, "write_mask must be bool"),
     ("kpool_compress", _replace(1, _cut(1)), ValueError, "slot_key must have shape"),
@@ -97,7 +97,7 @@ BAD_ARGS = [
     ("indexer_update", _replace(7, _cast(jnp.int16)), TypeError, "tslot must be int32"),
     ("indexer_update", _replace(8, _cut(0)), ValueError, "ape must have shape"),
     ("indexer_update", _replace(9, _cut(1)), ValueError, "loc must have shape"),
-    ("indexer_update", _replace(10, _cast(jnp.float32)), TypeError, "pos must be int32"),
+    ("indexer_update", _replace(10, _cast(jnp.float32)), TypeError, "positions must be int32"),
     # update_epilogue: raw against q, each part by its op's rule, named as update_epilogue.
     ("update_epilogue", _replace(0, _cut(1)), ValueError, r"raw must have shape \(6, 272\)"),
     ("update_epilogue", _replace(0, _cast(jnp.bfloat16)), TypeError, "raw must be float32"),
@@ -106,7 +106,7 @@ BAD_ARGS = [
     ("update_epilogue", _replace(2, _cast(jnp.bfloat16)), TypeError, "norm_weight must be float32"),
     ("update_epilogue", _replace(4, _cut(2)), ValueError, r"kv_cache must have shape \(\*, \*,"),
     ("update_epilogue", _replace(6, _cast(jnp.int16)), TypeError, "tslot must be int32"),
-    ("update_epilogue", _replace(9, _cast(jnp.float32)), TypeError, "pos must be int32"),
+    ("update_epilogue", _replace(9, _cast(jnp.float32)), TypeError, "positions must be int32"),
 ]
 
 

@@ -12,10 +12,9 @@ import pytest
 from jax import export
 
 import glm5_jax
-from glm5_jax import Routing
+from glm5_jax import Routing, plan
 from glm5_jax._primitive import Op
 from glm5_jax.indexer import (
-  PROJECTION_KERNEL_ROWS,
   Q_TACTICS,
   fused_warps,
   projection_tactic,
@@ -33,7 +32,7 @@ ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_t
            "update_epilogue_q": {5: 4, 6: 5}, "indexer_update_q": {6: 7, 7: 8}}
 # Ops whose function composes other ops where its own kernel is off: those ops, whose kernels
 # run by default at the cases' shapes (indexer_update runs XLA's GEMM and update_epilogue
-# outside glm5_jax.update.UPDATE_KERNEL_ROWS; indexer_update_q indexer_q and indexer_update).
+# outside its glm5_jax.plan.KERNEL_ROWS; indexer_update_q indexer_q and indexer_update).
 COMPOSED = {"indexer_update": ("update_epilogue",),
             "indexer_update_q": ("indexer_q", "indexer_update")}
 
@@ -137,10 +136,11 @@ def test_projection_kernel_only_for_supported_shapes(op, heads, k, tactic, kerne
 
 @pytest.mark.parametrize("m", [0, 1, 2, 8, 16, 17, 32, 33, 64, 65, 128])
 def test_projection_kernel_by_default_where_it_is_faster(m, monkeypatch):
-  """Unset GLM5_JAX_KERNELS: the projection kernel at PROJECTION_KERNEL_ROWS (2..64, the M
-  where it beat XLA's GEMM on the H200), XLA's GEMM at other M, counted after vmap folds
-  the examples into the rows; naming the op turns it on at every M."""
-  lo, hi = PROJECTION_KERNEL_ROWS
+  """Unset GLM5_JAX_KERNELS: the projection kernel at its plan.KERNEL_ROWS (2..64), XLA's
+  GEMM at other M, counted after vmap folds the examples into the rows; naming the op turns
+  it on at every M."""
+  lo, hi = plan.KERNEL_ROWS["indexer_projection"].rows
+  assert (lo, hi) == (2, 64)
   fn = lambda x, w: glm5_jax.indexer_projection(x, w, heads=32)
   x, w_cat = np.zeros((m, 4096), jnp.bfloat16), np.zeros((288, 4096), jnp.bfloat16)
   kernel = ["glm5_indexer_projection"]
@@ -374,7 +374,7 @@ def test_slots_attributes(scale_format, stride_rows, want):
     (Routing(), TOPK_MAX_POOLS + 64, ["glm5_expand_and_remap"])])
 def test_stage_select_path_calls(routing, max_pools, want, monkeypatch):
   """indexer_stage's select path: select_slots' one call where its kernel is chosen
-  (select_slots_kernel_chosen), select_pools + expand_and_remap where the routing turns it
+  (plan.chooses_kernel), select_pools + expand_and_remap where the routing turns it
   off, and each part's own choice past its limits."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   config = glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing)
@@ -388,9 +388,10 @@ def test_stage_select_path_calls(routing, max_pools, want, monkeypatch):
   args = (jnp.zeros((rows, config.padded, 128), jnp.float8_e4m3fn),
           jnp.zeros((rows, config.padded), jnp.float32), cache.kv_cache, batch.page_table,
           batch.req_ids, batch.positions.reshape(rows), batch.block_table)
-  assert glm5_jax.logits.select_slots_kernel_chosen(
-      *args, k=config.topk_tokens // 4, max_pools=max_pools, block_size=config.block_size,
-      width=config.width, routing=routing) is (want == ["glm5_select_slots"])
+  assert plan.chooses_kernel(
+      glm5_jax.select_slots, *args, k=config.topk_tokens // 4, max_pools=max_pools,
+      block_size=config.block_size, width=config.width,
+      routing=routing) is (want == ["glm5_select_slots"])
 
 
 @pytest.mark.parametrize("op", ["indexer_query", "indexer_projection_fused"])

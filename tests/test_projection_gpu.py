@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
+from glm5_jax import plan
 from glm5_jax import reference as ref
 from glm5_jax.indexer import (
   GEMV_SPLIT,
-  GEMV_WARPS,
   WGMMA_SPLIT,
   WGMMA_WARPS,
   projection_tactic,
@@ -125,7 +125,8 @@ def test_empty_batch():
   assert key.shape == (0, 128) and head_w.shape == (0, 32) and gate.shape == (0, 128)
 
 
-@pytest.mark.parametrize("tactic", [(4, 8), (GEMV_WARPS, GEMV_SPLIT), (WGMMA_WARPS, WGMMA_SPLIT)])
+@pytest.mark.parametrize("tactic", [(4, 8), (plan.PROJECTION_TACTICS[0].warps, GEMV_SPLIT),
+                                    (WGMMA_WARPS, WGMMA_SPLIT)])
 def test_rows_do_not_depend_on_the_batch(tactic):
   """A token's sums depend on the tactic only: rows of a 300-token call (three 128-token
   chunks of the mma kernel; the GEMV's loop over tokens; five 64-token grid rows of the

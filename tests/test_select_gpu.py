@@ -251,7 +251,7 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
       "outs, caches = jax.jit(layers, donate_argnums=1)(w, caches, x, qr, batch)\n"
       "print(int(outs[1].counts[0]), int(outs[1].counts[1]))\n")
   # By default at M = 2 the update part is indexer_update_q's one call
-  # (update.UPDATE_Q_ROWS), the select path select_slots' one call (its kernel chosen at
+  # (its plan.KERNEL_ROWS), the select path select_slots' one call (its kernel chosen at
   # these shapes).
   out = run_and_check_graphed(script, [glm5_jax.KERNEL_TARGETS[op] for op in (
       "select_slots", "indexer_update_q")], tmp_path)
@@ -346,7 +346,8 @@ def test_slots_kernel_equals_reference(requests, next_n, k, max_pools, block_siz
   args = _exact_inputs(rng, contexts, next_n, max_pools=max_pools, scale_format=scale_format)
   args += (_block_table(rng, contexts, next_n, block_size),)
   params = _slots_params(k, max_pools, block_size, stride_rows, extra, scale_format)
-  assert glm5_jax.logits.select_slots_kernel_chosen(*args, **params)
+  assert glm5_jax.plan.chooses_kernel(glm5_jax.select_slots, *args,
+                                      routing=glm5_jax.Routing.from_env(), **params)
   fn = jax.jit(functools.partial(glm5_jax.select_slots, **params))
   got = [np.asarray(a) for a in fn(*args)]
   want = jax.jit(functools.partial(ref.select_slots, **params), backend="cpu")(

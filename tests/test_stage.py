@@ -17,7 +17,7 @@ STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference
                donate_argnames="cache")
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 # q's GEMM as XLA's dot in a kernel program: indexer_q's kernel (the default at
-# indexer.Q_KERNEL_ROWS), update_epilogue_q's and indexer_update_q's sum q in another order
+# plan.KERNEL_ROWS), update_epilogue_q's and indexer_update_q's sum q in another order
 # than XLA's GEMM, within SPEC D2, not bit-equal (an H200 run: 5 of 8192 q_fp8 codes one off
 # at M = 2); tests/test_q_gpu.py checks those kernels against the reference. Pinned, the rest
 # of the stage is compared bit for bit.

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax import Routing, indexer, update
+from glm5_jax import Routing, indexer, plan, update
 from glm5_jax import reference as ref
 from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
 
@@ -26,7 +26,7 @@ def update_args(b, n, seed=0):
 
 
 def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                     pos, *, heads, scale, eps, padded, w_out_dtype, scale_format,
+                     positions, *, heads, scale, eps, padded, w_out_dtype, scale_format,
                      round_scale):
   """The three references, each jitted on its own, composed as indexer_stage did."""
   key_raw, head_w, gate = jax.jit(functools.partial(ref.indexer_projection, heads=heads))(
@@ -38,7 +38,7 @@ def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot,
   update = jax.jit(functools.partial(ref.kpool_update, scale_format=scale_format,
                                      round_scale=round_scale))
   kv_cache, tail = update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid), ape,
-                          loc, pos)
+                          loc, positions)
   return key_raw, head_w, gate, q_fp8, w_out, key, kv_cache, tail
 
 
@@ -98,12 +98,19 @@ def cuda_calls(fn, args, donate=()):
 
 
 def test_update_q_projection_tactic_table():
-  """indexer_update_q's projection by M (update.UPDATE_Q_TACTICS): the standalone table
+  """indexer_update_q's projection by M (plan.UPDATE_Q_TACTICS): the standalone table
   without the GEMV up to 32 rows (indexer_update's tactic there, so the stage's update modes
   sum the projection in one order), the wgmma tactic past 32 where it tiles K, else the
-  table again; an explicit tactic as given."""
+  table again; an explicit tactic as given (the old (warps, split) tuples), typed."""
   wgmma = (indexer.WGMMA_WARPS, indexer.WGMMA_SPLIT)
-  assert update.UPDATE_Q_TACTICS == ((32, None), (None, wgmma)) and wgmma == (4, -1)
+  assert plan.UPDATE_Q_TACTICS == (
+      plan.TacticRow(plan.Rows(33, None), plan.TacticKind.WGMMA),
+      plan.TacticRow(plan.Rows(1, None), None)) and wgmma == (4, -1)
+  assert update.update_q_projection_tactic(64, 4096).kind is plan.TacticKind.WGMMA
+  assert update.update_q_projection_tactic(1, 4096).kind is plan.TacticKind.MMA
+  assert update.update_q_projection_tactic(1, 4096, (4, 0)).kind is plan.TacticKind.GEMV
+  assert isinstance(update.update_q_projection_tactic(1, 4096, (4, 0)),
+                    indexer.ProjectionTactic)
   for rows in (1, 2, 16, 32):
     assert update.update_q_projection_tactic(rows, 4096) == indexer.projection_tactic(
         rows, 4096, gemv=False) == (8, 4), rows
@@ -119,21 +126,17 @@ def test_update_q_projection_tactic_table():
 
 
 def test_default_routing_and_the_stage_switch(monkeypatch):
-  """Default routing: indexer_update runs its own kernel at UPDATE_KERNEL_ROWS (M 2..16),
-  XLA's GEMM and update_epilogue's kernel at other M (indexer.UPDATE_PART_MEASURED), its
-  kernel at every M where the routing names it, the reference composition with both kernels
-  off; the stage's update part follows IndexerConfig.update: "auto" as indexer_update_q's
-  one FFI call where the routing chooses its kernel (UPDATE_Q_ROWS by default, M 1..64),
-  else as indexer_update's one FFI call where the routing chooses its kernel, else XLA's
-  projection GEMM and update_epilogue_q's one call (q's GEMM inside; no indexer_q call)
-  where that kernel is chosen (EPILOGUE_Q_ROWS by default, M 17..128: so 65..128), else
-  XLA's GEMM and update_epilogue where that kernel is chosen, else the three ops; "ops" the
-  three ops, "fused" indexer_update as routed; q by indexer_q, its kernel at Q_KERNEL_ROWS
-  (M 2..128) where the call does not hold q's GEMM; the reference composition runs no
-  kernel."""
+  """Default routing: indexer_update runs its own kernel at its plan.KERNEL_ROWS, XLA's
+  GEMM and update_epilogue's kernel at other M, its kernel at every M where the routing
+  names it, the reference composition with both kernels off; the stage's update part
+  follows IndexerConfig.update and plan.AUTO_UPDATE (the first of indexer_update_q,
+  indexer_update, update_epilogue_q, update_epilogue whose kernel the routing chooses,
+  else the ops); q by indexer_q where the call does not hold q's GEMM; the reference
+  composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
-  assert (update.UPDATE_KERNEL_ROWS, update.EPILOGUE_Q_ROWS, indexer.Q_KERNEL_ROWS,
-          update.UPDATE_Q_ROWS) == ((2, 16), (17, 128), (2, 128), (1, 64))
+  assert {op: tuple(rows) for op, (rows, _) in plan.KERNEL_ROWS.items()} == {
+      "indexer_update": (2, 16), "update_epilogue_q": (17, 128), "indexer_q": (2, 128),
+      "indexer_update_q": (1, 64), "indexer_projection": (2, 64)}
   fused = Routing(ops={"indexer_update": True, "indexer_update_q": False})
   no_update_kernel = Routing(ops={"indexer_update": False, "indexer_update_q": False})
   no_update_q = Routing(ops={"indexer_update_q": False})
@@ -150,10 +153,11 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
                         (64, "glm5_update_epilogue")):
     args = update_args(rows, 1)
     assert cuda_calls(fn, args) == [default], rows
-    assert update.kernel_chosen(*args, **PARAMS) == (default == "glm5_indexer_update"), rows
+    assert plan.chooses_kernel(glm5_jax.indexer_update, *args, routing=Routing(),
+                               **PARAMS) == (default == "glm5_indexer_update"), rows
     assert cuda_calls(functools.partial(fn, routing=fused), args) == [
         "glm5_indexer_update"], rows
-    assert update.kernel_chosen(*args, routing=fused, **PARAMS), rows
+    assert plan.chooses_kernel(glm5_jax.indexer_update, *args, routing=fused, **PARAMS), rows
     assert cuda_calls(functools.partial(fn, routing=no_epilogue), args) == [], rows
   config = dict(heads=HEADS, max_pools=1024)
   kernels = ("glm5_indexer_q", "glm5_indexer_update", "glm5_update_epilogue",
