@@ -22,6 +22,7 @@ from glm5_jax import reference as ref
 from glm5_jax.testing import oracle as O
 from glm5_jax.testing import triton_oracle
 
+from bounds import check_cache_d2
 from graphs import copied_shapes, run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -176,8 +177,8 @@ def test_edge_chain_matches_reference(ring, page, mode):
     label = f"ring {ring} {mode} call {i}"
     np.testing.assert_array_equal(O.bits(gtail), O.bits(rtail), err_msg=f"{label}: tail")
     np.testing.assert_array_equal(O.bits(gtail), O.bits(otail), err_msg=f"{label}: tail (oracle)")
-    bad, total = O.compare_cache(gkv, rkv, kv0, written, label, STATS,
-                                 plain_scales=not mode[1])
+    bad, total = check_cache_d2(gkv, rkv, kv0, written, label, STATS,
+                                plain_scales=not mode[1])
   assert len(written) == len(set(written)) and total == len(written) > 60
   # the edge call's no-op requests: padding (block 4), tslot < 0 (8), block 0 untouched
   for blk in (0, 4, 8):
@@ -187,7 +188,6 @@ def test_edge_chain_matches_reference(ring, page, mode):
   print(f"\n[kernel vs reference, ring {ring} {mode}] fp8 mismatch {bad}/{total} pools "
         f"(module so far {STATS['bad']}/{STATS['pools']} = "
         f"{STATS['bad'] / max(STATS['pools'], 1):.4%}; entries > 1 code apart: {STATS['multi']})")
-  assert bad <= max(1, 0.01 * total), (bad, total)
 
 
 def test_next_n_past_32():
@@ -205,9 +205,9 @@ def test_next_n_past_32():
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
     np.testing.assert_array_equal(O.bits(gtail), O.bits(otail))
-    bad, n = O.compare_cache(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
-                             plain_scales=not mode[1])
-    assert n > 100 and bad <= max(1, 0.01 * n), (bad, n)
+    bad, n = check_cache_d2(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
+                            plain_scales=not mode[1])
+    assert n > 100
     T = triton_oracle.load()
     if T is not None:
       kv, tail, _ = T.decode_expected(*(triton_oracle.to_torch(x) for x in (
@@ -335,8 +335,8 @@ POOLS_PER_CALL = 1 << 17
 def test_million_pools_bit_identical_to_triton(i):
   """2^17 pools of random data a batch (normal keys/gates, and wide: keys * 8,
   gates * 6), positions wrapping the ring: the kernel's cache bytes and tail rows equal
-  the Triton oracle's; the mismatch rate against the reference is printed and at most
-  1% of a batch's pools."""
+  the Triton oracle's; against the reference at most bounds.POOL_RATE of a batch's pools
+  differ (with a Poisson margin: bounds.pool_rate_limit)."""
   T = triton_oracle.require()
   import torch
   dev = T.device()
@@ -387,10 +387,8 @@ def test_million_pools_bit_identical_to_triton(i):
                                          round_scale=rs))(*map(jnp.asarray, np_args))
   np.testing.assert_array_equal(O.bits(got_tail), O.bits(rtail), err_msg=f"{label}: ref tail")
   written = np_args[6][np_args[6] >= 0]
-  bad, w = O.compare_cache(got_kv, rkv, np_args[0], written, label, STATS,
-                           plain_scales=not rs)
+  bad, w = check_cache_d2(got_kv, rkv, np_args[0], written, label, STATS, plain_scales=not rs)
   assert w == n
   print(f"\n[{label}] {n} pools bit-identical to Triton; vs reference {bad} pools differ "
         f"({bad / n:.4%})")
-  assert bad <= 0.01 * n
   assert len(TRITON_BATCHES) * POOLS_PER_CALL >= 1_000_000
