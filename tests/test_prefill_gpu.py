@@ -22,13 +22,13 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from bounds import check_cache_d2
 
 import glm5_jax
 from glm5_jax import reference as ref
 from glm5_jax.testing import oracle as O
 from glm5_jax.testing import triton_oracle
 
-from bounds import check_cache_d2
 from graphs import copied_shapes, run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]

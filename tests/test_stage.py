@@ -6,12 +6,11 @@ import re
 import numpy as np
 import jax
 import pytest
+from bounds import check_cache_d2
 
 import glm5_jax
-from glm5_jax.testing import oracle
 from glm5_jax.testing.cases import stage_state, tree_bytes
 
-from bounds import check_cache_d2
 from graphs import copied_shapes, gemm_pinned
 
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"),
