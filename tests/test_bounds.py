@@ -3,6 +3,7 @@ computed from the float64 / SPEC arithmetic, fed through the SAME check the GPU 
 (oracle.check_projection / check_q, bounds.check_logits, bounds.check_cache_d2) fail it,
 and the right arithmetic passes it. The GPU tests run the kernels through these checks."""
 import functools
+import pathlib
 
 import numpy as np
 import bounds
@@ -269,3 +270,30 @@ def test_pool_rate_rejects_one_wrong_pool_in_200():
   assert bad == 21 and bad <= 0.01 * total
   with pytest.raises(AssertionError, match="pools differ"):
     bounds.check_cache_d2(got, want, args[0], args[4])
+
+
+# --------------------------------------------------------------------------- skips
+
+def test_no_silent_skip_under_require_gpu():
+  """Every skip of a test goes through conftest (gpu, cuda_build: failures under
+  GLM5_JAX_REQUIRE_GPU=1), triton_oracle.require / optional, or test_export's flatbuffers
+  check, all of which fail under GLM5_JAX_REQUIRE_GPU=1: no test calls pytest.skip,
+  importorskip or triton_oracle.load() itself."""
+  tests = pathlib.Path(__file__).parent
+  allowed = {"conftest.py", "test_export.py", "test_bounds.py"}
+  for path in sorted(set(tests.glob("*.py")) - {pathlib.Path(__file__)}):
+    text = path.read_text()
+    if path.name not in allowed:
+      assert "pytest.skip(" not in text and "importorskip" not in text, path.name
+    assert "triton_oracle.load()" not in text, path.name
+
+
+def test_require_gpu_fails_a_missing_triton_oracle(monkeypatch):
+  from glm5_jax.testing import triton_oracle
+  if triton_oracle.load() is not None:            # a GPU machine with torch + triton
+    assert triton_oracle.optional() is triton_oracle.load()
+    return
+  assert triton_oracle.optional() is None
+  monkeypatch.setenv("GLM5_JAX_REQUIRE_GPU", "1")
+  with pytest.raises(pytest.fail.Exception, match="GLM5_JAX_REQUIRE_GPU"):
+    triton_oracle.optional()

@@ -208,7 +208,7 @@ def test_next_n_past_32():
     bad, n = check_cache_d2(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
                             plain_scales=not mode[1])
     assert n > 100
-    T = triton_oracle.load()
+    T = triton_oracle.optional()
     if T is not None:
       kv, tail, _ = T.decode_expected(*(triton_oracle.to_torch(x) for x in (
           kv0, tail0, b["tslot"], b["key"], b["gate"], ape, b["loc"], b["pos"])),
