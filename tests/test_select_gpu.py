@@ -63,7 +63,10 @@ def test_topk_kernel_equals_reference(rows, width, kind):
   edge = [width, 0, 512, 513, -3, width + 100, 511, 1]
   lens[:min(rows, len(edge))] = edge[:rows]
   for k in (512, 1, 37):
-    got = np.asarray(_topk(k)(jnp.asarray(logits), jnp.asarray(lens)))
+    args = (jnp.asarray(logits), jnp.asarray(lens))
+    # the kernel ran (a shape limit falling back would compare the reference with itself)
+    assert 'custom_call_target="glm5_pool_topk"' in _topk(k).lower(*args).compile().as_text()
+    got = np.asarray(_topk(k)(*args))
     want = np.asarray(_ref_topk(k)(logits, lens))
     np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
 
@@ -179,6 +182,7 @@ def test_select_kernel(contexts, next_n):
   args, max_pools = _select_inputs(rng, contexts, next_n)
   k = 512
   fn = jax.jit(functools.partial(glm5_jax.select_pools, k=k, max_pools=max_pools))
+  assert 'custom_call_target="glm5_select_pools"' in fn.lower(*args).compile().as_text()
   ids, logits = (np.asarray(a) for a in fn(*args))
   q, w, kv, table, req, pos = (np.asarray(a) for a in args)
   n = np.minimum(np.where(pos >= 0, (pos.astype(np.int64) + 1) // 4, 0), max_pools)

@@ -17,11 +17,12 @@ import re
 import numpy as np
 import jax
 import pytest
+from bounds import check_equivalent
 
 import glm5_jax
 from glm5_jax import synthetic
 
-from bounds import check_equivalent
+from graphs import run_and_check_graphed
 
 pytestmark = pytest.mark.gpu
 
@@ -92,3 +93,19 @@ def test_default_stage_matches_reference(rows, next_n, context):
                    np.asarray(want_new.kv_cache), np.asarray(want_new.tail))
   assert np.any(np.asarray(new.kv_cache) != np.asarray(args[1].kv_cache)) or not np.any(
       np.asarray(args[4].loc) >= 0)
+
+
+def test_command_buffer_check_fails_without_command_buffers(tmp_path):
+  """Negative control of graphs.run_and_check_graphed: the same chained projection calls as
+  test_projection_gpu's graph test, with XLA's command buffers off, must fail it."""
+  script = (
+      "import jax, jax.numpy as jnp, glm5_jax\n"
+      "x = jnp.ones((4, 4096), jnp.bfloat16); w = jnp.full((288, 4096), 0.5, jnp.bfloat16)\n"
+      "def f(x, w):\n"
+      "  return [glm5_jax.indexer_projection(x * (i + 1), w, heads=32)[1] for i in range(6)]\n"
+      "print(float(jax.jit(f)(x, w)[-1][0, 0]))\n")
+  target = glm5_jax.KERNEL_TARGETS["indexer_projection"]
+  run_and_check_graphed(script, [target], tmp_path / "on")
+  with pytest.raises(AssertionError):
+    run_and_check_graphed(script, [target], tmp_path / "off",
+                          flags="--xla_gpu_enable_command_buffer=")
