@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from bounds import check_cache_d2
+from test_reference_kpool import special_pools
 
 import glm5_jax
 from glm5_jax import reference as ref
@@ -392,3 +393,37 @@ def test_million_pools_bit_identical_to_triton(i):
   print(f"\n[{label}] {n} pools bit-identical to Triton; vs reference {bad} pools differ "
         f"({bad / n:.4%})")
   assert len(TRITON_BATCHES) * POOLS_PER_CALL >= 1_000_000
+
+
+# --------------------------------------------------------------------------- special values
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_special_values(mode):
+  """NaN and +-Inf keys and gates (test_reference_kpool.special_pools; SPEC §3): the
+  kernel's entries of pools whose pooled values are not finite are the numpy oracle's
+  byte for byte (-448 codes for NaN, the floor or +Inf scale), the others within D2; the
+  tail rows are the keys' and gates' bits (NaN payloads included)."""
+  rng = np.random.default_rng(47)
+  keys, gates, ape = special_pools(rng)
+  n, ring = len(keys), 4
+  kv0 = O.poison_cache(rng, 4, 16)
+  loc = rng.permutation(64)[:n].astype(np.int64)
+  tail0 = np.zeros((n, 2, ring, 128), np.asarray(keys).dtype)
+  pos = np.arange(4)[None, :] + 4 * np.arange(n)[:, None]
+  tslot = np.arange(n)[:, None] * ring + pos % ring
+  upd_loc = np.where(pos % 4 == 3, loc[:, None], -1)
+  fn = jax.jit(functools.partial(glm5_jax.kpool_update, scale_format=mode[0],
+                                 round_scale=mode[1]))
+  args = (kv0, tail0, tslot, keys, gates, ape, upd_loc, pos)
+  i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+  dev = (jnp.asarray(kv0), jnp.asarray(tail0), i32(tslot), jnp.asarray(keys),
+         jnp.asarray(gates), jnp.asarray(ape), i32(upd_loc), i32(pos))
+  assert "glm5_kpool_update" in fn.lower(*dev).compile().as_text()
+  gkv, gtail = (np.asarray(a) for a in fn(*dev))
+  written = []
+  okv, otail = O.kpool_update(*args, scale_format=mode[0], round_scale=mode[1],
+                              written=written)
+  np.testing.assert_array_equal(O.bits(gtail), O.bits(otail), err_msg="tail")
+  check_cache_d2(gkv, okv, kv0, written, f"special {mode}", plain_scales=not mode[1])
+  special = loc[[0, 1, 2, 3, 4, 6, 8, 9]]
+  assert not set(O.differing_entries(gkv, okv).tolist()) & set(special.tolist())

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from bounds import check_cache_d2
+from test_reference_kpool import special_pools
 
 import glm5_jax
 from glm5_jax import reference as ref
@@ -278,3 +279,23 @@ def test_kernel_runs_inside_a_command_buffer(tmp_path):
       "print(int((kv != 0).any()))\n")
   out = run_and_check_graphed(script, ["glm5_kpool_compress"], tmp_path)
   assert out.split()[-1] == "1", out
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_special_values(mode):
+  """NaN and +-Inf keys and gates (test_reference_kpool.special_pools, SPEC §3): kpool_compress's
+  kernel writes the numpy oracle's bytes for every pool whose pooled values are not finite,
+  the others within D2."""
+  rng = np.random.default_rng(47)
+  keys, gates, ape = special_pools(rng)
+  n = len(keys)
+  kv0 = O.poison_cache(rng, 4, 16)
+  loc = rng.permutation(64)[:n].astype(np.int64)
+  args = (kv0, keys, gates, ape, loc, np.ones(n, bool))
+  assert "glm5_kpool_compress" in _op(True, *mode).lower(*_device(*args)).compile().as_text()
+  got = _run(True, mode, *args)
+  written = []
+  want = O.kpool_compress(*args, scale_format=mode[0], round_scale=mode[1], written=written)
+  check_cache_d2(got, want, kv0, written, f"special {mode}", plain_scales=not mode[1])
+  special = loc[[0, 1, 2, 3, 4, 6, 8, 9]]
+  assert not set(O.differing_entries(got, want).tolist()) & set(special.tolist())

@@ -14,6 +14,7 @@ from bounds import check_logits
 
 import glm5_jax
 from glm5_jax import reference as ref
+from glm5_jax.logits import LOGITS_MAX_ROWS
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
@@ -158,6 +159,29 @@ def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format, posi
   check_logits(got, want, bound, n)
   for r in range(rows):     # the op's contract: -inf from the row's pool count on
     assert np.all(np.isneginf(got[r, n[r]:]))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("rows", [LOGITS_MAX_ROWS, LOGITS_MAX_ROWS + 1])
+def test_logits_at_the_rows_limit(rows):
+  """8192 rows run the kernel, 8193 the reference (glm5_jax.logits.LOGITS_MAX_ROWS): both
+  within the bound (every 61st row and the last checked against float64)."""
+  rng = np.random.default_rng(rows)
+  pools, page = 256, 64
+  kv, table = _cache(rng, 8, pools, page, "fp32")
+  table = table[np.arange(rows) % 8]
+  q, w = _queries(rng, rows, 32, 32)
+  lens = rng.integers(0, pools + 1, rows).astype(I32)
+  fn = jax.jit(functools.partial(glm5_jax.mqa_logits, max_pools=pools))
+  args = (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
+          jnp.asarray(table), jnp.asarray(lens))
+  kernel = 'custom_call_target="glm5_mqa_logits"' in fn.lower(*args).compile().as_text()
+  assert kernel == (rows <= LOGITS_MAX_ROWS)
+  got = np.asarray(fn(*args))
+  sel = np.r_[np.arange(0, rows, 61), rows - 1]
+  want, bound = O.mqa_logits_vectorized(q[sel].view(jnp.float8_e4m3fn), w[sel], kv,
+                                        table[sel], lens[sel], max_pools=pools)
+  check_logits(got[sel], want, bound, np.clip(lens[sel], 0, pools))
 
 
 def _select_inputs(rng, contexts, next_n, *, heads=32, page=64, scale_format="fp32",

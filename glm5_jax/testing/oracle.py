@@ -46,8 +46,9 @@ def to_bf16(x):
 
 
 def e4m3_bytes(x):
-  """Saturating RNE fp32 -> e4m3fn, as uint8 codes."""
-  x = np.clip(np.asarray(x, F32), -FP8_MAX, FP8_MAX)
+  """Saturating RNE fp32 -> e4m3fn, as uint8 codes; the clamp min(max(x, -448), 448) of
+  SPEC §2b/§3 with fmax/fmin (SPEC §3: non-NaN propagating), so NaN -> -448."""
+  x = np.fmin(np.fmax(np.asarray(x, F32), -FP8_MAX), FP8_MAX)
   return x.astype(E4M3).view(np.uint8)
 
 
@@ -97,10 +98,13 @@ def log2f_slack(e):
 
 
 def ceil_log2f(v):
-  """ceil(log2f(v)) as libdevice computes it, for one positive normal fp32 v."""
+  """ceil(log2f(v)) as libdevice computes it, for one positive normal fp32 v; +Inf's binade
+  is 128 (SPEC §3's rule on v's bits: 2^128 is the fp32 +Inf)."""
   bits = int(np.array([v], F32).view(np.uint32)[0])
   e = ((bits >> 23) & 0xFF) - 127
   m = bits & 0x7FFFFF
+  if e == 128 and m == 0:
+    return 128
   assert -126 <= e <= 127, "normal numbers only"
   return e if m <= log2f_slack(e) else e + 1
 
@@ -136,7 +140,7 @@ def rotate_quant_row(x, round_scale=True):
   Returns (codes u8[128], scale f32, exponent int)."""
   y = wht128(x)
   y = bf16r(y * C_HAD)
-  amax = F32(max(F32(np.max(np.abs(y))), AMAX_FLOOR))
+  amax = np.fmax(np.fmax.reduce(np.abs(y)), AMAX_FLOOR)   # fmax: NaN values ignored (SPEC §3)
   v = F32(amax * INV448)
   E = ceil_log2f(v)
   if round_scale:
