@@ -297,3 +297,24 @@ def test_require_gpu_fails_a_missing_triton_oracle(monkeypatch):
   monkeypatch.setenv("GLM5_JAX_REQUIRE_GPU", "1")
   with pytest.raises(pytest.fail.Exception, match="GLM5_JAX_REQUIRE_GPU"):
     triton_oracle.optional()
+
+
+# --------------------------------------------------------------------------- key LayerNorm
+
+def test_key_rate_rejects_truncated_layernorm():
+  """A key LayerNorm rounded by truncation instead of to nearest: every value within one
+  ulp (compare_key alone passes it), far more than KEY_RATE of them off; the reference
+  passes both."""
+  rng = np.random.default_rng(5)
+  key_raw = O.to_bf16(rng.standard_normal((64, 128)) * 3)
+  nw = (1 + 0.2 * rng.standard_normal(128)).astype(np.float32)
+  nb = (0.3 * rng.standard_normal(128)).astype(np.float32)
+  exact = O.layernorm_f64(key_raw, nw, nb, 1e-6).astype(np.float32)
+  got = jax.jit(functools.partial(ref.key_layernorm, eps=1e-6))(key_raw, nw, nb)
+  right = O.to_bf16(exact)
+  bounds.check_key(got, right, "reference")
+  wrong = _trunc_bf16(exact)
+  bad, total = O.compare_key(wrong, right, "truncated")
+  assert bad > 0.2 * total
+  with pytest.raises(AssertionError, match="one ulp off"):
+    bounds.check_key(wrong, right, "truncated")
