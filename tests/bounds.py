@@ -19,10 +19,15 @@ from glm5_jax.testing import oracle as O
 POOL_RATE = 1.5e-3
 
 
-def pool_rate_limit(total):
-  """The most pools of `total` that may differ (POOL_RATE plus a Poisson margin)."""
-  mean = POOL_RATE * total
+def rate_limit(total, rate):
+  """The most of `total` things that may differ at `rate`: the mean plus a Poisson margin of
+  4 sigma + 2 (small counts do not fail by chance; a systematic fault still does)."""
+  mean = rate * total
   return math.floor(mean + 4 * math.sqrt(mean) + 2)
+
+
+def pool_rate_limit(total):
+  return rate_limit(total, POOL_RATE)
 
 
 def check_cache_d2(got, want, orig, written, label="", stats=None, plain_scales=False):
@@ -48,14 +53,15 @@ ENTRY_RATE = 2.0 ** -3
 def check_equivalent(got_kv, got_tail, want_kv, want_tail):
   """Caches of two compositions within SPEC D2 (u8[pages, PAGE, 132], bf16[blocks, 2, RING,
   128], numpy): a key may differ by one bf16 rounding (GEMMs of other shapes), so a tail
-  value by one bf16 ulp (in at most TAIL_RATE of them) and a pooled entry (read as SPEC
+  value by one bf16 ulp (at TAIL_RATE: rate_limit) and a pooled entry (read as SPEC
   §0.1 lays a page out: all PAGE x 128 codes, then the PAGE scales) by one fp8 code, or by
   what one flipped pooled bf16 value moves through the Hadamard (O.compare_cache), its
   scale bytes equal; at most ENTRY_RATE of the entries differ."""
   gt, wt = np.asarray(got_tail), np.asarray(want_tail)
   assert gt.shape == wt.shape and gt.dtype == wt.dtype == O.BF16, (gt.dtype, wt.dtype)
   off = O.bits(gt) != O.bits(wt)
-  assert off.mean() <= TAIL_RATE, f"tail: {off.sum()} of {off.size} values differ"
+  assert off.sum() <= rate_limit(off.size, TAIL_RATE), (
+      f"tail: {off.sum()} of {off.size} values differ")
   ulps = np.abs(O.bf16_rank(gt[off]) - O.bf16_rank(wt[off]))
   assert ulps.size == 0 or ulps.max() <= 1, f"tail: a value {ulps.max()} bf16 ulp off"
   entries = O.differing_entries(got_kv, want_kv)
@@ -101,8 +107,7 @@ KEY_RATE = 1e-4
 
 
 def key_rate_limit(total):
-  mean = KEY_RATE * total
-  return math.floor(mean + 4 * math.sqrt(mean) + 2)
+  return rate_limit(total, KEY_RATE)
 
 
 def check_key(got, want, label=""):

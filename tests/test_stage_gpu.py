@@ -88,7 +88,7 @@ def test_default_stage_matches_reference(rows, next_n, context):
     agree = len(set(slots[r, :c].tolist()) & set(want_slots[r, :c].tolist()))
     assert agree >= SLOTS_AGREE * c, f"row {r}: {agree} of {c} slots agree"
     assert np.all(slots[r, c:] == -1)
-  assert np.any(counts > 2048), "no row took the top-k branch"
+  assert np.any(counts >= 2048), "no row took the top-k branch"
   check_equivalent(np.asarray(new.kv_cache), np.asarray(new.tail),
                    np.asarray(want_new.kv_cache), np.asarray(want_new.tail))
   assert np.any(np.asarray(new.kv_cache) != np.asarray(args[1].kv_cache)) or not np.any(
