@@ -57,11 +57,11 @@ def gemm_pinned(step, weights, cache, *args, **static):
       compiler_options=options)(weights, cache, *args)
 
 
-def run_and_check_graphed(script, targets, dump_dir):
-  """Runs `script` with --xla_dump_to=dump_dir and asserts that the optimised
+def run_and_check_graphed(script, targets, dump_dir, flags=""):
+  """Runs `script` with --xla_dump_to=dump_dir (and XLA `flags`) and asserts that the optimised
   HLO calls every FFI target in `targets` and that every thunk of the program
   is a command buffer (nothing runs outside the CUDA graph). Returns stdout."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump_dir}")
+  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump_dir} {flags}".strip())
   out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                        text=True, check=True).stdout
   # The thunks of each module that calls a target: after XLA's thunk passes (the

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import pytest
+from bounds import check_key, key_rate_limit
 
 import glm5_jax
 from glm5_jax import reference as ref
@@ -96,8 +97,9 @@ def test_kernel_matches_reference(m, heads, padded, wdtype):
     np.testing.assert_array_equal(O.bits(q8), O.bits(wq8), err_msg=f"{label}: q_fp8 bytes")
     np.testing.assert_array_equal(O.bits(w_out), O.bits(ww), err_msg=f"{label}: w_out bits")
     assert not O.bits(q8)[:, heads:].any() and not O.bits(w_out)[:, heads:].any(), label
-    b, t = O.compare_key(key, wkey, label)
+    b, t = check_key(key, wkey, label)
     bad, total = bad + b, total + t
+  assert bad <= key_rate_limit(total), (bad, total)
   STATS["key_bad"] += bad
   STATS["key_total"] += total
   print(f"\n[kernel vs reference, M {m} H {heads}/{padded} {np.dtype(wdtype).name}] key "

@@ -16,6 +16,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from bounds import check_cache_d2
+from test_reference_kpool import special_pools
 
 import glm5_jax
 from glm5_jax import reference as ref
@@ -176,8 +178,8 @@ def test_edge_chain_matches_reference(ring, page, mode):
     label = f"ring {ring} {mode} call {i}"
     np.testing.assert_array_equal(O.bits(gtail), O.bits(rtail), err_msg=f"{label}: tail")
     np.testing.assert_array_equal(O.bits(gtail), O.bits(otail), err_msg=f"{label}: tail (oracle)")
-    bad, total = O.compare_cache(gkv, rkv, kv0, written, label, STATS,
-                                 plain_scales=not mode[1])
+    bad, total = check_cache_d2(gkv, rkv, kv0, written, label, STATS,
+                                plain_scales=not mode[1])
   assert len(written) == len(set(written)) and total == len(written) > 60
   # the edge call's no-op requests: padding (block 4), tslot < 0 (8), block 0 untouched
   for blk in (0, 4, 8):
@@ -187,7 +189,6 @@ def test_edge_chain_matches_reference(ring, page, mode):
   print(f"\n[kernel vs reference, ring {ring} {mode}] fp8 mismatch {bad}/{total} pools "
         f"(module so far {STATS['bad']}/{STATS['pools']} = "
         f"{STATS['bad'] / max(STATS['pools'], 1):.4%}; entries > 1 code apart: {STATS['multi']})")
-  assert bad <= max(1, 0.01 * total), (bad, total)
 
 
 def test_next_n_past_32():
@@ -205,10 +206,10 @@ def test_next_n_past_32():
                                 b["pos"], scale_format=mode[0], round_scale=mode[1],
                                 written=written)
     np.testing.assert_array_equal(O.bits(gtail), O.bits(otail))
-    bad, n = O.compare_cache(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
-                             plain_scales=not mode[1])
-    assert n > 100 and bad <= max(1, 0.01 * n), (bad, n)
-    T = triton_oracle.load()
+    bad, n = check_cache_d2(gkv, okv, kv0, written, f"N 37 {mode}", STATS,
+                            plain_scales=not mode[1])
+    assert n > 100
+    T = triton_oracle.optional()
     if T is not None:
       kv, tail, _ = T.decode_expected(*(triton_oracle.to_torch(x) for x in (
           kv0, tail0, b["tslot"], b["key"], b["gate"], ape, b["loc"], b["pos"])),
@@ -335,8 +336,8 @@ POOLS_PER_CALL = 1 << 17
 def test_million_pools_bit_identical_to_triton(i):
   """2^17 pools of random data a batch (normal keys/gates, and wide: keys * 8,
   gates * 6), positions wrapping the ring: the kernel's cache bytes and tail rows equal
-  the Triton oracle's; the mismatch rate against the reference is printed and at most
-  1% of a batch's pools."""
+  the Triton oracle's; against the reference at most bounds.POOL_RATE of a batch's pools
+  differ (with a Poisson margin: bounds.pool_rate_limit)."""
   T = triton_oracle.require()
   import torch
   dev = T.device()
@@ -387,10 +388,42 @@ def test_million_pools_bit_identical_to_triton(i):
                                          round_scale=rs))(*map(jnp.asarray, np_args))
   np.testing.assert_array_equal(O.bits(got_tail), O.bits(rtail), err_msg=f"{label}: ref tail")
   written = np_args[6][np_args[6] >= 0]
-  bad, w = O.compare_cache(got_kv, rkv, np_args[0], written, label, STATS,
-                           plain_scales=not rs)
+  bad, w = check_cache_d2(got_kv, rkv, np_args[0], written, label, STATS, plain_scales=not rs)
   assert w == n
   print(f"\n[{label}] {n} pools bit-identical to Triton; vs reference {bad} pools differ "
         f"({bad / n:.4%})")
-  assert bad <= 0.01 * n
   assert len(TRITON_BATCHES) * POOLS_PER_CALL >= 1_000_000
+
+
+# --------------------------------------------------------------------------- special values
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_special_values(mode):
+  """NaN and +-Inf keys and gates (test_reference_kpool.special_pools; SPEC §3): the
+  kernel's entries of pools whose pooled values are not finite are the numpy oracle's
+  byte for byte (-448 codes for NaN, the floor or +Inf scale), the others within D2; the
+  tail rows are the keys' and gates' bits (NaN payloads included)."""
+  rng = np.random.default_rng(47)
+  keys, gates, ape = special_pools(rng)
+  n, ring = len(keys), 4
+  kv0 = O.poison_cache(rng, 4, 16)
+  loc = rng.permutation(64)[:n].astype(np.int64)
+  tail0 = np.zeros((n, 2, ring, 128), np.asarray(keys).dtype)
+  pos = np.arange(4)[None, :] + 4 * np.arange(n)[:, None]
+  tslot = np.arange(n)[:, None] * ring + pos % ring
+  upd_loc = np.where(pos % 4 == 3, loc[:, None], -1)
+  fn = jax.jit(functools.partial(glm5_jax.kpool_update, scale_format=mode[0],
+                                 round_scale=mode[1]))
+  args = (kv0, tail0, tslot, keys, gates, ape, upd_loc, pos)
+  i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+  dev = (jnp.asarray(kv0), jnp.asarray(tail0), i32(tslot), jnp.asarray(keys),
+         jnp.asarray(gates), jnp.asarray(ape), i32(upd_loc), i32(pos))
+  assert "glm5_kpool_update" in fn.lower(*dev).compile().as_text()
+  gkv, gtail = (np.asarray(a) for a in fn(*dev))
+  written = []
+  okv, otail = O.kpool_update(*args, scale_format=mode[0], round_scale=mode[1],
+                              written=written)
+  np.testing.assert_array_equal(O.bits(gtail), O.bits(otail), err_msg="tail")
+  check_cache_d2(gkv, okv, kv0, written, f"special {mode}", plain_scales=not mode[1])
+  special = loc[[0, 1, 2, 3, 4, 6, 8, 9]]
+  assert not set(O.differing_entries(gkv, okv).tolist()) & set(special.tolist())

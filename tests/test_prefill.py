@@ -6,6 +6,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from bounds import check_equivalent
 
 import glm5_jax
 from glm5_jax import synthetic
@@ -70,27 +71,78 @@ def assert_equivalent(got, want):
   """Caches written by two different compositions (prefill vs decode steps, one prefill
   vs chunks): bit-exact on the CPU. On a GPU the keys come out of GEMMs of other shapes
   (the decode step's projection kernel, XLA's GEMM for a prefill's rows), whose summation
-  order is not part of the contract (SPEC D2): there a key may differ by one bf16 rounding,
-  so a tail value by one bf16 ulp and a pooled entry by one fp8 code (and its scale by the
-  amax's rounding), in a handful of places."""
+  order is not part of the contract (SPEC D2): check_equivalent."""
   if jax.default_backend() == "cpu":
     return assert_same(got, want)
-  g_kv, g_tail = tree_bytes(got)
-  w_kv, w_tail = tree_bytes(want)
-  assert (g_kv != w_kv).mean() <= 1e-2 and (g_tail != w_tail).mean() <= 1e-2
-  # Only where the bytes differ (unwritten cache pages hold random bytes, NaN codes too).
-  f32 = lambda a: np.asarray(a).view(jnp.bfloat16).astype(np.float32)  # noqa: E731
-  gt, wt = f32(got.tail), f32(want.tail)
-  off = gt != wt
-  np.testing.assert_array_less(np.abs(gt - wt)[off], 2.0 ** -6 * np.abs(wt)[off], err_msg="tail")
-  entry = (g_kv != w_kv).any(-1)            # differing entries: written by both, finite
-  def dequant(kv):  # u8[n, 132] -> f32[n, 128]: the fp8 codes times the entry's scale
-    codes = kv[:, :128].copy().view(jnp.float8_e4m3fn).astype(np.float32)
-    return codes * kv[:, 128:].copy().view(np.float32)
-  gv, wv = dequant(g_kv[entry]), dequant(w_kv[entry])
-  step = np.abs(wv).max(axis=-1, keepdims=True) * 2.0 ** -9
-  np.testing.assert_array_less(np.abs(gv - wv), 2.0 ** -2 * np.abs(wv) + step + 1e-30,
-                               err_msg="kv_cache")
+  check_equivalent(np.asarray(got.kv_cache), np.asarray(got.tail), np.asarray(want.kv_cache),
+                   np.asarray(want.tail))
+
+
+def _written_caches():
+  """(kv u8[pages, 16, 132], tail bf16[2, 2, 4, 128], written slots) of a CPU prefill of two
+  requests: what check_equivalent compares on a GPU."""
+  reqs = Requests(2, 24, seed=6)
+  cache = reqs.prefill(reqs.fresh(), [0, 0], [22, 13])
+  _, batch = reqs.inputs(reqs.fresh(), [0, 0], [22, 13])
+  pos, loc = np.asarray(batch.positions), np.asarray(batch.loc)
+  written = loc[(loc >= 0) & (pos % POOL == POOL - 1)]
+  assert len(written) == 8
+  return np.array(cache.kv_cache), np.array(cache.tail), written
+
+
+def _fault(kind, kv, tail, written):
+  """A wrong result, made from right caches by the fault `kind` (numpy, in place)."""
+  page = kv.shape[1]
+  flat = kv.reshape(kv.shape[0], -1)
+  pg, e = divmod(int(written[3]), page)
+  scale = flat[pg, page * 128 + 4 * e:page * 128 + 4 * e + 4]
+  codes = flat[pg, e * 128:(e + 1) * 128]
+  u16 = tail.view(np.uint16)
+  if kind == "scale doubled":             # what the row-wise reading did not see
+    scale[:] = (scale.view(np.float32) * 2).view(np.uint8)
+  elif kind == "entries row-wise":        # codes then scale in each 132-byte row
+    for slot in written:
+      p_, e_ = divmod(int(slot), page)
+      entry = np.concatenate([flat[p_, e_ * 128:(e_ + 1) * 128],
+                              flat[p_, page * 128 + 4 * e_:page * 128 + 4 * e_ + 4]])
+      kv[p_, e_] = entry
+  elif kind == "code 3 apart":            # all of an entry's codes moved three codes
+    nonzero = (codes & 0x7F) > 3
+    codes[nonzero] -= 3
+  elif kind == "tail 2 ulp":
+    u16[1, 0, 2, 5] += 2
+  elif kind == "tail 1 ulp, too many":    # a whole key of each request one ulp off
+    u16[:, 0, 1, :] += 1
+  elif kind == "code 1 apart":            # allowed: one fp8 code
+    codes[7] = codes[7] + 1 if (codes[7] & 0x7F) < 0x7E else codes[7] - 1
+  elif kind == "tail 1 ulp":              # allowed: one bf16 ulp in one value
+    u16[0, 1, 3, 9] += 1
+  else:
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("scale doubled", "scale bytes differ"), ("entries row-wise", "pooled bf16 flip"),
+    ("code 3 apart", "pooled bf16 flip"), ("tail 2 ulp", "2 bf16 ulp off"),
+    ("tail 1 ulp, too many", "256 of 2048 values differ")])
+def test_equivalence_check_rejects_a_wrong_cache(kind, reason):
+  """check_equivalent (assert_equivalent's GPU branch) on the CPU: each fault fails it."""
+  kv, tail, written = _written_caches()
+  got_kv, got_tail = kv.copy(), tail.copy()
+  _fault(kind, got_kv, got_tail, written)
+  assert oracle.bits(got_kv).tobytes() != kv.tobytes() or (
+      oracle.bits(got_tail).tobytes() != oracle.bits(tail).tobytes())
+  with pytest.raises(AssertionError, match=reason):
+    check_equivalent(got_kv, got_tail, kv, tail)
+
+
+@pytest.mark.parametrize("kind", ["code 1 apart", "tail 1 ulp"])
+def test_equivalence_check_passes_what_d2_allows(kind):
+  kv, tail, written = _written_caches()
+  got_kv, got_tail = kv.copy(), tail.copy()
+  _fault(kind, got_kv, got_tail, written)
+  check_equivalent(got_kv, got_tail, kv, tail)
+  check_equivalent(kv, tail, kv, tail)
 
 
 @pytest.mark.parametrize("lengths,n", [

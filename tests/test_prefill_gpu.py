@@ -22,6 +22,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from bounds import check_cache_d2
+from test_reference_kpool import special_pools
 
 import glm5_jax
 from glm5_jax import reference as ref
@@ -146,7 +148,7 @@ def test_bit_identical_to_triton(mode, shape):
 def test_matches_reference_within_d2(mode):
   """4096 pools (1/8 masked off), kernel vs the reference: scale bytes equal (plain
   scales: within the amax flip compare_cache allows), fp8 codes within D2's allowance,
-  every entry no row writes unchanged; at most 1% of the pools differ."""
+  every entry no row writes unchanged; at most bounds.POOL_RATE of the pools differ."""
   rng = np.random.default_rng(20 + MODES.index(mode))
   n, pages, page = 4096, 100, 64
   kv0 = O.poison_cache(rng, pages, page)
@@ -155,14 +157,13 @@ def test_matches_reference_within_d2(mode):
   args = (kv0, keys, gates, ape, loc, mask)
   got, want = _run(True, mode, *args), _run(False, mode, *args)
   written = loc[_live(kv0, loc, mask)]
-  bad, total = O.compare_cache(got, want, kv0, written, f"compress {mode}", STATS,
-                               plain_scales=not mode[1])
+  bad, total = check_cache_d2(got, want, kv0, written, f"compress {mode}", STATS,
+                              plain_scales=not mode[1])
   assert total == len(written) > 3000
   STATS["bad"] += bad
   STATS["pools"] += total
   print(f"\n[kernel vs reference, {mode}] fp8 mismatch {bad}/{total} pools (module so far "
         f"{STATS['bad']}/{STATS['pools']}; entries > 1 code apart: {STATS['multi']})")
-  assert bad <= max(1, 0.01 * total), (bad, total)
 
 
 # --------------------------------------------------------------------------- (3)
@@ -256,7 +257,7 @@ def test_no_rows_and_one_row(mode):
                                STATS, plain_scales=not mode[1])
   assert total == 1 and bad <= 1
   assert O.differing_entries(got, kv0).tolist() == [37]
-  T = triton_oracle.load()
+  T = triton_oracle.optional()
   if T is not None:
     _assert_same_entries(got, _triton_cache(T, mode, *args), f"n = 1 {mode}")
 
@@ -278,3 +279,23 @@ def test_kernel_runs_inside_a_command_buffer(tmp_path):
       "print(int((kv != 0).any()))\n")
   out = run_and_check_graphed(script, ["glm5_kpool_compress"], tmp_path)
   assert out.split()[-1] == "1", out
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_special_values(mode):
+  """NaN and +-Inf keys and gates (test_reference_kpool.special_pools, SPEC §3): kpool_compress's
+  kernel writes the numpy oracle's bytes for every pool whose pooled values are not finite,
+  the others within D2."""
+  rng = np.random.default_rng(47)
+  keys, gates, ape = special_pools(rng)
+  n = len(keys)
+  kv0 = O.poison_cache(rng, 4, 16)
+  loc = rng.permutation(64)[:n].astype(np.int64)
+  args = (kv0, keys, gates, ape, loc, np.ones(n, bool))
+  assert "glm5_kpool_compress" in _op(True, *mode).lower(*_device(*args)).compile().as_text()
+  got = _run(True, mode, *args)
+  written = []
+  want = O.kpool_compress(*args, scale_format=mode[0], round_scale=mode[1], written=written)
+  check_cache_d2(got, want, kv0, written, f"special {mode}", plain_scales=not mode[1])
+  special = loc[[0, 1, 2, 3, 4, 6, 8, 9]]
+  assert not set(O.differing_entries(got, want).tolist()) & set(special.tolist())

@@ -1,8 +1,9 @@
 """indexer_projection as the CUDA kernel (glm5_indexer_projection) on the GPU.
 
 (a) Key, head weights and gate within SPEC D2's GEMM bound of a float64 GEMM
-    (|err| <= (K - 1) u sum|x w|, + half a bf16 ulp for key and gate; oracle.check_projection),
-    as is the jitted reference; the largest err / bound is printed.
+    (|err| <= GEMM_SHARE (K - 1) u sum|x w|, + half a bf16 ulp of the output for key and gate;
+    oracle.check_projection, which bf16-rounded head weights, truncated key and gate, fp16
+    accumulation and a row one short fail: tests/test_bounds.py), as is the jitted reference.
 (b) Deterministic: the same call twice is bit-identical, for the table by rows and for every
     tactic (warps, split) that tiles K (glm5_jax.indexer.tile_k), the GEMV's and the wgmma
     tactic's included; each is within the bound.

@@ -398,3 +398,61 @@ def test_seed_tail_then_decode():
   gate = O.random_bf16(rng, (B, N, 128), 2.0)
   bad, w, *_ = _check_update(kv, tail2, ts, key, gate, ape, loc, pos, label="seeded")
   assert w == int(np.sum(pos % 4 == 3))
+
+
+def special_pools(rng, n=12):
+  """Keys and gates bf16[n, 4, 128] with SPEC §3's special values, pool i: 0 NaN key, 1 +Inf
+  key, 2 -Inf key, 3 NaN gate, 4 +Inf gate, 5 a -Inf gate slot (its weight 0), 6 -Inf gates
+  in one dim of every slot (-Inf - -Inf: NaN there), 7 a -Inf gate dim in three slots,
+  8 +Inf keys in two slots of one dim (Inf - Inf in the Hadamard), 9 huge finite keys
+  (3e38: the fp32 sum overflows), 10-11 finite; the APE f32[4, 128]."""
+  keys = O.random_bf16(rng, (n, 4, 128))
+  gates = O.random_bf16(rng, (n, 4, 128), 2.0)
+  keys[0, 1, 5] = np.nan
+  keys[1, 3, 7] = np.inf
+  keys[2, 0, 64] = -np.inf
+  gates[3, 2, 9] = np.nan
+  gates[4, 0, 11] = np.inf
+  gates[5, 1, :] = -np.inf
+  gates[6, :, 3] = -np.inf
+  gates[7, :3, 100] = -np.inf
+  keys[8, 1:3, 20] = np.inf
+  keys[9, :, :8] = 3e38
+  ape = (rng.standard_normal((4, 128)) * 0.5).astype(np.float32)
+  return keys, gates, ape
+
+
+@pytest.mark.parametrize("scale_format,round_scale", [("fp32", True), ("ue8m0", True),
+                                                      ("fp32", False)])
+def test_special_values_match_the_oracle(scale_format, round_scale):
+  """NaN and +-Inf keys and gates (SPEC §3: fmax ignores NaN, Inf/NaN propagate, the clamp
+  sends NaN to -448): the reference's entries are the oracle's, byte for byte, through
+  kpool_compress and through kpool_update's ring (the tail rows copied bit for bit)."""
+  rng = np.random.default_rng(47)
+  keys, gates, ape = special_pools(rng)
+  n = len(keys)
+  kv0 = O.poison_cache(rng, 4, 16)
+  loc = rng.permutation(64)[:n].astype(np.int64)
+  written = []
+  okv = O.kpool_compress(kv0, keys, gates, ape, loc, np.ones(n, bool),
+                         scale_format=scale_format, round_scale=round_scale, written=written)
+  rkv = _compress_fn(scale_format, round_scale)(
+      jnp.asarray(kv0), jnp.asarray(keys), jnp.asarray(gates), jnp.asarray(ape), i32(loc),
+      jnp.ones(n, bool))
+  assert O.differing_entries(rkv, okv).size == 0
+  flat = np.asarray(rkv).reshape(4, -1)
+  pg, e = np.divmod(loc[0], 16)
+  assert np.all(flat[pg, e * 128:(e + 1) * 128] == 0xFE), "NaN pooled values -> -448"
+  # kpool_update: each pool's slots 0-2 stashed in the ring by three tokens, then the
+  # completing token (positions 4i .. 4i + 3 of request i).
+  ring = 4
+  tail0 = np.zeros((n, 2, ring, 128), BF16)
+  pos = np.arange(4)[None, :] + 4 * np.arange(n)[:, None]
+  tslot = np.arange(n)[:, None] * ring + pos % ring
+  upd_loc = np.where(pos % 4 == 3, loc[:, None], -1)
+  _, _, okv2, otail, _ = _check_update(kv0, tail0, tslot, keys, gates, ape, upd_loc, pos,
+                                       scale_format=scale_format, round_scale=round_scale,
+                                       label="special values", min_written=n)
+  np.testing.assert_array_equal(O.differing_entries(okv2, okv), [])
+  np.testing.assert_array_equal(np.asarray(otail).view(np.uint16)[:, 0],
+                                keys.view(np.uint16)[:, pos[0] % ring])

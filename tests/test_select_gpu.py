@@ -10,22 +10,17 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from bounds import check_logits
 
 import glm5_jax
 from glm5_jax import reference as ref
+from glm5_jax.logits import LOGITS_MAX_ROWS
 from glm5_jax.testing import oracle as O
 
 from graphs import run_and_check_graphed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
 I32 = np.int32
-
-# The kernel sums each dot on the tensor cores (f32 accumulation of exact e4m3 products),
-# then the head terms in its own fixed order: its error against the exact value must stay
-# below LOGITS_BOUND * sum_h |w| sum_d |q k| * scale (fp32's 2^-24 times ~200 terms is
-# ~1.2e-5; tensor-core accumulation is allowed up to 2^-12).
-LOGITS_BOUND = 2.0 ** -12
-
 
 def _topk(k):
   return jax.jit(functools.partial(glm5_jax.pool_topk, k=k))
@@ -69,7 +64,10 @@ def test_topk_kernel_equals_reference(rows, width, kind):
   edge = [width, 0, 512, 513, -3, width + 100, 511, 1]
   lens[:min(rows, len(edge))] = edge[:rows]
   for k in (512, 1, 37):
-    got = np.asarray(_topk(k)(jnp.asarray(logits), jnp.asarray(lens)))
+    args = (jnp.asarray(logits), jnp.asarray(lens))
+    # the kernel ran (a shape limit falling back would compare the reference with itself)
+    assert 'custom_call_target="glm5_pool_topk"' in _topk(k).lower(*args).compile().as_text()
+    got = np.asarray(_topk(k)(*args))
     want = np.asarray(_ref_topk(k)(logits, lens))
     np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
 
@@ -109,46 +107,81 @@ def _queries(rng, rows, padded, heads):
   return q, w
 
 
-def _check_logits(got, want, bound, n):
-  worst = 0.0
-  for r in range(got.shape[0]):
-    g, x, b = got[r, :n[r]], want[r, :n[r]], bound[r, :n[r]]
-    none = np.isneginf(x)
-    np.testing.assert_array_equal(np.isneginf(g), none, err_msg=f"row {r}")
-    err = np.abs(g[~none].astype(np.float64) - x[~none])
-    assert np.all(err <= LOGITS_BOUND * b[~none] + 1e-30), f"row {r}"
-    if err.size:
-      worst = max(worst, float(np.max(err / np.maximum(b[~none], 1e-300))))
-  print(f"max |kernel - f64| / bound = {worst:.3g} (allowed {LOGITS_BOUND:.3g})")
-
-
-@pytest.mark.parametrize("rows,pools,page,heads,scale_format", [
+LOGITS_CASES = [
     (1, 2048, 64, 32, "fp32"), (16, 8192, 64, 32, "fp32"), (4, 3000, 32, 16, "ue8m0"),
     (3, 1000, 16, 64, "fp32"), (64, 2048, 64, 32, "ue8m0"),
     # ~9 work items per CTA of the persistent grid: the streamed kernel's ring turns over
-    (8, 30000, 32, 32, "fp32")])
-def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format):
+    (8, 30000, 32, 32, "fp32")]
+
+
+def logits_case(rows, pools, page, heads, scale_format, positive=False):
+  """mqa_logits' operands (q u8[rows, padded, 128], w f32[rows, padded], K cache, page table,
+  pool counts i32[rows]) and its width: random fp8; a missing page, a page id past the
+  cache (D4), a row of no pools, one of negative count. positive: every q and K value >= 0
+  (each dot its abs-sum) and head weights 0.4 of a bf16 ulp above a bf16 value (a bf16 read
+  of them moves every logit by >= 2^-9.3 of its bound, one way)."""
   rng = np.random.default_rng(rows + pools)
   padded = max(heads, 32)
-  kv, table = _cache(rng, rows, pools, page, scale_format)
+  values = ((lambda rng, shape: np.abs(rng.standard_normal(shape)) * 40) if positive
+            else (lambda rng, shape: rng.standard_normal(shape) * 40))
+  kv, table = _cache(rng, rows, pools, page, scale_format, values=values)
   table[0, 1] = -1                       # a missing page
   table[-1, -1] = kv.shape[0] + 7        # a page id past the cache (D4: not read)
   q, w = _queries(rng, rows, padded, heads)
+  if positive:
+    q &= 0x7F
+    w = O.bf16r(rng.uniform(0.02, 0.06, w.shape))
+    w = (w + 0.4 * O.bf16_ulp(w)).astype(np.float32)
+    w[:, heads:] = 0
   lens = rng.integers(0, pools + 1, rows).astype(I32)
   lens[0] = pools
   if rows > 2:
     lens[1:3] = [0, -4]
-  width = pools + 64
+  return (q, w, kv, table, lens), pools + 64
+
+
+@pytest.mark.parametrize("positive", [False, True])
+@pytest.mark.parametrize("rows,pools,page,heads,scale_format", LOGITS_CASES)
+def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format, positive):
+  """The kernel (in the compiled program) within bounds.LOGITS_BOUND of float64; with
+  positive terms a bf16 read of the head weights could not pass (tests/test_bounds.py)."""
+  (q, w, kv, table, lens), width = logits_case(rows, pools, page, heads, scale_format,
+                                               positive)
   fn = jax.jit(functools.partial(glm5_jax.mqa_logits, max_pools=width,
                                  scale_format=scale_format))
-  got = np.asarray(fn(jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w),
-                      jnp.asarray(kv), jnp.asarray(table), jnp.asarray(lens)))
+  args = (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
+          jnp.asarray(table), jnp.asarray(lens))
+  assert 'custom_call_target="glm5_mqa_logits"' in fn.lower(*args).compile().as_text()
+  got = np.asarray(fn(*args))
   want, bound = O.mqa_logits_vectorized(q.view(jnp.float8_e4m3fn), w, kv, table, lens,
                                         max_pools=width, scale_format=scale_format)
   n = np.clip(lens, 0, width)
-  _check_logits(got, want, bound, n)
+  check_logits(got, want, bound, n)
   for r in range(rows):     # the op's contract: -inf from the row's pool count on
     assert np.all(np.isneginf(got[r, n[r]:]))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("rows", [LOGITS_MAX_ROWS, LOGITS_MAX_ROWS + 1])
+def test_logits_at_the_rows_limit(rows):
+  """8192 rows run the kernel, 8193 the reference (glm5_jax.logits.LOGITS_MAX_ROWS): both
+  within the bound (every 61st row and the last checked against float64)."""
+  rng = np.random.default_rng(rows)
+  pools, page = 256, 64
+  kv, table = _cache(rng, 8, pools, page, "fp32")
+  table = table[np.arange(rows) % 8]
+  q, w = _queries(rng, rows, 32, 32)
+  lens = rng.integers(0, pools + 1, rows).astype(I32)
+  fn = jax.jit(functools.partial(glm5_jax.mqa_logits, max_pools=pools))
+  args = (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
+          jnp.asarray(table), jnp.asarray(lens))
+  kernel = 'custom_call_target="glm5_mqa_logits"' in fn.lower(*args).compile().as_text()
+  assert kernel == (rows <= LOGITS_MAX_ROWS)
+  got = np.asarray(fn(*args))
+  sel = np.r_[np.arange(0, rows, 61), rows - 1]
+  want, bound = O.mqa_logits_vectorized(q[sel].view(jnp.float8_e4m3fn), w[sel], kv,
+                                        table[sel], lens[sel], max_pools=pools)
+  check_logits(got[sel], want, bound, np.clip(lens[sel], 0, pools))
 
 
 def _select_inputs(rng, contexts, next_n, *, heads=32, page=64, scale_format="fp32",
@@ -173,6 +206,7 @@ def test_select_kernel(contexts, next_n):
   args, max_pools = _select_inputs(rng, contexts, next_n)
   k = 512
   fn = jax.jit(functools.partial(glm5_jax.select_pools, k=k, max_pools=max_pools))
+  assert 'custom_call_target="glm5_select_pools"' in fn.lower(*args).compile().as_text()
   ids, logits = (np.asarray(a) for a in fn(*args))
   q, w, kv, table, req, pos = (np.asarray(a) for a in args)
   n = np.minimum(np.where(pos >= 0, (pos.astype(np.int64) + 1) // 4, 0), max_pools)
@@ -180,7 +214,7 @@ def test_select_kernel(contexts, next_n):
   if big.any():
     want, bound = O.mqa_logits_vectorized(q[big], w[big], kv, table[req[big]], n[big],
                                           max_pools=max_pools)
-    _check_logits(logits[big], want, bound, n[big])
+    check_logits(logits[big], want, bound, n[big])
   # The selection is exactly the reference top-k of the logits the kernel computed; rows
   # that fit select every pool (the causal fill).
   np.testing.assert_array_equal(ids, np.asarray(_ref_topk(k)(np.where(

@@ -34,6 +34,8 @@ def test_kernel_matches_reference(rows, width):
     ends = rng.integers(-3, width + 4, rows)
     ends[: min(rows, 3)] = [width, 0, width + 9][: min(rows, 3)]
     pairs.append((logits, jnp.asarray(ends, jnp.int32)))
+  text = jax.jit(_chain).lower(*pairs).compile().as_text()
+  assert text.count('custom_call_target="glm5_upcast_logits"') == CALLS
   got = jax.jit(_chain)(*pairs)
   for (logits, ends), out in zip(pairs, got):
     want = np.asarray(jax.jit(ref.upcast_logits)(logits, ends))

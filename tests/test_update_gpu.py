@@ -209,7 +209,10 @@ def two_ops(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("w_out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("scale_format,round_scale", SCALES)
-@pytest.mark.parametrize("b,n", [(1, 1), (2, 1), (1, 4), (16, 1), (4, 4), (64, 1), (16, 4)])
+# M = 129-256 route to update_epilogue by default (tests/golden/stage_lowering.json): up to
+# 256 rows, across 128 | 129.
+@pytest.mark.parametrize("b,n", [(1, 1), (2, 1), (1, 4), (16, 1), (4, 4), (64, 1), (16, 4),
+                                 (128, 1), (129, 1), (64, 4)])
 def test_epilogue_bit_identical_to_the_two_kernels(b, n, scale_format, round_scale,
                                                    w_out_dtype, pdl):
   args = update_args(b, n, seed=31 * b + n)

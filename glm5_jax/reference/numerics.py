@@ -55,7 +55,10 @@ def fma_bf16(a, b, c):
   p_hi, p_lo = a_hi * b, (a - a_hi) * b
   uh, ul = _two_sum(p_lo, c)
   th, tl = _two_sum(p_hi, uh)
-  return th + _round_to_odd_sum(tl, ul)
+  # An Inf operand or result is IEEE fma's (Inf, or NaN for Inf - Inf): the split's 0 * Inf
+  # and TwoSum's Inf - Inf would make every Inf a NaN (SPEC §3: Inf/NaN propagate).
+  plain = a * b + c
+  return jnp.where(jnp.isfinite(plain), th + _round_to_odd_sum(tl, ul), plain)
 
 
 def exp2(t):

@@ -65,6 +65,16 @@ def require():
   return oracle
 
 
+def optional():
+  """load() for a comparison that is one part of a test: None without the oracle, but the
+  test fails under GLM5_JAX_REQUIRE_GPU=1 (no silent skip on the GPU run)."""
+  oracle = load()
+  if oracle is None and os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
+    import pytest
+    pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but torch + triton with CUDA are not importable")
+  return oracle
+
+
 def load():
   """This module when torch + triton (+ a CUDA device for torch, unless the
   Triton interpreter is on) are available, else None."""
