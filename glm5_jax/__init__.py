@@ -23,6 +23,7 @@ from .logits import upcast_logits, mqa_logits, pool_topk, select_pools, select_s
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)
 from .prefill import PrefillBatch, indexer_prefill
+from .checks import check_batch
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ def export_checks() -> list[_export.DisabledSafetyCheck]:
 
 __all__ = list(OPS) + [
     "DecodeBatch", "IndexerCache", "IndexerConfig", "IndexerOutput",
-    "IndexerWeights", "KERNEL_TARGETS", "OPS", "PrefillBatch", "Routing", "export_checks",
+    "IndexerWeights", "KERNEL_TARGETS", "OPS", "PrefillBatch", "Routing", "check_batch",
+    "export_checks",
     "indexer_prefill", "indexer_stage", "prepare_weights", "reference",
 ]

@@ -14,6 +14,7 @@ from . import reference
 from . import update as _update_op
 from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
+from .checks import capacity, pad_past_capacity
 from .expand import expand_and_remap
 from .indexer import (
   W_OUT_DTYPES,
@@ -338,6 +339,9 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   """
   config = IndexerConfig() if config is None else config
   b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
+  # A row past what its tables hold is a pad for every op that follows (SPEC §12).
+  tokens = capacity(batch.page_table.shape, cache.kv_cache.shape[1], config.max_pools)
+  batch = dataclasses.replace(batch, positions=pad_past_capacity(batch.positions, tokens))
   ops = _ops(config, use_reference)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n)
   slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n)
