@@ -260,6 +260,20 @@ def _ops(config, use_reference):
       f.__name__: functools.partial(f, routing=config.routing) for f in fns})
 
 
+@jax.custom_jvp
+def _not_differentiable(*arrays):
+  """Identity whose derivative is an error naming the stage: the stage calls it on its float
+  arguments first, so that jax.grad (under jit too, and with use_reference=True, where no
+  primitive would object) fails there rather than inside whichever op comes first."""
+  return arrays
+
+
+@_not_differentiable.defjvp
+def _not_differentiable_jvp(primals, tangents):
+  raise TypeError("glm5_jax.indexer_stage is not differentiable (a decode-time stage: "
+                  "its cache writes, fp8 codes and top-k have no derivative)")
+
+
 def _check_stage_inputs(weights, cache, x, qr, batch, config):
   """The stage's boundary (trace time): the arguments against each other and the config,
   so that a bad one is named here instead of surfacing as a reshape, dot or silently
@@ -269,6 +283,9 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
                           ("cache", cache, IndexerCache), ("batch", batch, DecodeBatch)):
     if not isinstance(value, cls):
       fail(op, arg, f"must be a glm5_jax.{cls.__name__}, got {type(value).__name__}", TypeError)
+  floats = [a for a in jax.tree.leaves((weights, cache.tail, x, qr))
+            if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+  _not_differentiable(*floats)
   i32, bf16, f32 = np.int32, jnp.bfloat16, np.float32
   aval = lambda arg, a: _aval(op, arg, a)
   # batch: requests x next_n rows, request-major.
