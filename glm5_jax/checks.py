@@ -18,11 +18,14 @@ from .reference.numerics import POOL
 __all__ = ["capacity", "check_batch", "pad_past_capacity"]
 
 
-def capacity(page_table_shape, page: int, max_pools: int) -> int:
-  """Tokens a request can hold (SPEC §12): 4 * min(MP * PAGE, max_pools), for page_table
-  i32[R, MP] and kv_cache pages of PAGE entries: the pools its page table names and the
-  logits can score."""
-  return POOL * min(page_table_shape[1] * page, max_pools)
+def capacity(cache, batch, config) -> int:
+  """Tokens a request can hold (SPEC §12): min(4 * MP * PAGE, MB * block_size,
+  4 * max_pools) for batch.page_table i32[R, MP], cache.kv_cache pages of PAGE entries and
+  batch.block_table i32[R, MB]: the pools its page table names, the tokens its block table
+  maps, the pools the logits can score. Shapes only (trace time)."""
+  page = cache.kv_cache.shape[1]
+  return min(POOL * batch.page_table.shape[1] * page,
+             batch.block_table.shape[1] * config.block_size, POOL * config.max_pools)
 
 
 def pad_past_capacity(positions: jax.Array, tokens: int) -> jax.Array:
@@ -53,14 +56,15 @@ def _batch_checks(cache, x, qr, batch, config):
   pages, page = kv.shape[:2]
   blocks, ring = tail.shape[0], tail.shape[2]
   requests = min(batch.page_table.shape[0], batch.block_table.shape[0])
-  tokens = capacity(batch.page_table.shape, page, config.max_pools)
+  tokens = capacity(cache, batch, config)
   positions, loc, tslot = batch.positions, batch.loc, batch.tslot
   b, n = positions.shape
   op = "glm5_jax.check_batch: "
   _check(positions < -1, positions, op + "batch.positions[{at}] is below -1 (a pad is -1)")
   _check(positions >= tokens, positions,
-         op + "batch.positions[{at}] is past the capacity, " + f"{tokens} tokens = 4 x "
-         f"min(page_table columns {batch.page_table.shape[1]} x PAGE {page}, max_pools "
+         op + "batch.positions[{at}] is past the capacity, " + f"{tokens} tokens = min(4 x "
+         f"page_table columns {batch.page_table.shape[1]} x PAGE {page}, block_table columns "
+         f"{batch.block_table.shape[1]} x block_size {config.block_size}, 4 x max_pools "
          f"{config.max_pools})")
   real = positions >= 0
   req = batch.req_ids.reshape(b, n)

@@ -296,8 +296,19 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
   for arg in ("loc", "tslot"):
     expect(op, f"batch.{arg}", aval(f"batch.{arg}", getattr(batch, arg)), i32, (b, n))
   expect(op, "batch.req_ids", aval("batch.req_ids", batch.req_ids), i32, (rows,))
+  tables = {}
   for arg in ("page_table", "block_table"):
-    expect(op, f"batch.{arg}", aval(f"batch.{arg}", getattr(batch, arg)), i32, (None, None))
+    tables[arg] = aval(f"batch.{arg}", getattr(batch, arg))
+    expect(op, f"batch.{arg}", tables[arg], i32, (None, None))
+    if 0 in tables[arg].shape:
+      fail(op, f"batch.{arg}", f"must have a row per request and a column at least, got "
+           f"shape {tuple(tables[arg].shape)}")
+  # req_ids name a row of both tables (SPEC §5e): a request with a row in one only would
+  # select pools it has no slots for, or slots of pools it never scored.
+  if tables["page_table"].shape[0] != tables["block_table"].shape[0]:
+    fail(op, "batch.block_table", f"must have as many rows as batch.page_table (one per "
+         f"request, named by req_ids): {tables['page_table'].shape[0]}, got shape "
+         f"{tuple(tables['block_table'].shape)}")
   # weights: their head count is config.heads.
   h = config.heads
   wq_b, w_cat = aval("weights.wq_b", weights.wq_b), aval("weights.w_cat", weights.w_cat)
@@ -357,7 +368,7 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   config = IndexerConfig() if config is None else config
   b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
   # A row past what its tables hold is a pad for every op that follows (SPEC §12).
-  tokens = capacity(batch.page_table.shape, cache.kv_cache.shape[1], config.max_pools)
+  tokens = capacity(cache, batch, config)
   batch = dataclasses.replace(batch, positions=pad_past_capacity(batch.positions, tokens))
   ops = _ops(config, use_reference)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n)

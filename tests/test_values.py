@@ -4,6 +4,7 @@ through indexer_stage, indexer_prefill and a decode loop equal the reference and
 write outside what their good rows own. The GPU form (kernels on, guard pages, under
 compute-sanitizer memcheck) is test_fuzz_gpu and this file's __main__."""
 import dataclasses
+import re
 import sys
 import warnings
 
@@ -86,10 +87,11 @@ def test_select_slots_drops_bad_block_ids_and_compacts():
 
 @pytest.mark.parametrize("past", [0, 5, "max"])
 def test_a_position_past_capacity_is_a_pad(past):
-  """A row at or past capacity() (the page table's pools x 4, at most max_pools x 4) is a
-  pad: the stage's outputs and caches equal those of the batch with that row -1; count 0."""
+  """A row at or past capacity() (what the page table, the block table and the logits
+  hold) is a pad: the stage's outputs and caches equal those of the batch with that row
+  -1; count 0."""
   weights, cache, x, qr, batch = state([100, 200, 7], 2)
-  tokens = capacity(batch.page_table.shape, cache.kv_cache.shape[1], CONFIG.max_pools)
+  tokens = capacity(cache, batch, CONFIG)
   pos = np.array(batch.positions)
   pos[1, 1] = I32_MAX if past == "max" else tokens + past
   pads = pos.copy()
@@ -102,6 +104,23 @@ def test_a_position_past_capacity_is_a_pad(past):
     for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
       np.testing.assert_array_equal(g, w)
     assert int(got[0].counts[3]) == 0
+
+
+# ----------------------------------------------------------------------- shapes
+
+@pytest.mark.parametrize("field, shape, message", [
+    ("page_table", (3, 0), "batch.page_table must have a row per request and a column at "
+     "least, got shape (3, 0)"),
+    ("block_table", (0, 10), "batch.block_table must have a row per request and a column "
+     "at least, got shape (0, 10)"),
+    ("block_table", (2, 10), "batch.block_table must have as many rows as batch.page_table "
+     "(one per request, named by req_ids): 3, got shape (2, 10)"),
+])
+def test_tables_that_shapes_contradict_fail_at_trace_time(field, shape, message):
+  weights, cache, x, qr, batch = state([30, 40, 50])
+  bad = _replace(batch, **{field: np.zeros(shape, np.int32)})
+  with pytest.raises(ValueError, match="^glm5_jax.indexer_stage: " + re.escape(message)):
+    STEP(weights, cache, x, qr, bad, config=CONFIG)
 
 
 # ----------------------------------------------------------------------- check_batch
@@ -122,8 +141,9 @@ def _bad(field, index, value):
 
 CHECKS = [
     ("positions", (1, 0), -7, "batch.positions[1, 0] is below -1 (a pad is -1): got -7"),
-    ("positions", (2, 1), 9000, "batch.positions[2, 1] is past the capacity, 1216 tokens = 4 "
-     "x min(page_table columns 19 x PAGE 16, max_pools 1024): got 9000"),
+    ("positions", (2, 1), 9000, "batch.positions[2, 1] is past the capacity, 1216 tokens = "
+     "min(4 x page_table columns 19 x PAGE 16, block_table columns 10 x block_size 128, 4 x "
+     "max_pools 1024): got 9000"),
     ("req_ids", (3,), 5, "batch.req_ids of the real row [1, 1] (request, token) is outside "
      "[0, 3)"),
     ("loc", (0, 0), 10 ** 6, "batch.loc[0, 0] is neither -1 nor"),
@@ -204,7 +224,7 @@ def bad_values(cache, batch, config):
   not a value the ops can tell)."""
   pages, page = cache.kv_cache.shape[:2]
   blocks, ring = cache.tail.shape[0], cache.tail.shape[2]
-  tokens = capacity(batch.page_table.shape, page, config.max_pools)
+  tokens = capacity(cache, batch, config)
   return {
       "positions": [-1, -7, tokens, tokens + 5, I32_MAX],
       "loc": [-5, pages * page, I32_MAX],
@@ -269,7 +289,7 @@ def check_step(args, got, want, config):
   for g, w in zip(tree_bytes(got), tree_bytes(want), strict=True):
     np.testing.assert_array_equal(g, w)
   out, new = got
-  tokens = capacity(batch.page_table.shape, cache.kv_cache.shape[1], config.max_pools)
+  tokens = capacity(cache, batch, config)
   pos = np.asarray(batch.positions).reshape(-1)
   pos = np.where(pos < tokens, pos, -1)
   pools = np.where(pos >= 0, (pos.astype(np.int64) + 1) // 4, 0)
@@ -389,7 +409,7 @@ def run_gpu_fuzz(seed, count):
     np.testing.assert_array_equal(np.asarray(out.slots), np.asarray(ref_out.slots))
     np.testing.assert_array_equal(np.asarray(out.counts), np.asarray(ref_out.counts))
     np.testing.assert_array_equal(oracle.bits(new.tail), oracle.bits(ref_new.tail))
-    tokens = capacity(batch.page_table.shape, cache.kv_cache.shape[1], CONFIG.max_pools)
+    tokens = capacity(cache, batch, CONFIG)
     pos = np.asarray(batch.positions)
     own_slots, own_rows = owned(cache, batch, np.where(pos < tokens, pos, -1))
     oracle.compare_cache(ref_new.kv_cache, new.kv_cache, before, own_slots,
