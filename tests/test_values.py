@@ -421,6 +421,36 @@ def run_gpu_fuzz(seed, count):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("contexts, next_n", [([30000, 60000], 1), ([8000] * 16, 1),
+                                              ([100, 3000, 20000, 5], 2), ([1500] * 3, 1)])
+def test_select_slots_kernel_closes_holes(contexts, next_n):
+  """select_slots' kernel on block tables with entries that name no block inside the
+  selection (the causal fill, the one-CTA top-k and the cluster top-k): bit-equal to
+  select_pools' kernel then the reference remap, whose compaction closes the holes."""
+  from test_select_gpu import _select_inputs
+  rng = np.random.default_rng(sum(contexts) + next_n)
+  args, max_pools = _select_inputs(rng, contexts, next_n)
+  blocks = max(contexts) // 128 + 2
+  table = rng.permutation(len(contexts) * blocks).reshape(len(contexts), blocks)
+  for r, context in enumerate(contexts):
+    cols = rng.integers(0, context // 128 + 1, 3)
+    table[r, cols] = rng.choice([-7, -1, 2 ** 30, max_block_id(128, 128) + 1, I32_MAX], 3)
+  table = jnp.asarray(table, jnp.int32)
+  params = dict(k=512, max_pools=max_pools, block_size=128, width=2176,
+                routing=glm5_jax.Routing(kernels=True))
+  assert glm5_jax.logits.select_slots_kernel_chosen(*args, table, **params)
+  slots, counts = jax.jit(lambda *a: glm5_jax.select_slots(*a, **params))(*args, table)
+  ids, _ = jax.jit(lambda *a: glm5_jax.select_pools(
+      *a, k=512, max_pools=max_pools, routing=params["routing"]))(*args)
+  _, _, _, _, req, pos = (np.asarray(a) for a in args)
+  want = oracle.expand_and_remap(np.asarray(ids), pos, req, np.asarray(table), block_size=128,
+                                 width=2176)
+  np.testing.assert_array_equal(np.asarray(slots), want[0])
+  np.testing.assert_array_equal(np.asarray(counts), want[1])
+  assert np.any(want[1] < np.minimum(4 * 512 + 3, pos + 1)), "no hole was selected"
+
+
+@pytest.mark.gpu
 def test_fuzz_gpu():
   run_gpu_fuzz(seed=7, count=16)
 
