@@ -283,6 +283,7 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
                           ("cache", cache, IndexerCache), ("batch", batch, DecodeBatch)):
     if not isinstance(value, cls):
       fail(op, arg, f"must be a glm5_jax.{cls.__name__}, got {type(value).__name__}", TypeError)
+  inputs = (weights, cache.tail, x, qr)   # the float arguments, for the grad guard below
   i32, bf16, f32 = np.int32, jnp.bfloat16, np.float32
   aval = lambda arg, a: _aval(op, arg, a)
   # batch: requests x next_n rows, request-major.
@@ -339,7 +340,7 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
   if tail.shape[0] < b:
     fail(op, "cache.tail", f"must have a block per request (dim 0 >= requests = {b}), "
          f"got shape {tuple(tail.shape)}")
-  _not_differentiable(*(a for a in jax.tree.leaves((weights, cache.tail, x, qr))
+  _not_differentiable(*(a for a in jax.tree.leaves(inputs)
                         if jnp.issubdtype(a.dtype, jnp.floating)))
   return b, n
 
