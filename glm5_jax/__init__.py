@@ -24,6 +24,7 @@ from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)
 from .prefill import PrefillBatch, indexer_prefill
 from .checkpoint import load_indexer_weights  # safetensors: imported when it is called
+from .checks import check_batch
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ def export_checks() -> list[_export.DisabledSafetyCheck]:
 
 __all__ = list(OPS) + [
     "DecodeBatch", "IndexerCache", "IndexerConfig", "IndexerOutput",
-    "IndexerWeights", "KERNEL_TARGETS", "OPS", "PrefillBatch", "Routing", "export_checks",
-    "indexer_prefill", "indexer_stage", "load_indexer_weights", "prepare_weights", "reference",
+    "IndexerWeights", "KERNEL_TARGETS", "OPS", "PrefillBatch", "Routing", "check_batch",
+    "export_checks", "indexer_prefill", "indexer_stage", "load_indexer_weights",
+    "prepare_weights", "reference",
 ]

@@ -13,6 +13,7 @@ arguments split over requests across devices (module glm5_jax.sharding).
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -35,6 +36,12 @@ from jax.sharding import PartitionSpec as P
 from . import _ffi
 
 KERNELS_ENV, PDL_ENV = "GLM5_JAX_KERNELS", "GLM5_JAX_PDL"
+# Every GLM5_JAX_* variable the project reads (the package, its build, tests and scripts):
+# any other is a misspelling, which Routing.from_env warns about once per name.
+KNOWN_ENV = frozenset({KERNELS_ENV, PDL_ENV, "GLM5_JAX_ENABLE_CUDA", "GLM5_JAX_REQUIRE_GPU",
+                       "GLM5_JAX_REQUIRE_CUDA_BUILD", "GLM5_JAX_TEST_WORKERS",
+                       "GLM5_JAX_TEST_SECONDS"})
+_warned_env = set()
 # The numpy scalar types an FFI attribute may have: the C++ handler binds bool, int32_t,
 # int64_t or float of the same name.
 ATTRIBUTE_TYPES = (np.bool_, np.int32, np.int64, np.float32)
@@ -43,6 +50,16 @@ ATTRIBUTE_TYPES = (np.bool_, np.int32, np.int64, np.float32)
 # dims have one size), requests (rows of a per-request table), pages (K-cache pages),
 # blocks (tail-ring blocks).
 SPLIT_GROUPS = ("rows", "requests", "pages", "blocks")
+
+
+def _warn_unknown_env(environ):
+  """Warns once per name about a GLM5_JAX_* variable the project does not read (a misspelt
+  GLM5_JAX_KERNEL=0 would otherwise leave every kernel on without a word)."""
+  for name in sorted(environ):
+    if name.startswith("GLM5_JAX_") and name not in KNOWN_ENV and name not in _warned_env:
+      _warned_env.add(name)
+      warnings.warn(f"glm5_jax: {name} is not a glm5_jax variable and is ignored; the "
+                    f"variables are {', '.join(sorted(KNOWN_ENV))}", stacklevel=4)
 
 
 class Split(NamedTuple):
@@ -423,6 +440,7 @@ class Routing:
     Anything else raises ValueError: a misspelt kill switch must not leave kernels on.
     """
     environ = os.environ if environ is None else environ
+    _warn_unknown_env(environ)
     raw = environ.get(KERNELS_ENV, "")
     kernels, ops = None, {}
     for entry in filter(None, raw.replace(" ", "").split(",")):

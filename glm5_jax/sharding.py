@@ -84,7 +84,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import serving
+from . import checks, serving
 from ._checks import fail
 from ._primitive import Routing, local_ids
 from .logits import mqa_logits, pool_topk
@@ -488,6 +488,9 @@ def context_parallel_stage(mesh: jax.sharding.Mesh, axis: str = "context"):
     _check_stage_inputs(weights, cache, x, qr, batch, config)
     _check_context_layout(op, devices, axis, cache.kv_cache, batch.page_table,
                           config.max_pools)
+    # Rows past capacity are pads, as in indexer_stage (SPEC §12).
+    batch = dataclasses.replace(batch, positions=checks.pad_past_capacity(
+        batch.positions, checks.capacity(cache, batch, config)))
     fn = functools.partial(body, config=config, use_reference=use_reference)
     return _shard_map(fn, mesh=mesh, in_specs=(s.weights, s.cache, s.rows, s.rows, s.batch),
                       out_specs=(s.output, s.cache), check_vma=False)(

@@ -15,6 +15,7 @@ from . import plan as _plan
 from . import reference
 from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
+from .checks import capacity, pad_past_capacity
 from .expand import expand_and_remap
 from .indexer import (
   W_OUT_DTYPES,
@@ -254,6 +255,20 @@ def _ops(config, use_reference):
       f.__name__: functools.partial(f, routing=config.routing) for f in fns})
 
 
+@jax.custom_jvp
+def _not_differentiable(*arrays):
+  """Identity whose derivative is an error naming the stage: the stage calls it on its float
+  arguments first, so that jax.grad (under jit too, and with use_reference=True, where no
+  primitive would object) fails there rather than inside whichever op comes first."""
+  return arrays
+
+
+@_not_differentiable.defjvp
+def _not_differentiable_jvp(primals, tangents):
+  raise TypeError("glm5_jax.indexer_stage is not differentiable (a decode-time stage: "
+                  "its cache writes, fp8 codes and top-k have no derivative)")
+
+
 def _check_stage_inputs(weights, cache, x, qr, batch, config):
   """The stage's boundary (trace time): the arguments against each other and the config,
   so that a bad one is named here instead of surfacing as a reshape, dot or silently
@@ -263,6 +278,7 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
                           ("cache", cache, IndexerCache), ("batch", batch, DecodeBatch)):
     if not isinstance(value, cls):
       fail(op, arg, f"must be a glm5_jax.{cls.__name__}, got {type(value).__name__}", TypeError)
+  inputs = (weights, cache.tail, x, qr)   # the float arguments, for the grad guard below
   i32, bf16, f32 = np.int32, jnp.bfloat16, np.float32
   aval = lambda arg, a: _aval(op, arg, a)
   # batch: requests x next_n rows, request-major.
@@ -273,8 +289,19 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
   for arg in ("loc", "tslot"):
     expect(op, f"batch.{arg}", aval(f"batch.{arg}", getattr(batch, arg)), i32, (b, n))
   expect(op, "batch.req_ids", aval("batch.req_ids", batch.req_ids), i32, (rows,))
+  tables = {}
   for arg in ("page_table", "block_table"):
-    expect(op, f"batch.{arg}", aval(f"batch.{arg}", getattr(batch, arg)), i32, (None, None))
+    tables[arg] = aval(f"batch.{arg}", getattr(batch, arg))
+    expect(op, f"batch.{arg}", tables[arg], i32, (None, None))
+    if 0 in tables[arg].shape:
+      fail(op, f"batch.{arg}", f"must have a row per request and a column at least, got "
+           f"shape {tuple(tables[arg].shape)}")
+  # req_ids name a row of both tables (SPEC §5e): a request with a row in one only would
+  # select pools it has no slots for, or slots of pools it never scored.
+  if tables["page_table"].shape[0] != tables["block_table"].shape[0]:
+    fail(op, "batch.block_table", f"must have as many rows as batch.page_table (one per "
+         f"request, named by req_ids): {tables['page_table'].shape[0]}, got shape "
+         f"{tuple(tables['block_table'].shape)}")
   # weights: their head count is config.heads.
   h = config.heads
   wq_b, w_cat = aval("weights.wq_b", weights.wq_b), aval("weights.w_cat", weights.w_cat)
@@ -308,6 +335,8 @@ def _check_stage_inputs(weights, cache, x, qr, batch, config):
   if tail.shape[0] < b:
     fail(op, "cache.tail", f"must have a block per request (dim 0 >= requests = {b}), "
          f"got shape {tuple(tail.shape)}")
+  _not_differentiable(*(a for a in jax.tree.leaves(inputs)
+                        if jnp.issubdtype(a.dtype, jnp.floating)))
   return b, n
 
 
@@ -333,6 +362,9 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   """
   config = IndexerConfig() if config is None else config
   b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
+  # A row past what its tables hold is a pad for every op that follows (SPEC §12).
+  tokens = capacity(cache, batch, config)
+  batch = dataclasses.replace(batch, positions=pad_past_capacity(batch.positions, tokens))
   ops = _ops(config, use_reference)
   plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)

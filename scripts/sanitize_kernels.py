@@ -107,6 +107,18 @@ def _variants():
   out.append(("select_slots parts", functools.partial(
       glm5_jax.select_slots, k=512, max_pools=8192, block_size=128, width=2053, stride_rows=160),
       slots_wide_args, None, True))
+  # The same and expand_and_remap with block-table entries that name no block inside the
+  # selection (SPEC §12.3: negative, or slots past int32): -1, not counted, holes closed.
+  def holes(args, rng):
+    table = np.array(args[-1])
+    cells = rng.integers(0, table.size, max(3, table.size // 8))
+    table.reshape(-1)[cells] = rng.choice([-7, -1, 2 ** 30, 2 ** 31 - 1], cells.size)
+    return args[:-1] + (cases.i32(table),)
+  out.append(("select_slots parts, bad block ids", functools.partial(
+      glm5_jax.select_slots, k=512, max_pools=8192, block_size=128, width=2053, stride_rows=160),
+      lambda rng: holes(slots_wide_args(rng), rng), None, True))
+  out.append(("expand_and_remap bad block ids", remap.fn,
+              lambda rng: holes(remap.make(rng), rng), None, True))
   return out
 
 

@@ -30,6 +30,13 @@ def remap_stride(block_size, stride_rows, op="expand_and_remap"):
   return stride_rows
 
 
+def max_block_id(block_size, stride_rows):
+  """The largest block-table entry that names a block (SPEC §12): its slots
+  entry * stride_rows + [0, block_size) all fit int32. A negative entry or one above this
+  names none, and its tokens are dropped (-1, not counted)."""
+  return (2 ** 31 - 1 - (block_size - 1)) // stride_rows
+
+
 def _tail_tokens(seq_lens):
   """(first token i32[rows], count i32[rows]) of each row's incomplete pool."""
   n = jnp.maximum(seq_lens, 0)
@@ -70,8 +77,9 @@ def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size,
   block_table i32[R, MB]; width >= 4G + 3; stride_rows > 0 (None: block_size).
   Token tok maps to
   block_table[req, tok // block_size] * stride_rows + tok % block_size; it is
-  dropped when its block is >= MB. Rows >= expanded and rows whose request is
-  outside [0, R) hold no indices.
+  dropped when its block is >= MB or its entry names no block (negative, or above
+  max_block_id: SPEC §12). Rows >= expanded and rows whose request is outside [0, R)
+  hold no indices.
   Returns (out i32[rows, width], counts i32[rows]): valid slots first in
   column order and -1 after them (compact), or each in its own column
   (compact=False).
@@ -89,6 +97,7 @@ def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size,
   valid = (blk < max_blocks) & req_ok[:, None]
   req = jnp.clip(req_ids, 0, n_req - 1)
   base = block_table[req[:, None], jnp.minimum(blk, max_blocks - 1)]
+  valid &= (base >= 0) & (base <= max_block_id(block_size, stride_rows))
   slots = jnp.where(valid, base * stride_rows + tokens % block_size, -1)
   counts = jnp.sum(valid, axis=1, dtype=jnp.int32)
   if not compact:

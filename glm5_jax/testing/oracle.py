@@ -354,7 +354,10 @@ def expand_and_remap(pool_ids, positions, req_ids, block_table, *, block_size, w
       blk, off = tk // block_size, tk % block_size
       if blk >= MB:
         continue
-      v = _wrap32(int(block_table[req, blk]) * stride + off)
+      entry = int(block_table[req, blk])
+      if entry < 0 or entry * stride + block_size - 1 > 2 ** 31 - 1:
+        continue                       # SPEC §12: the entry names no block
+      v = entry * stride + off
       if compact:
         out[t, n_valid] = v
       else:
