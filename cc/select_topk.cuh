@@ -30,9 +30,10 @@ namespace cg = cooperative_groups;
 // tokens remapped through the request's block table (SPEC §7: expand_and_remap with
 // seq_offset 1, compact), one quad at the pool's rank; the tail quad after the selected
 // pools, then -1 quads to the row's width. A pool's slots are kept or dropped as a whole
-// (block_size % 4 == 0), and the dropped ones (blocks past the table) are the row's largest
-// tokens (the ids ascend with the rank; the tail is above every pool), so a pool written at
-// its rank is already the compacted layout.
+// (block_size % 4 == 0), and the ones dropped for a block past the table are the row's
+// largest tokens (the ids ascend with the rank; the tail is above every pool), so a pool
+// written at its rank is already the compacted layout. A pool dropped for an entry that names
+// no block (SPEC §12) leaves a -1 quad inside the row; close_holes moves the kept ones down.
 struct SlotArgs {
   const int32_t* req_ids;      // s32 [rows]
   const int32_t* block_table;  // s32 [requests, max_blocks]
@@ -41,6 +42,7 @@ struct SlotArgs {
   int64_t requests, max_blocks;
   Divisor block_size;
   int32_t stride_rows, width;
+  int32_t max_block;           // max_block_id(block_size, stride_rows)
   bool vector;                 // width % 4 == 0 and 16-byte aligned rows: one store a quad
 };
 
@@ -74,6 +76,7 @@ struct TopkShared {
   uint32_t warp_bound[kTopkMaxThreads / kWarp];
   uint32_t digit, above, count;
   uint32_t valid;  // select_slots: the selected pools the block table keeps (RowOut::valid)
+  uint32_t holes;  // select_slots: nonzero once the top-k's emit dropped a selected pool
   uint32_t cand_key[kTopkCandidates];  // the keys kept after the bound, gathered in id order
   int32_t cand_id[kTopkCandidates];
 };
@@ -91,7 +94,7 @@ struct RowOut {
   __device__ __forceinline__ Remap remap() const {
     const SlotArgs& s = a.slots;
     return Remap{s.block_table + (req >= 0 ? req * s.max_blocks : 0), s.max_blocks,
-                 s.block_size, s.stride_rows};
+                 s.block_size, s.stride_rows, s.max_block};
   }
   __device__ __forceinline__ void quad(int q, int4 v) const {
     const SlotArgs& s = a.slots;
@@ -99,16 +102,17 @@ struct RowOut {
     if (s.vector) store_quad<true>(row, q, s.width, v);
     else store_quad<false>(row, q, s.width, v);
   }
-  // The pool at rank `at` of the selection is `id`.
-  __device__ __forceinline__ void put(int32_t at, int32_t id) const {
+  // The pool at rank `at` of the selection is `id`; false where the table drops it.
+  __device__ __forceinline__ bool put(int32_t at, int32_t id) const {
     if (!slots()) {
       a.out[static_cast<int64_t>(r) * a.k + at] = id;
-      return;
+      return true;
     }
     int32_t first = 0;
     const bool live = req >= 0 && remap().slot(wrap_mul(id, kPool), &first);
     quad(at, live ? run4(first) : none4());
     if (valid != nullptr && live) atomicAdd(valid, 1u);
+    return live;
   }
 };
 
@@ -157,6 +161,36 @@ __device__ __forceinline__ void finish_count(const TopkArgs& a, int r, const Row
     int4 tail;
     const int32_t tail_slots = row_tail(a, r, o, &tail);
     a.slots.counts[r] = kPool * static_cast<int32_t>(*o.valid) + tail_slots;
+  }
+}
+
+// select_slots, by every thread of the CTA that wrote row r's `selected` pools (the same
+// branch in all), past a barrier after their stores: where a pool was dropped (`holes`, the
+// same in every thread), its -1 quad may lie between kept ones (an entry that names no
+// block, SPEC §12); the kept quads move down over the holes in rank order (a pool quad is
+// run4 of its first slot: the first column says it), then the tail quad and -1 quads, and
+// the count is the kept slots'. A row without a dropped pool is left as it is.
+template <int kThreads>
+__device__ __forceinline__ void close_holes(const TopkArgs& a, int r, const RowOut& o,
+                                            int32_t selected, bool holes, TopkShared& sh) {
+  if (!holes) return;
+  const int32_t* row = a.slots.out + static_cast<int64_t>(r) * a.slots.width;
+  int32_t kept = 0;
+  for (int32_t base = 0; base < selected; base += kThreads) {
+    const int32_t q = base + static_cast<int32_t>(threadIdx.x);
+    const int32_t first = q < selected ? row[kPool * q] : -1;
+    const Scan scan = block_scan<kThreads>(first >= 0 ? 1u : 0u, sh.warp_sums);
+    __syncthreads();  // this round's quads are read before any moves (destinations <= sources)
+    if (first >= 0) o.quad(kept + static_cast<int32_t>(scan.incl) - 1, run4(first));
+    kept += static_cast<int32_t>(scan.total);
+  }
+  for (int32_t q = kept + 1 + static_cast<int32_t>(threadIdx.x); q <= selected; q += kThreads)
+    o.quad(q, none4());
+  if (threadIdx.x == 0) {
+    int4 tail;
+    const int32_t tail_slots = row_tail(a, r, o, &tail);
+    o.quad(kept, tail);
+    a.slots.counts[r] = kPool * kept + tail_slots;
   }
 }
 
@@ -262,7 +296,8 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     const uint32_t d = key[i] >> shift;
     if (d > top || (d == top && take > 0u)) {
       if (d == top) --take;
-      out.put(at++, id_of(i));
+      // A flag in shared memory, not a register held through the unrolled emit (spills).
+      if (!out.put(at++, id_of(i))) sh.holes = 1u;
     }
   }
 }
@@ -446,7 +481,8 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, co
 // row writes before its wait. select_slots' rows get their tail and -1 quads here too.
 template <int kThreads>
 __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, RowOut& out,
-                                                   bool writes, uint32_t* valid) {
+                                                   bool writes, TopkShared& sh) {
+  uint32_t* const valid = &sh.valid;
   if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (writes && out.slots()) {
@@ -468,13 +504,17 @@ __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, Row
       if (!out.slots())
         for (int32_t i = threadIdx.x; i < a.k; i += kThreads)
           a.out[static_cast<int64_t>(r) * a.k + i] = i < n ? i : -1;
-      else
-        for (int32_t i = threadIdx.x; i < n; i += kThreads) out.put(i, i);
+      else {
+        bool dropped = false;
+        for (int32_t i = threadIdx.x; i < n; i += kThreads) dropped |= !out.put(i, i);
+        close_holes<kThreads>(a, r, out, n, __syncthreads_or(dropped), sh);
+      }
     }
     if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
     pdl_launch_dependents();
     return -1;
   }
+  if (threadIdx.x == 0) sh.holes = 0u;  // barriers of the selection come before its emit
   if (a.early_rows) pdl_wait();
   return n;
 }
@@ -485,10 +525,14 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   __shared__ TopkShared sh;
   const int r = blockIdx.x;
   RowOut out = row_out(a, r);
-  const int32_t n = pools_to_select<kThreads>(a, r, out, true, &sh.valid);
+  const int32_t n = pools_to_select<kThreads>(a, r, out, true, sh);
   if (n < 0) return;
   topk_row<kThreads, kPer>(a, r, n, out, sh);
   finish_count(a, r, out);
+  if (out.slots()) {
+    __syncthreads();
+    close_holes<kThreads>(a, r, out, a.k, sh.holes != 0u, sh);
+  }
   pdl_launch_dependents();
 }
 
@@ -513,7 +557,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const int r = blockIdx.x / kParts;
   const int32_t k = a.k;
   RowOut out = row_out(a, r);
-  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, &sh.valid);
+  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, sh);
   if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
 
   // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
@@ -602,6 +646,10 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     else
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     finish_count(a, r, out);
+    if (out.slots()) {
+      __syncthreads();
+      close_holes<kThreads>(a, r, out, k, sh.holes != 0u, sh);
+    }
   }
   pdl_launch_dependents();
 }
