@@ -76,7 +76,6 @@ struct TopkShared {
   uint32_t warp_bound[kTopkMaxThreads / kWarp];
   uint32_t digit, above, count;
   uint32_t valid;  // select_slots: the selected pools the block table keeps (RowOut::valid)
-  uint32_t holes;  // select_slots: nonzero once the top-k's emit dropped a selected pool
   uint32_t cand_key[kTopkCandidates];  // the keys kept after the bound, gathered in id order
   int32_t cand_id[kTopkCandidates];
 };
@@ -89,6 +88,7 @@ struct RowOut {
   int32_t r;
   int32_t req;      // select_slots: the row's block-table row, -1 where the request has none
   uint32_t* valid;  // counts the kept selected pools where the table may drop some, else null
+  mutable bool dropped = false;  // this thread wrote a -1 quad for a selected pool
 
   __device__ __forceinline__ bool slots() const { return a.slots.out != nullptr; }
   __device__ __forceinline__ Remap remap() const {
@@ -102,17 +102,17 @@ struct RowOut {
     if (s.vector) store_quad<true>(row, q, s.width, v);
     else store_quad<false>(row, q, s.width, v);
   }
-  // The pool at rank `at` of the selection is `id`; false where the table drops it.
-  __device__ __forceinline__ bool put(int32_t at, int32_t id) const {
+  // The pool at rank `at` of the selection is `id`.
+  __device__ __forceinline__ void put(int32_t at, int32_t id) const {
     if (!slots()) {
       a.out[static_cast<int64_t>(r) * a.k + at] = id;
-      return true;
+      return;
     }
     int32_t first = 0;
     const bool live = req >= 0 && remap().slot(wrap_mul(id, kPool), &first);
     quad(at, live ? run4(first) : none4());
     if (valid != nullptr && live) atomicAdd(valid, 1u);
-    return live;
+    dropped |= !live;
   }
 };
 
@@ -122,7 +122,7 @@ __device__ __forceinline__ RowOut row_out(const TopkArgs& a, int r) {
     req = __ldg(a.slots.req_ids + r);
     if (req >= a.slots.requests) req = -1;
   }
-  return RowOut{a, r, req < 0 ? -1 : req, nullptr};
+  return RowOut{a, r, req < 0 ? -1 : req, nullptr, false};
 }
 
 // Row r's tail quad (its incomplete pool: positions + 1 tokens) into `quad`; its kept slots.
@@ -165,15 +165,14 @@ __device__ __forceinline__ void finish_count(const TopkArgs& a, int r, const Row
 }
 
 // select_slots, by every thread of the CTA that wrote row r's `selected` pools (the same
-// branch in all), past a barrier after their stores: where a pool was dropped (`holes`, the
-// same in every thread), its -1 quad may lie between kept ones (an entry that names no
-// block, SPEC §12); the kept quads move down over the holes in rank order (a pool quad is
-// run4 of its first slot: the first column says it), then the tail quad and -1 quads, and
-// the count is the kept slots'. A row without a dropped pool is left as it is.
+// branch in all): where a pool was dropped, its -1 quad may lie between kept ones (an entry
+// that names no block, SPEC §12); the kept quads move down over the holes in rank order (a
+// pool quad is run4 of its first slot: the first column says it), then the tail quad and
+// -1 quads, and the count is the kept slots'. Rows without a dropped pool pass one barrier.
 template <int kThreads>
 __device__ __forceinline__ void close_holes(const TopkArgs& a, int r, const RowOut& o,
-                                            int32_t selected, bool holes, TopkShared& sh) {
-  if (!holes) return;
+                                            int32_t selected, TopkShared& sh) {
+  if (!__syncthreads_or(o.dropped)) return;  // also orders the quads' stores before the reads
   const int32_t* row = a.slots.out + static_cast<int64_t>(r) * a.slots.width;
   int32_t kept = 0;
   for (int32_t base = 0; base < selected; base += kThreads) {
@@ -296,8 +295,7 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     const uint32_t d = key[i] >> shift;
     if (d > top || (d == top && take > 0u)) {
       if (d == top) --take;
-      // A flag in shared memory, not a register held through the unrolled emit (spills).
-      if (!out.put(at++, id_of(i))) sh.holes = 1u;
+      out.put(at++, id_of(i));
     }
   }
 }
@@ -504,17 +502,14 @@ __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, Row
       if (!out.slots())
         for (int32_t i = threadIdx.x; i < a.k; i += kThreads)
           a.out[static_cast<int64_t>(r) * a.k + i] = i < n ? i : -1;
-      else {
-        bool dropped = false;
-        for (int32_t i = threadIdx.x; i < n; i += kThreads) dropped |= !out.put(i, i);
-        close_holes<kThreads>(a, r, out, n, __syncthreads_or(dropped), sh);
-      }
+      else
+        for (int32_t i = threadIdx.x; i < n; i += kThreads) out.put(i, i);
+      if (out.slots()) close_holes<kThreads>(a, r, out, n, sh);
     }
     if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
     pdl_launch_dependents();
     return -1;
   }
-  if (threadIdx.x == 0) sh.holes = 0u;  // barriers of the selection come before its emit
   if (a.early_rows) pdl_wait();
   return n;
 }
@@ -529,10 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   if (n < 0) return;
   topk_row<kThreads, kPer>(a, r, n, out, sh);
   finish_count(a, r, out);
-  if (out.slots()) {
-    __syncthreads();
-    close_holes<kThreads>(a, r, out, a.k, sh.holes != 0u, sh);
-  }
+  if (out.slots()) close_holes<kThreads>(a, r, out, a.k, sh);
   pdl_launch_dependents();
 }
 
@@ -646,10 +638,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     else
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     finish_count(a, r, out);
-    if (out.slots()) {
-      __syncthreads();
-      close_holes<kThreads>(a, r, out, k, sh.holes != 0u, sh);
-    }
+    if (out.slots()) close_holes<kThreads>(a, r, out, k, sh);
   }
   pdl_launch_dependents();
 }
