@@ -8,7 +8,7 @@ from jax import export
 
 import glm5_jax
 from glm5_jax import Routing, synthetic
-from glm5_jax.testing.cases import CASES
+from glm5_testing.cases import CASES
 
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024, routing=Routing(kernels=True))
 STAGE = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))

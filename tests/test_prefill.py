@@ -10,8 +10,8 @@ import pytest
 import glm5_jax
 from glm5_jax import synthetic
 from glm5_jax.reference.numerics import POOL
-from glm5_jax.testing import oracle
-from glm5_jax.testing.cases import tree_bytes
+from glm5_testing import oracle
+from glm5_testing.cases import tree_bytes
 
 from graphs import copied_shapes, gemm_pinned
 

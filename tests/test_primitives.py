@@ -7,7 +7,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.testing.cases import CASES, TOLERANCE
+from glm5_testing.cases import CASES, TOLERANCE
 
 OPS = sorted(CASES)
 

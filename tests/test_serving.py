@@ -13,7 +13,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import serving
-from glm5_jax.testing.cases import stage_state, tree_bytes
+from glm5_testing.cases import stage_state, tree_bytes
 
 from graphs import copied_shapes
 

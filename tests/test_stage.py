@@ -8,8 +8,8 @@ import jax
 import pytest
 
 import glm5_jax
-from glm5_jax.testing import oracle
-from glm5_jax.testing.cases import stage_state, tree_bytes
+from glm5_testing import oracle
+from glm5_testing.cases import stage_state, tree_bytes
 
 from graphs import copied_shapes, gemm_pinned
 

@@ -14,7 +14,7 @@ import pytest
 import glm5_jax
 from glm5_jax import Routing, indexer, update
 from glm5_jax import reference as ref
-from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
+from glm5_testing.cases import stage_state, tree_bytes, update_state
 
 from graphs import copied_shapes, cuda_module, glm5_calls
 
