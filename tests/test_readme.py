@@ -30,3 +30,19 @@ def test_usage_snippet_runs():
                         re.M)
   # positions 304 and 2504, then 305 and 2505: 2503 completed a pool, the tail restarts
   assert advanced == [("305", "2049"), ("306", "2050")], run.stdout
+
+
+def test_ci_runs_the_readme_commands():
+  """Each command of .ci/run's "README" steps is in the README as written (CI's build-dir
+  option aside): CI runs what a reader runs."""
+  steps, title = {}, None
+  for line in (ROOT / ".ci" / "run").read_text().splitlines():
+    if m := re.match(r'echo "== (.*)"$', line):
+      title = m.group(1)
+    elif title and line.strip() and not line.startswith("#"):
+      steps.setdefault(title, []).append(line.replace(' "${build[@]}"', ""))
+  commands = [c for title, lines in steps.items() if title.startswith("README") for c in lines]
+  assert any("pytest" in c for c in commands) and any("pip install" in c for c in commands)
+  readme = (ROOT / "README.md").read_text()
+  for command in commands:
+    assert command in readme, command
