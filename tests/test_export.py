@@ -8,6 +8,7 @@ from jax import export
 
 import glm5_jax
 from glm5_jax import Routing, synthetic
+from glm5_testing import tiers
 from glm5_testing.cases import CASES
 
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024, routing=Routing(kernels=True))
@@ -55,7 +56,7 @@ def test_export_checks_name_every_kernel():
                     for t in glm5_jax.KERNEL_TARGETS.values()]
 
 
-@pytest.mark.parametrize("platforms", [["cpu"], ["cpu", "cuda"]])
+@pytest.mark.parametrize("platforms", tiers.first(["cpu", "cuda"], ["cpu"]))
 def test_stage_round_trip(platforms):
   """Exported (for the CPU, or the CPU and CUDA with every kernel routed on), serialized,
   deserialized: the call on the CPU gives the original's bits and trees."""
@@ -86,7 +87,8 @@ def test_cuda_export_needs_the_checks():
       *args, config=CONFIG)
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("op", [pytest.param(op, marks=[pytest.mark.slow] * (op in tiers.CACHE_OPS))
+                                for op in sorted(CASES)])
 def test_every_op_exports(op):
   """Every op exports for the CPU and CUDA with its kernel on, round-trips, and the
   deserialized call equals the op on the CPU."""

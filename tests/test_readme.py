@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -13,6 +15,7 @@ def snippets():
                     re.DOTALL | re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_usage_snippet_runs():
   """In a fresh interpreter (nothing of the test process leaks in), from the repository
   root as a reader would; it prints one line per decode step."""
