@@ -1,6 +1,6 @@
-"""Every use of jax internals (jax._src), here alone, each for lack of a public API;
-tests/test_compat.py pins the behaviour each relies on, in both jax versions the package
-supports. Nothing else in glm5_jax imports jax._src (tests/test_package.py)."""
+"""Every use of jax internals (jax._src), here alone, each for lack of a public API.
+tests/test_compat.py pins the behaviour each relies on, so a jax release that changes it
+fails there; tests/test_package.py that nothing else imports jax._src."""
 from jax._src import dispatch as _dispatch
 from jax._src import sharding_impls as _sharding_impls
 
