@@ -111,7 +111,8 @@ def test_prefill_then_decode_is_a_longer_prefill(lengths, n):
   assert_equivalent(cache, want)
 
 
-@pytest.mark.parametrize("lengths", tiers.first([8, 13, 3, 30], [0, 6, 1, 17]))
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths", [[8, 13, 3, 30], [0, 6, 1, 17]])
 def test_prefill_then_next_n_decode(lengths):
   """With next_n 2 (RING 8) the ring holds more than the seed writes: the K cache is
   byte-equal to the longer prefill's, and so are the ring rows of each request's last
@@ -131,9 +132,10 @@ def test_prefill_then_next_n_decode(lengths):
                     glm5_jax.IndexerCache(want.kv_cache, jnp.where(live, want.tail, 0)))
 
 
-@pytest.mark.parametrize("first,second", tiers.first(
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [
     ([8, 12, 4], [4, 9, 16]), ([5, 2, 13], [7, 1, 3]), ([1, 3, 6], [2, 2, 11]),
-    ([0, 9, 14], [10, 0, 1])))
+    ([0, 9, 14], [10, 0, 1])])
 def test_chunked_prefill_is_one_prefill(first, second):
   """A chunk continues its request, starting at any position (the first pool of an
   unaligned chunk takes its earlier tokens from the tail ring); padded rows too."""
