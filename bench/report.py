@@ -134,7 +134,7 @@ def markdown(rows, meta, sizes, plot_ref):
       "nothing subtracted (see the calibration); reference = the op with GLM5_JAX_KERNELS=0 "
       "(pure JAX under jit), kernel = its CUDA FFI kernel, `kernel, PDL off` = the same "
       "with GLM5_JAX_PDL=0; triton = the stock op order as Triton kernels "
-      "(glm5_jax/testing/triton_oracle.py: one decode-update kernel, expand, expand + "
+      "(glm5_testing/triton_oracle.py: one decode-update kernel, expand, expand + "
       "column-preserving convert, convert) in a torch CUDA graph of N calls replayed "
       "back to back (indexer_query: torch's LayerNorm + the Triton Hadamard + FP8; "
       "indexer_projection_fused: a cuBLAS GEMM of W_cat, bf16 out, then the same); "

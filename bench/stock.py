@@ -1,4 +1,4 @@
-"""The stock op order as Triton kernels (glm5_jax/testing/triton_oracle.py, torch +
+"""The stock op order as Triton kernels (glm5_testing/triton_oracle.py, torch +
 triton with CUDA only): the "triton" variant, timed as a torch CUDA graph."""
 import functools
 import statistics
@@ -15,10 +15,10 @@ from .sizes import BLOCK, CONFIG, HEADS, WIDTH
 
 @functools.cache
 def triton_oracle():
-  """glm5_jax/testing/triton_oracle.py (stock-op-order Triton kernels) when torch + triton
+  """glm5_testing/triton_oracle.py (stock-op-order Triton kernels) when torch + triton
   with CUDA are importable, else None."""
   try:
-    from glm5_jax.testing import triton_oracle as t
+    from glm5_testing import triton_oracle as t
   except ImportError:
     return None
   return t.load()

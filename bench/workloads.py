@@ -2,7 +2,7 @@
 rotated inputs) and its floor (the minimum bytes and FLOPs of one call).
 
 WORKLOADS[op] = (builder(rand, sizes, **kwargs) -> Workload, shapes(sizes) -> [(label,
-kwargs)]). Not glm5_jax.testing.cases.Case (small example inputs for the correctness
+kwargs)]). Not glm5_testing.cases.Case (small example inputs for the correctness
 tests): a Workload is sized like the model, with >= 1 GB caches and inputs rotated past L2.
 """
 from typing import Callable, NamedTuple

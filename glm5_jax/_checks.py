@@ -1,12 +1,9 @@
-"""Trace-time argument checks: errors name the op and the argument."""
+"""Trace-time argument checks: errors name the op and the argument (fail: reference.checks)."""
 import numpy as np
 import jax.numpy as jnp
 
+from .reference.checks import fail
 from .reference.numerics import DIM, POOL, SCALE_FORMATS
-
-
-def fail(op, arg, message, error=ValueError):
-  raise error(f"glm5_jax.{op}: {arg} {message}")
 
 
 def expect(op, arg, aval, dtype, shape):

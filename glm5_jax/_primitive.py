@@ -21,19 +21,13 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-# Private jax modules, as jax's own custom-partitioned cuDNN ops use them: the lowering
-# needs the devices it spans (a primitive that partitions itself must say so, or jax
-# lowers without a device assignment) and whether it runs under XLA's partitioner.
-from jax._src import dispatch as _dispatch
-from jax._src import sharding_impls as _sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _ffi
+from . import _compat, _ffi
 
 KERNELS_ENV, PDL_ENV = "GLM5_JAX_KERNELS", "GLM5_JAX_PDL"
 # Every GLM5_JAX_* variable the project reads (the package, its build, tests and scripts):
@@ -100,11 +94,11 @@ def _spans_devices(ctx):
   """Whether this lowering is of an array program over several devices that XLA's
   partitioner splits (not one device, not the body of a jax.shard_map)."""
   axis_context = ctx.module_context.axis_context
-  if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+  if isinstance(axis_context, _compat.SPMDAxisContext):
     # a shard_map body (manual axes): each device's operands are already its own
     return (not axis_context.manual_axes
-            and len(axis_context.mesh._flat_devices_tuple) > 1)
-  if isinstance(axis_context, _sharding_impls.ShardingContext):
+            and axis_context.mesh.size > 1)
+  if isinstance(axis_context, _compat.ShardingContext):
     devices = axis_context.device_assignment
     return devices is not None and len(devices) > 1
   return False
@@ -184,7 +178,7 @@ class Op:
     mlir.register_lowering(prim, self._split_lowering(self._cuda_lowering(lower_ref)),
                            platform="cuda")
     if split is not None:
-      _dispatch.prim_requires_devices_during_lowering.add(prim)
+      _compat.require_devices_during_lowering(prim)
     batching.primitive_batchers[prim] = self._batch
     ad.primitive_jvps[prim] = self._jvp
 

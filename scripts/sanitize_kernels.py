@@ -7,15 +7,17 @@
 The GPU runs only the kernels and the jit's glue (no reference programs there:
 compute-sanitizer crashes on some of XLA's own kernels inside the test suite);
 each output is checked against the reference run on the CPU backend. Inputs:
-glm5_jax/testing/cases.py (padding, negative and out-of-range indices, ragged rows) plus
+glm5_testing/cases.py (padding, negative and out-of-range indices, ragged rows) plus
 kernel-sized variants, several seeds each. Exit status 1 on a mismatch (the K caches of
 the kpool ops: beyond SPEC D2).
 """
 import functools
 import os
 import sys
+from pathlib import Path
 
 os.environ["GLM5_JAX_KERNELS"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the root: glm5_testing
 
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
@@ -24,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import glm5_jax  # noqa: E402
 from glm5_jax import plan  # noqa: E402
 from glm5_jax.indexer import GEMV_SPLIT  # noqa: E402
-from glm5_jax.testing import cases, oracle  # noqa: E402
+from glm5_testing import cases, oracle  # noqa: E402
 
 SEEDS = 3
 

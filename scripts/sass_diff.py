@@ -9,7 +9,7 @@ Only device code is compared: a change of host code (FFI handlers, launch plans)
 GPU tests whatever this says.
 
 Both builds go through CMakeLists.txt (its flags and architectures, CMake's own generator),
-with the nvcc that glm5_jax.testing.sass.cuda_tool finds (PATH, else $CUDA_HOME/bin); the
+with the nvcc that glm5_testing.sass.cuda_tool finds (PATH, else $CUDA_HOME/bin); the
 answer holds for that toolkit (the H200's is nvcc 13.0, as on the CPU machines). cuobjdump
 and nvdisasm likewise, or from PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm.
 
@@ -27,9 +27,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from glm5_jax.testing.sass import cuda_tool, module_sass
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the root: glm5_testing
+
+from glm5_testing.sass import cuda_tool, module_sass  # noqa: E402
 
 
 def export_tree(rev, into):

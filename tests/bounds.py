@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 # K-cache pools that may differ (in some fp8 byte) between a kpool kernel (the stock
 # ex2.approx / div.full arithmetic) and the reference (IEEE exp and division): measured

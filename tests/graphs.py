@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from glm5_jax.testing.cases import CASES
+from glm5_testing.cases import CASES
 
 
 def cuda_module(fn, args, donate=()):

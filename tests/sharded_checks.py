@@ -16,12 +16,14 @@ import os
 import re
 import sys
 import traceback
+from pathlib import Path
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--devices", type=int, default=4)
 ARGS.add_argument("checks", nargs="*")
 ARGS = ARGS.parse_args() if __name__ == "__main__" else ARGS.parse_args([])
 DEVICES = ARGS.devices
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the root: glm5_testing
 # Only adds host CPU devices: on a GPU machine jax still picks its GPUs. (Imported, as
 # tests/multiprocess_checks.py does for its builders, the importer sets its own count.)
 if __name__ == "__main__":
@@ -36,7 +38,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import glm5_jax  # noqa: E402
 from glm5_jax import serving, sharding, synthetic  # noqa: E402
 from glm5_jax._primitive import Op  # noqa: E402
-from glm5_jax.testing.cases import CASES, tree_bytes  # noqa: E402
+from glm5_testing.cases import CASES, tree_bytes  # noqa: E402
 
 AXIS = "data"
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)

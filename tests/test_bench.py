@@ -62,6 +62,7 @@ def test_time_step_threads_state():
   assert 0 < sec * 22 <= info["run_us"] * 1e-6 * 1.0001 and info["dispatch_us"] > 0
 
 
+@pytest.mark.slow
 def test_stage_update_only_step_is_the_stages_update_part():
   """bench.stage's "update part only" step: every layer's caches and w_out exactly as
   the whole stage leaves and returns them (the selection left out), on two layers."""
@@ -154,6 +155,7 @@ def test_kernel_times_parses_a_subset_of_the_ops():
     kernel_times.parse(csv([1000]), sizes, ("pool_topk",))
 
 
+@pytest.mark.slow
 def test_stage_chained_steps_read_the_step_before():
   """--stage-chained: the first layer's inputs read the last layer's tail ring as the step
   before left it (+ 0 * its first element), so no two steps' GEMMs are independent (XLA's
@@ -252,6 +254,7 @@ def test_step_times_timeline_reads_spans_gaps_and_overlap():
     step_times.gpu_kernels(dict(traceEvents=meta[:2] + events))
 
 
+@pytest.mark.slow
 def test_step_times_runs_the_sections_in_the_parsers_order():
   """bench.step_times runs every section (CPU smoke shapes) in the order its parser
   splits the CSV by (sections()): the sections' names come from that order alone."""
@@ -263,6 +266,7 @@ def test_step_times_runs_the_sections_in_the_parsers_order():
   assert len(timed) == 2 * len(step_times.VARIANTS)
 
 
+@pytest.mark.slow
 def test_skip_variants_apply_to_the_whole_step_groups(tmp_path):
   """--skip-variants names variants of every group: the stage and prefill groups build
   their variant lists through Bench.kept, as the per-op groups do (an H200 call ran
@@ -285,6 +289,7 @@ def test_skip_variants_apply_to_the_whole_step_groups(tmp_path):
   assert bench.rows == []
 
 
+@pytest.mark.slow
 def test_skip_variants_are_checked_names_and_may_drop_the_reference(tmp_path, capsys):
   """A name that is no variant is a command-line error, not a silently full run; every group
   takes --skip-variants reference (a focused kernel-vs-Triton run on the H200 spends no
@@ -374,6 +379,7 @@ def test_max_sets_and_calls_bound_the_chains(capsys):
   assert "--max-sets must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sweep_q_times_each_tactic_that_tiles(tmp_path, monkeypatch):
   """--sweep-q: one indexer_q row per tactic of Q_TACTICS that tiles the model's wq_b, per
   shape, named "kernel <tactic>" (on the CPU the op runs its reference; the rows' names and

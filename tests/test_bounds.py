@@ -13,7 +13,7 @@ import pytest
 from test_select_gpu import LOGITS_CASES, logits_case
 
 from glm5_jax import reference as ref
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 F64 = np.float64
 
@@ -293,7 +293,7 @@ def test_no_silent_skip_under_require_gpu():
 
 
 def test_require_gpu_fails_a_missing_triton_oracle(monkeypatch):
-  from glm5_jax.testing import triton_oracle
+  from glm5_testing import triton_oracle
   if triton_oracle.load() is not None:            # a GPU machine with torch + triton
     assert triton_oracle.optional() is triton_oracle.load()
     return

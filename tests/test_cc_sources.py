@@ -65,13 +65,13 @@ def test_limits_header_follows_the_declaration(monkeypatch):
 
 def test_limits_declared_once_in_python():
   """No module of the op layer assigns a limit's name but glm5_jax/limits.py (the op modules
-  import them; the test oracles in glm5_jax/testing name their own cases)."""
+  import them)."""
   from glm5_jax.reference import numerics
   assert all(getattr(limits, n) is getattr(numerics, n) for n in SPEC_SIZES)
   names = "|".join(n for n in _limit_names() if n not in SPEC_SIZES)
   assignment = re.compile(rf"^(?:\w+, )*({names})(?:, \w+)* *=[^=]", re.MULTILINE)
   modules = [p for p in sorted((ROOT / "glm5_jax").rglob("*.py"))
-             if p.name != "limits.py" and "testing" not in p.parts]
+             if p.name != "limits.py"]
   found = [(p.name, m.group(1)) for p in modules for m in assignment.finditer(p.read_text())]
   assert found == []
   from glm5_jax import expand, indexer, logits, update

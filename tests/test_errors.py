@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import glm5_jax
-from glm5_jax.testing.cases import CASES
+from glm5_testing.cases import CASES
 
 
 def _replace(i, fn):

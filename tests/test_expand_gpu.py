@@ -10,7 +10,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.testing import triton_oracle
+from glm5_testing import triton_oracle
 
 from graphs import glm5_calls, run_and_check_graphed
 
@@ -223,7 +223,7 @@ def test_random_glm_batches():
 
 def test_triton_index_kernels_match_the_reference():
   """The stock-order Triton expand and column-preserving convert that `python -m bench`
-  times next to the kernels (glm5_jax/testing/triton_oracle.py) equal the reference."""
+  times next to the kernels (glm5_testing/triton_oracle.py) equal the reference."""
   T = triton_oracle.require()
   rng = np.random.default_rng(6)
   ids, pos, req, table = (i32(a) for a in glm_batch(rng, 4096, block_size=128))

@@ -10,7 +10,8 @@ from jax import export
 
 import glm5_jax
 from glm5_jax import Routing, synthetic
-from glm5_jax.testing.cases import CASES
+from glm5_testing import tiers
+from glm5_testing.cases import CASES
 
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024, routing=Routing(kernels=True))
 STAGE = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))
@@ -62,6 +63,7 @@ def test_export_checks_name_every_kernel():
                     for t in glm5_jax.KERNEL_TARGETS.values()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platforms", [["cpu"], ["cpu", "cuda"]])
 def test_stage_round_trip(platforms):
   """Exported (for the CPU, or the CPU and CUDA with every kernel routed on), serialized,
@@ -93,7 +95,8 @@ def test_cuda_export_needs_the_checks():
       *args, config=CONFIG)
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("op", [pytest.param(op, marks=[pytest.mark.slow] * (op in tiers.CACHE_OPS))
+                                for op in sorted(CASES)])
 def test_every_op_exports(op):
   """Every op exports for the CPU and CUDA with its kernel on, round-trips, and the
   deserialized call equals the op on the CPU."""

@@ -21,7 +21,7 @@ from bounds import check_key
 import glm5_jax
 from glm5_jax import reference as ref
 from glm5_jax.indexer import FUSED_WARPS
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 from graphs import run_and_check_graphed
 

@@ -6,7 +6,7 @@
     the key LayerNorm within 1 bf16 ulp (SPEC D2: XLA's rsqrt and contraction may
     differ), mismatch rate printed. Wide magnitudes (2^-14 .. 2^7), rows of zeros
     (the 1e-4 amax floor) and NaN rows (NaN -> -448, floor scale).
-(b) q_fp8 bytes and w_out bit-identical to the Triton oracle (glm5_jax/testing/triton_oracle.py
+(b) q_fp8 bytes and w_out bit-identical to the Triton oracle (glm5_testing/triton_oracle.py
     `query`, the stock op order).
 (c) The FFI call is in the optimised HLO and runs inside a command buffer.
 """
@@ -20,8 +20,8 @@ from bounds import check_key, key_rate_limit
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.testing import oracle as O
-from glm5_jax.testing import triton_oracle
+from glm5_testing import oracle as O
+from glm5_testing import triton_oracle
 
 from graphs import run_and_check_graphed
 

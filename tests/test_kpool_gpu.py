@@ -5,7 +5,7 @@
     tail rows bit-identical, K-cache bytes within SPEC D2's allowance
     (oracle.compare_cache; the mismatch rate is printed).
 (b) Bit-identical fp8 bytes, scale bytes and tail rows against the Triton
-    oracle (glm5_jax/testing/triton_oracle.py, the stock op order) over 9 x 2^17 pools
+    oracle (glm5_testing/triton_oracle.py, the stock op order) over 9 x 2^17 pools
     (next_n 1 to 16), and on the edge-case chains of (a).
 (c) A jitted step with donated caches updates them in place and a second call
     continues from the first.
@@ -21,8 +21,8 @@ from test_reference_kpool import special_pools
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.testing import oracle as O
-from glm5_jax.testing import triton_oracle
+from glm5_testing import oracle as O
+from glm5_testing import triton_oracle
 
 from graphs import copied_shapes, run_and_check_graphed
 

@@ -21,7 +21,7 @@ from glm5_jax.indexer import (
   q_tactic,
 )
 from glm5_jax.logits import TOPK_MAX_POOLS
-from glm5_jax.testing.cases import CASES, stage_state
+from glm5_testing.cases import CASES, stage_state
 
 from graphs import cuda_module, glm5_calls
 

@@ -1,7 +1,11 @@
 """Packaging: import without the CUDA module, diagnostics, the module's
-registrations when it is built."""
+registrations when it is built; the package's boundaries (what it imports, what its wheel
+holds)."""
+import ast
+import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -40,3 +44,71 @@ def test_cuda_module_registers_every_kernel():
   assert _ffi.register_targets(), "the CUDA module is not built"
   assert set(_ffi._glm5_cuda.registrations()) == set(glm5_jax.KERNEL_TARGETS.values())
   assert _ffi.ffi_api_version()[0] == 0
+
+
+# Boundaries ---------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "glm5_jax"
+
+
+def imports(path):
+  """The absolute names a Python file imports: `import a.b` gives a.b, `from .m import x`
+  in package p gives p.m.x (a submodule or a name in one), function-level imports too."""
+  package = path.relative_to(ROOT).parts[:-1]
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      out.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = package[:len(package) - node.level + 1] if node.level else ()
+      base = ".".join(base + ((node.module,) if node.module else ()))
+      out.update(f"{base}.{alias.name}" for alias in node.names)
+  return out
+
+
+def test_imports_reads_relative_and_absolute_imports():
+  """imports() resolves what the boundary tests below rely on."""
+  got = imports(PACKAGE / "reference" / "update.py")
+  assert "glm5_jax.reference.kpool.kpool_update" in got and "jax.numpy" in got
+  assert "glm5_jax._ffi" in imports(PACKAGE / "_primitive.py")
+  assert "glm5_jax.reference.numerics.DIM" in imports(PACKAGE / "_checks.py")
+  assert "jax._src.dispatch" in imports(PACKAGE / "_compat.py")
+
+
+def test_reference_imports_nothing_of_the_op_layer():
+  """The reference is the executable spec: each of its modules imports numpy, jax and the
+  reference alone (the op layer imports the reference, never the other way)."""
+  for path in sorted((PACKAGE / "reference").glob("*.py")):
+    for name in imports(path):
+      top = name.split(".")[0]
+      assert top in ("numpy", "jax", "ml_dtypes", "glm5_jax"), (path.name, name)
+      assert top != "glm5_jax" or name.startswith("glm5_jax.reference."), (path.name, name)
+
+
+def test_jax_internals_only_in_compat():
+  """No file but glm5_jax/_compat.py imports jax._src (tests, bench and scripts included):
+  _compat's uses are pinned by tests/test_compat.py."""
+  for folder in ("glm5_jax", "glm5_testing", "tests", "bench", "scripts", "examples"):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      if path != PACKAGE / "_compat.py":
+        internal = {n for n in imports(path) if n == "jax._src" or n.startswith("jax._src.")}
+        assert not internal, (str(path.relative_to(ROOT)), internal)
+
+
+def test_oracles_are_not_in_the_wheel():
+  """The wheel is glm5_jax alone: the test oracles and cases live beside it in
+  glm5_testing/, and no module of the package imports them, bench/ or tests/."""
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    assert tomllib.load(f)["tool"]["scikit-build"]["wheel"]["packages"] == ["glm5_jax"]
+  assert (ROOT / "glm5_testing" / "oracle.py").exists()
+  assert not (PACKAGE / "testing").exists()
+  for path in sorted(PACKAGE.rglob("*.py")):
+    for name in imports(path):
+      assert name.split(".")[0] not in ("glm5_testing", "bench", "tests"), (path, name)
+  old = "glm5_jax" + ".testing", "glm5_jax" + "/testing"
+  texts = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md")]
+  for folder in ("glm5_jax", "glm5_testing", "tests", "bench", "scripts", "examples"):
+    texts += (ROOT / folder).rglob("*.py")
+  for path in texts:
+    assert not any(o in path.read_text() for o in old), f"{path} names the old place"

@@ -11,8 +11,8 @@ from bounds import check_equivalent
 import glm5_jax
 from glm5_jax import synthetic
 from glm5_jax.reference.numerics import POOL
-from glm5_jax.testing import oracle
-from glm5_jax.testing.cases import tree_bytes
+from glm5_testing import oracle, tiers
+from glm5_testing.cases import tree_bytes
 
 from graphs import copied_shapes, gemm_pinned
 
@@ -145,9 +145,9 @@ def test_equivalence_check_passes_what_d2_allows(kind):
   check_equivalent(kv, tail, kv, tail)
 
 
-@pytest.mark.parametrize("lengths,n", [
-    ([8, 13, 3, 30], 1), ([8, 13, 3, 30], 3), ([16, 1, 6, 21], 6), ([0, 4, 9, 2], 5),
-    ([5, 5, 5, 5], 9)])
+@pytest.mark.parametrize("lengths,n", tiers.first(
+    ([8, 13, 3, 30], 3), ([8, 13, 3, 30], 1), ([16, 1, 6, 21], 6), ([0, 4, 9, 2], 5),
+    ([5, 5, 5, 5], 9)))
 def test_prefill_then_decode_is_a_longer_prefill(lengths, n):
   """Prefill of L tokens then n decode steps (indexer_stage, next_n 1: RING 4, every
   row live) leaves every byte of both caches as one prefill of L + n tokens, for
@@ -163,6 +163,7 @@ def test_prefill_then_decode_is_a_longer_prefill(lengths, n):
   assert_equivalent(cache, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[8, 13, 3, 30], [0, 6, 1, 17]])
 def test_prefill_then_next_n_decode(lengths):
   """With next_n 2 (RING 8) the ring holds more than the seed writes: the K cache is
@@ -183,6 +184,7 @@ def test_prefill_then_next_n_decode(lengths):
                     glm5_jax.IndexerCache(want.kv_cache, jnp.where(live, want.tail, 0)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [
     ([8, 12, 4], [4, 9, 16]), ([5, 2, 13], [7, 1, 3]), ([1, 3, 6], [2, 2, 11]),
     ([0, 9, 14], [10, 0, 1])])

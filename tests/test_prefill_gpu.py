@@ -1,6 +1,6 @@
 """kpool_compress as the CUDA kernel (glm5_kpool_compress) on the GPU (SPEC §4a).
 
-(1) K-cache bytes bit-identical to the Triton oracle (glm5_jax/testing/triton_oracle.py
+(1) K-cache bytes bit-identical to the Triton oracle (glm5_testing/triton_oracle.py
     `compress`, the stock op order) on random pools at random distinct slots, every
     scale mode, at a 32K-token prompt's 8192 pools and with wide inputs; every entry no
     row writes unchanged.
@@ -27,8 +27,8 @@ from test_reference_kpool import special_pools
 
 import glm5_jax
 from glm5_jax import reference as ref
-from glm5_jax.testing import oracle as O
-from glm5_jax.testing import triton_oracle
+from glm5_testing import oracle as O
+from glm5_testing import triton_oracle
 
 from graphs import copied_shapes, run_and_check_graphed
 

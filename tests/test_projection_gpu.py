@@ -27,7 +27,7 @@ from glm5_jax.indexer import (
   projection_tactic,
   projection_tactics,
 )
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 from graphs import run_and_check_graphed
 

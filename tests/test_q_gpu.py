@@ -31,7 +31,7 @@ from glm5_jax.indexer import (
   WGMMA_BOX_K,
   q_kernel_tiles,
 )
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 from graphs import run_and_check_graphed
 

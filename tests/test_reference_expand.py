@@ -7,8 +7,8 @@ import jax
 import pytest
 
 from glm5_jax import reference as R
-from glm5_jax.testing import oracle as O
-from glm5_jax.testing.cases import i32
+from glm5_testing import oracle as O
+from glm5_testing.cases import i32
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from glm5_jax import reference as R
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 F32 = np.float32
 

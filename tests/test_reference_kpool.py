@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import pytest
 
 from glm5_jax import reference as R
-from glm5_jax.testing import oracle as O
-from glm5_jax.testing.cases import i32
+from glm5_testing import oracle as O
+from glm5_testing.cases import i32
 
 BF16 = O.BF16
 STATS = {"multi": 0}     # entries whose fp8 codes differ by > 1 code (see compare_cache)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from glm5_jax import reference as R
-from glm5_jax.testing import oracle as O
-from glm5_jax.testing.cases import i32
+from glm5_testing import oracle as O
+from glm5_testing.cases import i32
 
 F32 = np.float32
 

@@ -8,7 +8,7 @@ import ml_dtypes
 import pytest
 
 from glm5_jax.reference import numerics as N
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 F32 = np.float32
 

@@ -23,7 +23,7 @@ import re
 import pytest
 from conftest import missing
 
-from glm5_jax.testing.sass import module_sass
+from glm5_testing.sass import module_sass
 
 pytestmark = pytest.mark.cuda_build
 
@@ -52,7 +52,7 @@ def _before_wait(instructions, pattern):
 
 @pytest.fixture(scope="module")
 def functions():
-  """{kernel: [instruction, ...]} of the built module (glm5_jax.testing.sass; conftest has
+  """{kernel: [instruction, ...]} of the built module (glm5_testing.sass; conftest has
   skipped or failed the test where the module is not built)."""
   from glm5_jax import _ffi
   try:

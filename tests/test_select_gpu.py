@@ -15,7 +15,7 @@ from bounds import check_logits
 import glm5_jax
 from glm5_jax import reference as ref
 from glm5_jax.logits import LOGITS_MAX_ROWS
-from glm5_jax.testing import oracle as O
+from glm5_testing import oracle as O
 
 from graphs import run_and_check_graphed
 

@@ -13,7 +13,8 @@ import pytest
 
 import glm5_jax
 from glm5_jax import serving
-from glm5_jax.testing.cases import stage_state, tree_bytes
+from glm5_testing import tiers
+from glm5_testing.cases import stage_state, tree_bytes
 
 from graphs import copied_shapes
 
@@ -106,7 +107,7 @@ def test_decode_metadata_pads():
   assert tslot.tolist() == [7, -1] and req.tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([40, 2999], 4)])
+@pytest.mark.parametrize("contexts,next_n", tiers.first(([10, 1500, 3001, 77], 1), ([40, 2999], 4)))
 def test_packed_step_equals_batch_step(contexts, next_n):
   weights, cache, x, qr, batch = state(contexts, next_n)
   want = STAGE(weights, jax.tree.map(jnp.copy, cache), x, qr, batch, config=CONFIG)

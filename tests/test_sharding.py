@@ -30,6 +30,7 @@ def run_check(name):
   assert f"ok {name}" in done.stdout
 
 
+@pytest.mark.slow
 def test_every_primitive_under_shard_map():
   """Each op of OPS inside jax.shard_map over 4 devices, each with its own operands
   (caches included), equals the op on each device's operands alone, bit for bit."""

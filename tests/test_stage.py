@@ -9,7 +9,8 @@ import pytest
 from bounds import check_cache_d2
 
 import glm5_jax
-from glm5_jax.testing.cases import stage_state, tree_bytes
+from glm5_testing import tiers
+from glm5_testing.cases import stage_state, tree_bytes
 
 from graphs import copied_shapes, gemm_pinned
 
@@ -101,9 +102,8 @@ def test_stage_matches_reference_composition(contexts, next_n, fused, update):
     assert len(got & want) >= 0.99 * c, f"row {r}: {len(got & want)} of {c}"
 
 
-@pytest.mark.parametrize("contexts,next_n,scale_format", [([10, 1500, 3001, 77], 1, "fp32"),
-                                                          ([40, 2999, 514], 4, "ue8m0"),
-                                                          ([6, 13], 2, "fp32")])
+@pytest.mark.parametrize("contexts,next_n,scale_format", tiers.first(
+    ([6, 13], 2, "fp32"), ([10, 1500, 3001, 77], 1, "fp32"), ([40, 2999, 514], 4, "ue8m0")))
 def test_update_switch_is_bit_equal(contexts, next_n, scale_format):
   """IndexerConfig(update="fused") (indexer_update) and "auto" (indexer_update_q's one
   call where every kernel is on) give the stage's every output byte and both caches as
@@ -124,7 +124,8 @@ def test_update_switch_is_bit_equal(contexts, next_n, scale_format):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("contexts,next_n", [([10, 1500, 3001, 77], 1), ([40, 2999, 514], 4)])
+@pytest.mark.parametrize("contexts,next_n", tiers.first(([40, 2999, 514], 4),
+                                                      ([10, 1500, 3001, 77], 1)))
 def test_q_in_epilogue_is_bit_equal_to_the_q_kernel(contexts, next_n):
   """update_epilogue_q's kernel routed on (q's GEMM inside the epilogue's FFI call) gives the
   stage's every output byte and both caches as indexer_q's kernel routed on (q's GEMM its
@@ -178,9 +179,8 @@ def test_topk_branch_selects_topk_pools_plus_tail():
     assert len(set(valid.tolist())) == len(valid)
 
 
-@pytest.mark.parametrize("contexts,next_n,scale_format", [([10, 1500, 3001, 77], 1, "fp32"),
-                                                          ([40, 2999, 514], 4, "ue8m0"),
-                                                          ([3900, 13], 2, "fp32")])
+@pytest.mark.parametrize("contexts,next_n,scale_format", tiers.first(
+    ([40, 2999, 514], 4, "ue8m0"), ([10, 1500, 3001, 77], 1, "fp32"), ([3900, 13], 2, "fp32")))
 def test_select_switch_is_bit_equal(contexts, next_n, scale_format):
   """The default routing (the select path as select_slots' one call where its kernel is
   chosen) gives every output byte and both caches as Routing(ops={"select_slots": False})

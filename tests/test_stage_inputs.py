@@ -10,7 +10,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import synthetic
-from glm5_jax.testing.cases import stage_state
+from glm5_testing.cases import stage_state
 
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 HIDDEN, Q_LORA = 256, 256

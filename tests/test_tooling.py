@@ -10,7 +10,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import _ffi
-from glm5_jax.testing.sass import parse_listing as parse
+from glm5_testing.sass import parse_listing as parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ _LISTING = """
 
 
 def test_sass_listing_parse_across_trees():
-  """glm5_jax.testing.sass (scripts/sass_diff.py, tests/test_sass.py): instructions
+  """glm5_testing.sass (scripts/sass_diff.py, tests/test_sass.py): instructions
   without their encodings, kernels of anonymous namespaces named by their file whatever
   tree built them, so that only real changes differ; a name twice in a listing raises."""
   a = parse(_LISTING.format(hash="786699b8", tail="6f838c90", target="0x70"))

@@ -14,7 +14,8 @@ import pytest
 import glm5_jax
 from glm5_jax import Routing, indexer, plan, update
 from glm5_jax import reference as ref
-from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
+from glm5_testing.cases import stage_state, tree_bytes, update_state
+from glm5_testing.tiers import diagonal
 
 from graphs import copied_shapes, cuda_module, glm5_calls
 
@@ -43,11 +44,12 @@ def three_references(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot,
 
 
 PARAMS = dict(heads=HEADS, scale=0.01, eps=1e-6, padded=64, w_out_dtype=jnp.float32)
+# (scale_format, round_scale, w_out_dtype) of the composition tests.
+FORMATS = [("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16), ("fp32", False, jnp.float32)]
 
 
-@pytest.mark.parametrize("b,n", [(1, 1), (4, 1), (3, 2), (2, 4)])
-@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype", [
-    ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16), ("fp32", False, jnp.float32)])
+@pytest.mark.parametrize("b,n,scale_format,round_scale,w_out_dtype", diagonal(
+    [(1, 1), (4, 1), (3, 2), (2, 4)], FORMATS))
 def test_reference_is_the_three_references_composed(b, n, scale_format, round_scale,
                                                     w_out_dtype):
   """Every result byte of reference.indexer_update (and of the op, its reference there)
@@ -125,6 +127,7 @@ def test_update_q_projection_tactic_table():
   assert update.update_q_projection_tactic(1, 4096, (4, 0)) == (4, 0)
 
 
+@pytest.mark.slow
 def test_default_routing_and_the_stage_switch(monkeypatch):
   """Default routing: indexer_update runs its own kernel at its plan.KERNEL_ROWS, XLA's
   GEMM and update_epilogue's kernel at other M, its kernel at every M where the routing
@@ -212,9 +215,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
 EPILOGUE = {k: v for k, v in PARAMS.items() if k != "heads"}
 
 
-@pytest.mark.parametrize("b,n", [(1, 1), (3, 2), (2, 4)])
-@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype", [
-    ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16), ("fp32", False, jnp.float32)])
+@pytest.mark.parametrize("b,n,scale_format,round_scale,w_out_dtype", diagonal(
+    [(1, 1), (3, 2), (2, 4)], FORMATS))
 def test_epilogue_reference_is_the_two_references_on_the_gemm_sums(b, n, scale_format,
                                                                    round_scale, w_out_dtype):
   """update_epilogue (reference and op) on projection_sums(x, w_cat) gives every byte of
@@ -233,9 +235,8 @@ def test_epilogue_reference_is_the_two_references_on_the_gemm_sums(b, n, scale_f
         np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("b,n", [(1, 1), (3, 2)])
-@pytest.mark.parametrize("scale_format,round_scale,w_out_dtype", [
-    ("fp32", True, jnp.float32), ("ue8m0", True, jnp.bfloat16)])
+@pytest.mark.parametrize("b,n,scale_format,round_scale,w_out_dtype", diagonal(
+    [(1, 1), (3, 2)], FORMATS[:2]))
 def test_update_q_reference_is_q_then_the_three_references(b, n, scale_format, round_scale,
                                                             w_out_dtype):
   """indexer_update_q (reference and op) gives every byte of indexer_q's reference, then

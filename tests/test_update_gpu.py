@@ -30,7 +30,7 @@ import pytest
 
 import glm5_jax
 from glm5_jax import Routing, synthetic
-from glm5_jax.testing.cases import stage_state, tree_bytes, update_state
+from glm5_testing.cases import stage_state, tree_bytes, update_state
 
 from graphs import copied_shapes, glm5_calls, run_and_check_graphed
 

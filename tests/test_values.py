@@ -17,8 +17,8 @@ import glm5_jax
 from glm5_jax import reference
 from glm5_jax.checks import capacity
 from glm5_jax.reference.expand import max_block_id
-from glm5_jax.testing import oracle
-from glm5_jax.testing.cases import stage_state, tree_bytes
+from glm5_testing import oracle
+from glm5_testing.cases import stage_state, tree_bytes
 
 CONFIG = glm5_jax.IndexerConfig(max_pools=1024)
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))

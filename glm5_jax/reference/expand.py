@@ -6,7 +6,7 @@ tokens 4*(n // 4) .. n - 1 (none when n <= 0).
 """
 import jax.numpy as jnp
 
-from .._checks import fail
+from .checks import fail
 from .numerics import POOL
 
 

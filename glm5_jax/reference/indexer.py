@@ -3,7 +3,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .._checks import fail
+from .checks import fail
 from .numerics import DIM, rotate_quant
 
 LN_GROUPS = 16      # the key LayerNorm's (mean, M2) groups of 8 dims (seed order)
