@@ -2,6 +2,8 @@
 
 Tests marked `gpu` need a CUDA device; they skip without one unless
 GLM5_JAX_REQUIRE_GPU=1, which turns those skips into failures (the H200 run).
+Tests marked `two_gpus` also need a second device; they skip on one GPU unless
+GLM5_JAX_REQUIRE_GPUS=2 (the two-GPU run).
 Tests marked `cuda_build` need the built CUDA module and the toolkit's cuobjdump, not a
 device (the SASS tests): they skip without them unless GLM5_JAX_REQUIRE_CUDA_BUILD=1 or
 GLM5_JAX_REQUIRE_GPU=1 (CI's CUDA step, the H200 run).
@@ -46,6 +48,10 @@ def pytest_runtest_setup(item):
     if os.environ.get("GLM5_JAX_REQUIRE_GPU") == "1":
       pytest.fail("GLM5_JAX_REQUIRE_GPU=1 but this machine has no CUDA device")
     pytest.skip("needs a CUDA GPU (GLM5_JAX_REQUIRE_GPU=1 makes this a failure)")
+  if "two_gpus" in item.keywords and local_cuda() and len(jax.devices("cuda")) < 2:
+    if os.environ.get("GLM5_JAX_REQUIRE_GPUS") == "2":
+      pytest.fail("GLM5_JAX_REQUIRE_GPUS=2 but this machine has fewer than 2 CUDA devices")
+    pytest.skip("needs 2 CUDA GPUs (GLM5_JAX_REQUIRE_GPUS=2 makes this a failure)")
   if "cuda_build" in item.keywords and _ffi._glm5_cuda is None:
     missing("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON)")
 

@@ -115,13 +115,10 @@ def test_initialize_refuses_a_bad_process_id():
 
 
 @pytest.mark.gpu
+@pytest.mark.two_gpus
 def test_two_gpus_one_process_each():
   """The same checks (data, context and plain jit) with one process per GPU, each seeing
   only its own GPU (JAX_LOCAL_DEVICE_IDS), NCCL across the processes. Needs 2 GPUs."""
-  import jax
-  gpus = len(jax.devices("cuda"))        # (this process already started its CUDA backend)
-  if gpus < 2:
-    pytest.skip(f"needs 2 GPUs, this machine has {gpus}")
   finished = launch("--devices", "1", "data", "context", "jit", cpu=False, local_devices=1,
                     timeout_s=600)
   assert_checks_pass(finished, ["data", "context", "jit"])
