@@ -65,14 +65,14 @@ def _bf16_bits(x):
   return lax.bitcast_convert_type(x, jnp.uint16)
 
 
-def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
+def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, positions, *,
                  scale_format="fp32", round_scale=True):
   """Decode tail stash + pool compression, per request in token order (SPEC §3).
 
   kv_cache u8[pages, PAGE, 132]; tail bf16[blocks, 2, RING, 128];
-  tslot i32[B, N] (tail block * RING + pos % RING, -1 pad); key, gate bf16[B, N, 128];
-  ape f32[4, 128]; loc i32[B, N] (pool slot, -1 none); pos i32[B, N] (-1 pad).
-  Returns (kv_cache, tail). A completing token (loc >= 0, pos % 4 == 3) pools
+  tslot i32[B, N] (tail block * RING + positions % RING, -1 pad); key, gate bf16[B, N, 128];
+  ape f32[4, 128]; loc i32[B, N] (pool slot, -1 none); positions i32[B, N] (-1 pad).
+  Returns (kv_cache, tail). A completing token (loc >= 0, positions % 4 == 3) pools
   ring rows stashed earlier (also earlier in this call) with its own key/gate.
   Requests must own distinct tail blocks. A tail block past the ring buffer
   makes the token a no-op. A completing token with tslot < 0 pools the rows of
@@ -83,7 +83,7 @@ def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, pos, *,
   blocks, _, ring, _ = tail.shape
   apef = ape.astype(jnp.float32)
   for t in range(key.shape[1]):
-    p, slot, ts = pos[:, t], loc[:, t], tslot[:, t]
+    p, slot, ts = positions[:, t], loc[:, t], tslot[:, t]
     sp = jnp.maximum(p, 0)
     blk = jnp.maximum(ts, 0) // ring
     live = (p >= 0) & (blk < blocks)
@@ -140,10 +140,10 @@ def prefill_windows(tail, key, gate, positions, tslot):
   """The four (key, gate) rows of the pool each prefill row completes (SPEC §4a, §4c).
 
   tail bf16[blocks, 2, RING, 128]; key, gate bf16[rows, 128]; positions i32[rows]
-  (-1 pad); tslot i32[rows] (tail block * RING + pos % RING). Returns (slot_key,
-  slot_gate) bf16[rows, 4, 128]: slot s of row i is token pos[i] - 3 + s, taken from
+  (-1 pad); tslot i32[rows] (tail block * RING + positions % RING). Returns (slot_key,
+  slot_gate) bf16[rows, 4, 128]: slot s of row i is token positions[i] - 3 + s, taken from
   row i - 3 + s where that row holds it (same tail block, that position), else from
-  ring row (pos[i] - 3 + s) % RING of row i's tail block, as stashed before this call
+  ring row (positions[i] - 3 + s) % RING of row i's tail block, as stashed before this call
   (a chunk's first pool continues one an earlier chunk or decode step began). The
   rows of a request must be contiguous and in position order; a block past the tail
   reads block blocks - 1 (kpool_compress's write mask drops those rows).

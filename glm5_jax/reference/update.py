@@ -11,25 +11,25 @@ from .numerics import DIM
 
 
 def indexer_update(x, w_cat, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                   pos, *, heads, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                   positions, *, heads, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
                    scale_format="fp32", round_scale=True):
   """indexer_projection -> indexer_query -> kpool_update (SPEC §1, §2, §3).
 
   x bf16[M, K]; w_cat bf16[256 + heads, K]; q bf16[M, heads, 128]; norm_weight,
   norm_bias f32[128]; kv_cache u8[pages, PAGE, 132]; tail bf16[blocks, 2, RING, 128];
-  tslot, loc, pos i32[B, N] with M = B * N (rows request-major); ape f32[4, 128].
+  tslot, loc, positions i32[B, N] with M = B * N (rows request-major); ape f32[4, 128].
   Returns the three ops' results in order: (key_raw bf16[M, 128], head_w f32[M, heads],
   gate bf16[M, 128], q_fp8 e4m3[M, padded, 128], w_out w_out_dtype[M, padded],
   key bf16[M, 128], kv_cache, tail); kpool_update sees key and gate as [B, N, 128].
   """
   raw = projection_sums(x, w_cat)
   return split_projection(raw, heads) + update_epilogue(
-      raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, scale=scale,
+      raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, positions, scale=scale,
       eps=eps, padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
       round_scale=round_scale)
 
 
-def update_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, *,
+def update_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, positions, *,
                     scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
                     scale_format="fp32", round_scale=True):
   """indexer_query -> kpool_update on the projection's f32 sums (SPEC §1 rounding, §2, §3):
@@ -44,13 +44,13 @@ def update_epilogue(raw, q, norm_weight, norm_bias, kv_cache, tail, tslot, ape, 
                                     eps=eps, padded=padded, w_out_dtype=w_out_dtype)
   grid = tslot.shape + (DIM,)
   kv_cache, tail = kpool_update(kv_cache, tail, tslot, key.reshape(grid), gate.reshape(grid),
-                                ape, loc, pos, scale_format=scale_format,
+                                ape, loc, positions, scale_format=scale_format,
                                 round_scale=round_scale)
   return q_fp8, w_out, key, kv_cache, tail
 
 
 def update_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
-                      pos, *, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                      positions, *, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
                       scale_format="fp32", round_scale=True):
   """indexer_q -> update_epilogue (SPEC §1, §2, §3): the update part after the projection's
   GEMM, q's GEMM included.
@@ -63,13 +63,13 @@ def update_epilogue_q(raw, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tsl
   q = indexer_q(qr, wq_b)
   q3 = q.reshape(q.shape[0], wq_b.shape[0] // DIM, DIM)
   return (q,) + update_epilogue(
-      raw, q3, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos,
+      raw, q3, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, positions,
       scale=scale, eps=eps, padded=padded, w_out_dtype=w_out_dtype,
       scale_format=scale_format, round_scale=round_scale)
 
 
 def indexer_update_q(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape,
-                     loc, pos, *, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
+                     loc, positions, *, scale, eps=1e-6, padded=None, w_out_dtype=jnp.float32,
                      scale_format="fp32", round_scale=True):
   """indexer_q -> indexer_update (SPEC §1, §2, §3): the whole update part of a decode step.
 
@@ -82,7 +82,7 @@ def indexer_update_q(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail,
   q = indexer_q(qr, wq_b)
   heads = wq_b.shape[0] // DIM
   out = indexer_update(x, w_cat, q.reshape(q.shape[0], heads, DIM), norm_weight, norm_bias,
-                       kv_cache, tail, tslot, ape, loc, pos, heads=heads, scale=scale, eps=eps,
-                       padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
+                       kv_cache, tail, tslot, ape, loc, positions, heads=heads, scale=scale,
+                       eps=eps, padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
                        round_scale=round_scale)
   return out[:3] + (q,) + out[3:]
