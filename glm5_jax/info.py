@@ -7,6 +7,7 @@ at those shapes under the routing of the environment (GLM5_JAX_KERNELS), as a CU
 would run it; no GPU is needed."""
 import argparse
 import math
+import re
 
 import numpy as np
 import jax
@@ -87,10 +88,29 @@ def plan_report(rows: int, next_n: int, context: int, update: str = "auto",
   routing = Routing.from_env() if routing is None else routing
   config = IndexerConfig(heads=heads, max_pools=max(context // POOL, 1), update=update,
                          fused=fused, scale_format=scale_format, routing=routing)
-  plan = stage_plan(config, True, *stage_args(rows, next_n, context, config))
+  args = stage_args(rows, next_n, context, config)
+  plan = stage_plan(config, True, *args)
   return ([f"stage plan: M {rows} (next_n {next_n}), context {context}, update {update!r}, "
            f"fused {fused}, heads {heads}, scale_format {scale_format!r}",
-           f"routing: {routing}"] + [f"  {line}" for line in plan.lines()])
+           f"routing: {routing}"] + [f"  {line}" for line in plan.lines()]
+          + lowered_report(config, args))
+
+
+def lowered_report(config: IndexerConfig, args) -> list[str]:
+  """What the stage's CUDA lowering (jax.export, any machine) calls at these arguments: its
+  FFI targets in order, and a line naming any part that runs as XLA's sort or GEMM, so a
+  fallback to XLA code is never silent."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(op.kernel)
+            for op in Op.registry.values() if op.kernel]
+  step = jax.jit(lambda *a: glm5_jax.indexer_stage(*a, config=config))
+  text = jax.export.export(step, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+  calls = re.findall(r"stablehlo\.custom_call @(glm5_\w+)", text)
+  xla = [f"{what} x{n}" for what, n in (("sort (a top-k without its kernel)",
+                                         text.count("stablehlo.sort")),
+                                        ("dot_general", text.count("stablehlo.dot_general")))
+         if n]
+  return [f"  CUDA lowering: {', '.join(calls) or 'no glm5_ kernel'}",
+          f"  XLA code: {'; '.join(xla) if xla else 'none besides fusions'}"]
 
 
 def main(argv=None):

@@ -157,3 +157,16 @@ def test_info_plan_command(monkeypatch):
   out = run("--plan", "--rows", "16", "--update", "auto", env=env)
   assert "update: UPDATE " in out
   assert f"glm5_jax {glm5_jax.__version__}" in run()
+
+
+@pytest.mark.parametrize("context,calls,xla", [
+    (8192, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
+    # past the top-k kernel's pools (limits.TOPK_MAX_POOLS) the select part is XLA code
+    (202752, "glm5_indexer_update_q, glm5_expand_and_remap",
+     "sort (a top-k without its kernel) x2; dot_general x2")])
+def test_info_plan_names_what_the_lowering_runs(context, calls, xla):
+  """info --plan prints the CUDA lowering's FFI calls and any XLA sort or GEMM beside them:
+  a fallback to XLA code is visible."""
+  from glm5_jax.info import plan_report
+  lines = plan_report(16, 1, context, routing=glm5_jax.Routing())
+  assert f"  CUDA lowering: {calls}" in lines and f"  XLA code: {xla}" in lines
