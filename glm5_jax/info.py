@@ -96,19 +96,33 @@ def plan_report(rows: int, next_n: int, context: int, update: str = "auto",
           + lowered_report(config, args))
 
 
-def lowered_report(config: IndexerConfig, args) -> list[str]:
-  """What the stage's CUDA lowering (jax.export, any machine) calls at these arguments: its
-  FFI targets in order, and a line naming any part that runs as XLA's sort or GEMM, so a
-  fallback to XLA code is never silent."""
+def stage_lowering(config: IndexerConfig, args) -> dict:
+  """The stage's CUDA lowering (jax.export, any machine) at these arguments:
+  {"calls": [[glm5_ target, {attribute: value}]] in order, "sort": n, "dot_general": n}
+  (the XLA sorts and GEMMs beside the FFI calls)."""
   checks = [jax.export.DisabledSafetyCheck.custom_call(op.kernel)
             for op in Op.registry.values() if op.kernel]
   step = jax.jit(lambda *a: glm5_jax.indexer_stage(*a, config=config))
   text = jax.export.export(step, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
-  calls = re.findall(r"stablehlo\.custom_call @(glm5_\w+)", text)
-  xla = [f"{what} x{n}" for what, n in (("sort (a top-k without its kernel)",
-                                         text.count("stablehlo.sort")),
-                                        ("dot_general", text.count("stablehlo.dot_general")))
-         if n]
+  calls = []
+  for line in text.splitlines():
+    call = re.search(r"stablehlo.custom_call @(glm5_\w+)\(.*?mhlo.backend_config = \{([^}]*)\}",
+                     line)
+    if call:
+      attrs = dict(a.strip().split(" = ", 1) for a in call.group(2).split(",") if a.strip())
+      calls.append([call.group(1), attrs])
+  return {"calls": calls, "sort": text.count("stablehlo.sort"),
+          "dot_general": text.count("stablehlo.dot_general")}
+
+
+def lowered_report(config: IndexerConfig, args) -> list[str]:
+  """stage_lowering in words: the FFI targets in order, and a line naming any part that
+  runs as XLA's sort or GEMM, so a fallback to XLA code is never silent."""
+  lowered = stage_lowering(config, args)
+  calls = [target for target, _ in lowered["calls"]]
+  xla = [f"{what} x{lowered[key]}" for key, what in (
+      ("sort", "sort (a top-k without its kernel)"), ("dot_general", "dot_general"))
+         if lowered[key]]
   return [f"  CUDA lowering: {', '.join(calls) or 'no glm5_ kernel'}",
           f"  XLA code: {'; '.join(xla) if xla else 'none besides fusions'}"]
 

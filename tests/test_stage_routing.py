@@ -11,27 +11,14 @@ allocated, any machine lowers every context."""
 import itertools
 import json
 import pathlib
-import re
 import sys
 
-import numpy as np
-import jax
-import jax.numpy as jnp
 import pytest
-from jax import export
 
-from glm5_jax import (
-  DecodeBatch,
-  IndexerCache,
-  IndexerConfig,
-  IndexerWeights,
-  Routing,
-  indexer_stage,
-)
-from glm5_jax._primitive import Op
+from glm5_jax import IndexerConfig, Routing
+from glm5_jax.info import stage_args, stage_lowering
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "stage_lowering.json"
-HIDDEN, Q_LORA, PAGE = 4096, 1536, 64          # GLM-5.3-Flash (SPEC §9), 64-entry pages
 ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256)
 CONTEXTS = (1024, 8192, 32768, 131072, 131076, 202752)
 
@@ -60,43 +47,14 @@ def _grid():
 GRID = _grid()
 
 
-def _stage_args(rows, next_n, context, config):
-  """Abstract (weights, cache, x, qr, batch) of `rows` rows of `next_n` tokens per request
-  at `context` tokens of cache."""
-  s, i32 = jax.ShapeDtypeStruct, np.int32
-  bf16, f32 = jnp.bfloat16, np.float32
-  requests, heads = rows // next_n, config.heads
-  weights = IndexerWeights(s((heads * 128, Q_LORA), bf16), s((256 + heads, HIDDEN), bf16),
-                           s((128,), f32), s((128,), f32), s((4, 128), f32))
-  pages = -(-(context // 4 + 1) // PAGE)
-  cache = IndexerCache(s((requests * pages + 2, PAGE, 132), np.uint8),
-                       s((requests, 2, 8, 128), bf16))
-  grid = s((requests, next_n), i32)
-  batch = DecodeBatch(grid, grid, grid, s((rows,), i32), s((requests, pages), i32),
-                      s((requests, -(-(context + next_n) // 128)), i32))
-  return weights, cache, s((rows, HIDDEN), bf16), s((rows, Q_LORA), bf16), batch
-
-
 def lowering(rows, next_n, context, config):
-  """{"calls": [[target, {attribute: value}]], "sort": n, "dot_general": n} of the stage's
-  CUDA lowering at these shapes."""
+  """glm5_jax.info.stage_lowering at these shapes (info.stage_args: GLM-5.3-Flash's hidden
+  and q_lora, 64-entry pages): {"calls": [[target, {attribute: value}]], "sort": n,
+  "dot_general": n}."""
   config = dict(config)
   routing = Routing(kernels=config.pop("kernels", None), pdl=config.pop("pdl", True))
   cfg = IndexerConfig(max_pools=context // 4, routing=routing, **config)
-  args = _stage_args(rows, next_n, context, cfg)
-  checks = [export.DisabledSafetyCheck.custom_call(op.kernel) for op in Op.registry.values()
-            if op.kernel]
-  step = jax.jit(lambda *a: indexer_stage(*a, config=cfg))
-  text = export.export(step, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
-  calls = []
-  for line in text.splitlines():
-    call = re.search(r"stablehlo.custom_call @(glm5_\w+)\(.*?mhlo.backend_config = \{([^}]*)\}",
-                     line)
-    if call:
-      attrs = dict(a.strip().split(" = ", 1) for a in call.group(2).split(",") if a.strip())
-      calls.append([call.group(1), attrs])
-  return {"calls": calls, "sort": text.count("stablehlo.sort"),
-          "dot_general": text.count("stablehlo.dot_general")}
+  return stage_lowering(cfg, stage_args(rows, next_n, context, cfg))
 
 
 @pytest.fixture(scope="module")
