@@ -6,6 +6,7 @@ counted, never written out of bounds), so a scheduler bug shows as missing slots
 crash. check_batch is the signal: it names the first value that is not one of the documented
 forms, by argument, row and value, under jit on any backend (jax.experimental.checkify).
 """
+import dataclasses
 import functools
 
 import jax
@@ -28,10 +29,12 @@ def capacity(cache, batch, config) -> int:
              batch.block_table.shape[1] * config.block_size, POOL * config.max_pools)
 
 
-def pad_past_capacity(positions: jax.Array, tokens: int) -> jax.Array:
-  """positions i32[...] with every position at or past `tokens` made a pad (-1): such a row
-  touches no cache and selects nothing (count 0), SPEC §12."""
-  return jnp.where(positions < tokens, positions, -1).astype(positions.dtype)
+def pad_past_capacity(cache, batch, config):
+  """`batch` (a DecodeBatch) with every position at or past capacity(cache, batch, config)
+  made a pad (-1): such a row touches no cache and selects nothing (count 0), SPEC §12."""
+  positions = batch.positions
+  positions = jnp.where(positions < capacity(cache, batch, config), positions, -1)
+  return dataclasses.replace(batch, positions=positions.astype(batch.positions.dtype))
 
 
 def _first(bad):

@@ -489,8 +489,7 @@ def context_parallel_stage(mesh: jax.sharding.Mesh, axis: str = "context"):
     _check_context_layout(op, devices, axis, cache.kv_cache, batch.page_table,
                           config.max_pools)
     # Rows past capacity are pads, as in indexer_stage (SPEC §12).
-    batch = dataclasses.replace(batch, positions=checks.pad_past_capacity(
-        batch.positions, checks.capacity(cache, batch, config)))
+    batch = checks.pad_past_capacity(cache, batch, config)
     fn = functools.partial(body, config=config, use_reference=use_reference)
     return _shard_map(fn, mesh=mesh, in_specs=(s.weights, s.cache, s.rows, s.rows, s.batch),
                       out_specs=(s.output, s.cache), check_vma=False)(

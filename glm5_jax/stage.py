@@ -15,7 +15,7 @@ from . import plan as _plan
 from . import reference
 from ._checks import check_cache, check_scale_format, check_tail, expect, fail, finite, positive_int
 from ._primitive import Routing
-from .checks import capacity, pad_past_capacity
+from .checks import pad_past_capacity
 from .expand import expand_and_remap
 from .indexer import (
   W_OUT_DTYPES,
@@ -26,6 +26,7 @@ from .indexer import (
   indexer_query,
 )
 from .kpool import kpool_update
+from .limits import LOGITS_HEADS
 from .logits import select_pools, select_slots
 from .plan import SelectPath, StagePlan, UpdatePath
 from .reference.numerics import DIM, POOL
@@ -37,7 +38,8 @@ from .update import (
   update_q_projection_tactic,
 )
 
-MQA_MIN_HEADS = 32
+# Queries pad to the logits kernel's smallest head count (docs/semantics.md: padded >= 32).
+MQA_MIN_HEADS = LOGITS_HEADS[0]
 # IndexerConfig.update: the stage's update part as the plan chooses (glm5_jax.plan), always
 # as the ops, or always as indexer_update.
 UPDATES = ("auto", "ops", "fused")
@@ -363,8 +365,7 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   config = IndexerConfig() if config is None else config
   b, n = _check_stage_inputs(weights, cache, x, qr, batch, config)
   # A row past what its tables hold is a pad for every op that follows (SPEC §12).
-  tokens = capacity(cache, batch, config)
-  batch = dataclasses.replace(batch, positions=pad_past_capacity(batch.positions, tokens))
+  batch = pad_past_capacity(cache, batch, config)
   ops = _ops(config, use_reference)
   plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)
