@@ -11,13 +11,13 @@ on the same device:
   XLA's GEMM, may differ by a bf16 rounding; every K-cache scale byte equal).
 """
 import json
-import pathlib
 import re
 
 import numpy as np
 import jax
 import pytest
 from bounds import check_equivalent
+from test_stage_routing import GOLDEN, case_name
 
 import glm5_jax
 from glm5_jax import synthetic
@@ -26,14 +26,13 @@ from graphs import run_and_check_graphed
 
 pytestmark = pytest.mark.gpu
 
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "stage_lowering.json"
 STEP = jax.jit(glm5_jax.indexer_stage, static_argnames=("config", "use_reference"))
 SLOTS_AGREE = 0.99
 
 
 def _case(rows, next_n, context, long=False):
   return pytest.param(rows, next_n, context, marks=[pytest.mark.long] if long else [],
-                      id=f"M{rows}-n{next_n}-ctx{context}")
+                      id=case_name(rows, next_n, context))
 
 
 # (rows, next_n, context tokens = 4 x max_pools): each a case of the golden record.
@@ -68,7 +67,7 @@ def _state(rows, next_n, context, seed=0):
 
 
 def _golden_targets(rows, next_n, context):
-  case = json.loads(GOLDEN.read_text())[f"M{rows}-n{next_n}-ctx{context}"]
+  case = json.loads(GOLDEN.read_text())[case_name(rows, next_n, context)]
   return sorted(target for target, _ in case["calls"])
 
 

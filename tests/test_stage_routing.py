@@ -23,9 +23,14 @@ ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256)
 CONTEXTS = (1024, 8192, 32768, 131072, 131076, 202752)
 
 
+def case_name(rows, next_n, context, **config):
+  """The record's key of a case (tests/test_stage_gpu.py looks its targets up by it)."""
+  return f"M{rows}-n{next_n}-ctx{context}" + "".join(f"-{k}={v}" for k, v in config.items())
+
+
 def _case(rows, next_n, context, **config):
-  name = f"M{rows}-n{next_n}-ctx{context}" + "".join(f"-{k}={v}" for k, v in config.items())
-  return name, dict(rows=rows, next_n=next_n, context=context, config=config)
+  return (case_name(rows, next_n, context, **config),
+          dict(rows=rows, next_n=next_n, context=context, config=config))
 
 
 def _grid():
