@@ -157,7 +157,7 @@ def table_words(table) -> str:
   """A plan tactic table in words."""
   def words(row):
     if row.kind is None:
-      return f"{table_words(plan.PROJECTION_TACTICS)} without the GEMV"
+      return "indexer_projection's table without its GEMV rows"
     return f"{row.kind.value} {tuple(ProjectionTactic.of(row.kind, row.warps, row.split))}"
   *rest, last = table
   return ", ".join([f"{words(r)} at {r.rows} where it tiles K" for r in rest]
