@@ -28,6 +28,11 @@ def parser():
   p.add_argument("--ops", default="", help="comma-separated ops (default: all)")
   p.add_argument("--rows", default="",
                  help="comma-separated M (B, n, rows) instead of 1,8,16,64")
+  p.add_argument("--select-pools", default="",
+                 help="comma-separated P of the select ops (mqa_logits, pool_topk, "
+                      "select_pools, select_slots) instead of 2048,8192,32768")
+  p.add_argument("--select-rows", default="",
+                 help="comma-separated rows of the select ops instead of 1,16,64")
   p.add_argument("--skip-variants", nargs="+", default=[], metavar="VARIANT",
                  choices=VARIANTS,
                  help=f"variants not to run in any group, each one argument (of: "
@@ -92,6 +97,10 @@ def sizes_from(p, args):
                               compiler_options=options)
   if args.rows:
     sizes = dataclasses.replace(sizes, rows=tuple(int(m) for m in args.rows.split(",")))
+  for flag in ("select_pools", "select_rows"):
+    if getattr(args, flag):
+      sizes = dataclasses.replace(
+          sizes, **{flag: tuple(int(v) for v in getattr(args, flag).split(","))})
   for flag, field in (("max_sets", "r_max"), ("max_calls", "max_calls")):
     value = getattr(args, flag)
     if value is not None:

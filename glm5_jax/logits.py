@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from . import reference as ref
 from ._checks import check_cache, check_scale_format, expect, fail
 from ._primitive import Op, Routing, Split, local_ids
-from .expand import check_remap
+from .expand import check_remap, expand_and_remap
 from .limits import (
   LOGITS_HEADS,
   LOGITS_ITEM_POOLS,
@@ -15,6 +15,7 @@ from .limits import (
   LOGITS_PAGE_MULTIPLE,
   TOPK_MAX_POOLS,
 )
+from .plan import TopkChunks, topk_chunks
 from .reference.expand import remap_stride
 from .reference.numerics import DIM
 
@@ -113,7 +114,9 @@ def _topk_shapes(logits, pool_lens, *, k):
 _topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
            kernel="glm5_pool_topk",
            kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
-           kernel_limits=f"P <= {TOPK_MAX_POOLS}",
+           kernel_limits=f"P <= {TOPK_MAX_POOLS} a call (wider rows: over chunks)",
+           otherwise=f"the reference; P > {TOPK_MAX_POOLS}: the kernel over chunks of the row, "
+                     "then over the chunks' candidates (plan.topk_chunks)",
            split=Split(("rows", "rows"), ("rows",)))
 
 
@@ -121,8 +124,39 @@ def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
               routing: Routing | None = None) -> jax.Array:
   """The k best pool ids i32[rows, k] of f32[rows, P] logits below pool_lens
   (SPEC §5c): the k largest (ties by ascending id), listed in ascending id, -1 where
-  fewer. The kernel equals the reference exactly."""
-  return _topk(logits, pool_lens, k=int(k), routing=routing)[0]
+  fewer. The kernel equals the reference exactly. Rows wider than one kernel call holds
+  run it over chunks of the row, then over the chunks' candidates (plan.topk_chunks):
+  the same ids, exactly."""
+  k = int(k)
+  rows, width = jnp.shape(logits)
+  chunks = topk_chunks(width, k)
+  if chunks.chunks > 1 and _topk.kernel_chosen(
+      Routing.resolve(routing, _topk.name),
+      [jax.ShapeDtypeStruct((rows * chunks.chunks, chunks.pools), F32),
+       jax.ShapeDtypeStruct((rows * chunks.chunks,), I32)], dict(k=k)):
+    _topk_shapes(jax.typeof(logits), jax.typeof(pool_lens), k=k)
+    padded = jnp.pad(logits, ((0, 0), (0, chunks.padded - width)))
+    return _chunked_topk(padded, jnp.clip(pool_lens, 0, width), k, chunks, routing)
+  return _topk(logits, pool_lens, k=k, routing=routing)[0]
+
+
+def _chunked_topk(logits, lens, k, chunks, routing):
+  """pool_topk of f32[rows, chunks.padded] logits whose pools past lens i32[rows] (<= the
+  unpadded width) are not eligible: each chunk's top-k (local ids ascending, -1 past), then
+  the top-k of their candidates. The candidates lie in (chunk, id) order, so a position
+  order is the id order (ties by ascending position are ties by ascending id), and every
+  chunk before a row's last one is wider than k, so the valid candidates are a prefix."""
+  rows = logits.shape[0]
+  n, width = chunks.chunks, chunks.pools
+  first = jnp.arange(n, dtype=I32) * width
+  chunk_lens = jnp.clip(lens[:, None] - first, 0, width)                     # [rows, n]
+  parts = logits.reshape(rows * n, width)
+  local = _topk(parts, chunk_lens.reshape(-1), k=k, routing=routing)[0]      # [rows * n, k]
+  values = jnp.take_along_axis(parts, jnp.maximum(local, 0), axis=1).reshape(rows, n * k)
+  ids = jnp.where(local >= 0, local + jnp.tile(first, rows)[:, None], -1).reshape(rows, n * k)
+  best = pool_topk(values, jnp.sum(jnp.minimum(chunk_lens, k), axis=1, dtype=I32), k=k,
+                   routing=routing)
+  return jnp.where(best >= 0, jnp.take_along_axis(ids, jnp.maximum(best, 0), axis=1), -1)
 
 
 def _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k, max_pools,
@@ -158,13 +192,15 @@ def _localize_select(index, q_fp8, w_out, kv_cache, page_table, req_ids, *rest):
 
 
 _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
-_SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}"
+_SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (wider: over chunks)"
+_SELECT_OTHERWISE = (f"the reference; max_pools > {TOPK_MAX_POOLS}: mqa_logits, then pool_topk "
+                     "over chunks (plan.topk_chunks)")
 _select = Op(
     "select_pools", ref.select_pools, _select_shapes,
     rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
     attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
     kernel_supports=_select_kernel_supports,
-    kernel_limits=_SELECT_LIMITS,
+    kernel_limits=_SELECT_LIMITS, otherwise=_SELECT_OTHERWISE,
     split=Split(_SELECT_OPERANDS, ("rows", "rows"), _localize_select))
 
 
@@ -176,9 +212,49 @@ def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
   i32[rows, k], logits f32[rows, max_pools]). A row with at most k pools selects all of
   them without logits (the causal fill), the others the top-k of their logits; see
   glm5_jax.reference.select_pools for shapes and which logits are specified."""
-  ids, logits = _select(q_fp8, w_out, kv_cache, page_table, req_ids, positions, k=int(k),
-                        max_pools=int(max_pools), scale_format=scale_format, routing=routing)
+  args = (q_fp8, w_out, kv_cache, page_table, req_ids, positions)
+  params = dict(k=int(k), max_pools=int(max_pools), scale_format=scale_format)
+  if select_chunks(args, params, routing):
+    return _select_by_chunks(*args, routing=routing, **params)
+  ids, logits = _select(*args, routing=routing, **params)
   return ids, logits
+
+
+def select_chunks(args, params, routing) -> TopkChunks | None:
+  """The chunks (plan.topk_chunks) over which select_pools, at these operands (arrays or
+  avals) and keywords (k, max_pools, scale_format), runs mqa_logits' kernel then
+  pool_topk's: where its own kernel does not take the width but those do; else None."""
+  avals = [jax.typeof(a) for a in args]
+  if _select.kernel_chosen(Routing.resolve(routing, _select.name), avals, params):
+    return None
+  chunks = topk_chunks(params["max_pools"], params["k"])
+  rows = avals[0].shape[0]
+  chunk_rows = rows * chunks.chunks
+  logits_avals = [*avals[:3], jax.ShapeDtypeStruct((rows, avals[3].shape[1]), I32),
+                  jax.ShapeDtypeStruct((rows,), I32)]
+  topk_avals = [jax.ShapeDtypeStruct((chunk_rows, chunks.pools), F32),
+                jax.ShapeDtypeStruct((chunk_rows,), I32)]
+  if (chunks.chunks > 1
+      and _mqa.kernel_chosen(Routing.resolve(routing, _mqa.name), logits_avals,
+                             dict(max_pools=chunks.padded, scale_format=params["scale_format"]))
+      and _topk.kernel_chosen(Routing.resolve(routing, _topk.name), topk_avals,
+                              dict(k=params["k"]))):
+    return chunks
+  return None
+
+
+def _select_by_chunks(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k,
+                      max_pools, scale_format, routing):
+  """select_pools of rows wider than its kernel takes: the logits of the rows with more
+  than k pools (the others select 0..n-1 whatever their logits), then the top-k over
+  chunks; the same ids as select_pools' reference, exactly."""
+  _select_shapes(*map(jax.typeof, (q_fp8, w_out, kv_cache, page_table, req_ids, positions)),
+                 k=k, max_pools=max_pools, scale_format=scale_format)
+  chunks = topk_chunks(max_pools, k)
+  table, n = ref.row_pages(page_table, req_ids, positions, max_pools)
+  logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, n, 0),
+                      max_pools=chunks.padded, scale_format=scale_format, routing=routing)
+  return _chunked_topk(logits, n, k, chunks, routing), logits[:, :max_pools]
 
 
 def _slots_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, block_table, *, k,
@@ -199,6 +275,7 @@ _slots = Op(
     attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64),
     attribute_values=_select.attribute_values, kernel_supports=_select.kernel_supports,
     kernel_limits=_select.kernel_limits,
+    otherwise=f"{_SELECT_OTHERWISE}, then expand_and_remap",
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
 
 
@@ -221,8 +298,15 @@ def select_slots(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
   req_ids, block_table) (SPEC §5-§7); see glm5_jax.reference.select_slots. The kernel
   is select_pools' whose top-k writes each selected pool's four slots where it would
   write the pool id (no expand launch), bit-equal to the two ops."""
-  slots, counts, _ = _slots(q_fp8, w_out, kv_cache, page_table, req_ids, positions,
-                            block_table, routing=routing,
-                            **_slots_params(k, max_pools, block_size, width, stride_rows,
-                                            scale_format))
+  params = _slots_params(k, max_pools, block_size, width, stride_rows, scale_format)
+  args = (q_fp8, w_out, kv_cache, page_table, req_ids, positions)
+  select = dict(k=params["k"], max_pools=params["max_pools"], scale_format=scale_format)
+  avals = [jax.typeof(a) for a in (*args, block_table)]
+  if (not _slots.kernel_chosen(Routing.resolve(routing, _slots.name), avals, params)
+      and select_chunks(args, select, routing)):
+    _slots_shapes(*avals, **params)
+    ids, _ = _select_by_chunks(*args, routing=routing, **select)
+    return expand_and_remap(ids, positions, req_ids, block_table, block_size=block_size,
+                            width=width, stride_rows=stride_rows, routing=routing)
+  slots, counts, _ = _slots(*args, block_table, routing=routing, **params)
   return slots, counts

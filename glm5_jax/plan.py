@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 
 from ._primitive import Op, Routing
+from .limits import LOGITS_ITEM_POOLS, TOPK_MAX_POOLS
 
 
 class Rows(NamedTuple):
@@ -91,6 +92,32 @@ FUSED_UPDATE = ((UpdatePath.UPDATE, "indexer_update"), (UpdatePath.EPILOGUE, Non
 SELECT = ((SelectPath.SELECT_SLOTS, "select_slots"), (SelectPath.SELECT_POOLS_EXPAND, None))
 
 
+class TopkChunks(NamedTuple):
+  """How pool_topk's kernel takes rows of `width` pools: `chunks` chunks of `pools` pools
+  each (the row padded to chunks * pools), a top-k of each, then a top-k of the chunks'
+  candidates (chunks * k of them); chunks == 1: one kernel call holds the whole row."""
+  chunks: int
+  pools: int
+
+  @property
+  def padded(self) -> int:
+    return self.chunks * self.pools
+
+
+def topk_chunks(width: int, k: int) -> TopkChunks:
+  """The top-k's chunks at rows of `width` pools: one CTA (or cluster) row holds at most
+  TOPK_MAX_POOLS, so a wider row is cut into the fewest chunks that fit, of equal width (a
+  multiple of LOGITS_ITEM_POOLS: the logits kernel's item, 16-byte aligned rows). A pool of
+  the row's top-k is in its chunk's top-k, and the chunks' candidates keep ascending ids, so
+  the second top-k (ties by ascending position) is the row's, exactly. Chunks only shrink
+  the row where k is below half the limit (every chunk is wider than k)."""
+  if width <= TOPK_MAX_POOLS or 2 * k >= TOPK_MAX_POOLS:
+    return TopkChunks(1, width)
+  chunks = -(-width // TOPK_MAX_POOLS)
+  per = -(-width // chunks)
+  return TopkChunks(chunks, -(-per // LOGITS_ITEM_POOLS) * LOGITS_ITEM_POOLS)
+
+
 class TacticKind(enum.Enum):
   """The projection kernel's algorithms."""
   MMA = "mma"        # mma.sync on 16-row tiles, CTAs of `warps` in clusters of `split`
@@ -132,8 +159,9 @@ Q_TACTIC = "wgmma"
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-  """What indexer_stage runs at one set of shapes: the update and select paths, and the
-  tactics of the GEMM kernels on that path (None: XLA's GEMM, or the op's reference).
+  """What indexer_stage runs at one set of shapes: the update and select paths, the
+  tactics of the GEMM kernels on that path (None: XLA's GEMM, or the op's reference) and
+  the top-k's chunks where select_pools runs its kernels over chunks of the rows.
   The ops take their tactics from the same tables (each device of a split call takes the
   whole call's), so the stage passes none."""
   rows: int
@@ -141,12 +169,17 @@ class StagePlan:
   select: SelectPath
   projection_tactic: tuple | None = None
   q_tactic: str | None = None
+  topk_chunks: TopkChunks | None = None
 
   def lines(self) -> list[str]:
     """The plan in words, a line per choice."""
+    topk = ("one call a row" if self.topk_chunks is None else
+            f"{self.topk_chunks.chunks} chunks of {self.topk_chunks.pools} pools a row, then "
+            "the chunks' candidates (plan.topk_chunks)")
     return [f"rows: {self.rows}",
             f"update: {self.update.name} ({self.update.value})",
             f"select: {self.select.name} ({self.select.value})",
+            f"top-k: {topk}",
             f"projection tactic: {_words(self.projection_tactic)}",
             f"q tactic: {self.q_tactic or 'none (XLA GEMM or reference)'}"]
 

@@ -27,7 +27,7 @@ from .indexer import (
 )
 from .kpool import kpool_update
 from .limits import LOGITS_HEADS
-from .logits import select_pools, select_slots
+from .logits import select_chunks, select_pools, select_slots
 from .plan import SelectPath, StagePlan, UpdatePath
 from .reference.numerics import DIM, POOL
 from .update import (
@@ -433,7 +433,11 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       projection = _indexer.projection_tactic(rows, k)
     elif path is UpdatePath.FUSED_PROJECTION and chosen("indexer_projection_fused"):
       projection = ProjectionTactic(_indexer.fused_warps(), 1)
-  return StagePlan(rows, path, select, projection, q_tactic)
+  chunks = None
+  if kernels and select is SelectPath.SELECT_POOLS_EXPAND and not select_pools:
+    chunks = select_chunks(calls["select_slots"][1][:-1], _select_params(config),
+                           config.routing)
+  return StagePlan(rows, path, select, projection, q_tactic, chunks)
 
 
 def _cache_args(weights, cache, batch):

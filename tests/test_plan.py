@@ -161,9 +161,9 @@ def test_info_plan_command(monkeypatch):
 
 @pytest.mark.parametrize("context,calls,xla", [
     (8192, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
-    # past the top-k kernel's pools (limits.TOPK_MAX_POOLS) the select part is XLA code
-    (202752, "glm5_indexer_update_q, glm5_expand_and_remap",
-     "sort (a top-k without its kernel) x2; dot_general x2")])
+    # past the top-k kernel's pools (limits.TOPK_MAX_POOLS): its kernel over chunks
+    (202752, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
+     "glm5_expand_and_remap", "none besides fusions")])
 def test_info_plan_names_what_the_lowering_runs(context, calls, xla):
   """info --plan prints the CUDA lowering's FFI calls and any XLA sort or GEMM beside them:
   a fallback to XLA code is visible."""

@@ -20,7 +20,7 @@ from glm5_jax.info import stage_args, stage_lowering
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "stage_lowering.json"
 ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256)
-CONTEXTS = (1024, 8192, 32768, 131072, 131076, 202752)
+CONTEXTS = (1024, 8192, 32768, 131072, 131076, 202752, 1048576)
 
 
 def case_name(rows, next_n, context, **config):
@@ -39,7 +39,6 @@ def _grid():
   cross each routing boundary."""
   cases = [_case(m, n, c) for m, n, c in itertools.product(ROWS, (1, 2, 3, 4), CONTEXTS)
            if m % n == 0]
-  cases.append(_case(1, 1, 1048576))
   options = ({"scale_format": "ue8m0"}, {"fused": True}, {"update": "ops"},
              {"update": "fused"}, {"w_out_dtype": "bfloat16"}, {"heads": 64},
              {"kernels": True}, {"kernels": False}, {"pdl": False})
@@ -75,6 +74,17 @@ def test_grid_is_the_golden_grid(golden):
 @pytest.mark.parametrize("case", sorted(GRID))
 def test_stage_lowering_is_pinned(case, golden):
   assert lowering(**GRID[case]) == golden[case]
+
+
+@pytest.mark.parametrize("case", sorted(GRID))
+def test_kernels_leave_no_xla_sort(case, golden):
+  """Wherever the stage runs its kernels (every case but kernels=False) no top-k is XLA code:
+  every context up to 1M tokens selects with the kernels (plan.topk_chunks past the top-k
+  kernel's width)."""
+  if "kernels=False" not in case:
+    assert golden[case]["sort"] == 0
+    assert any(target == "glm5_expand_and_remap" or target == "glm5_select_slots"
+               for target, _ in golden[case]["calls"])
 
 
 def test_pin_sees_a_changed_attribute(golden):

@@ -15,7 +15,15 @@ from .indexer import (
     split_projection,
 )
 from .kpool import kpool_compress, kpool_seed_tail, kpool_update, prefill_windows
-from .logits import mqa_logits, pool_counts, pool_topk, select_pools, select_slots, upcast_logits
+from .logits import (
+  mqa_logits,
+  pool_counts,
+  pool_topk,
+  row_pages,
+  select_pools,
+  select_slots,
+  upcast_logits,
+)
 from .update import indexer_update, indexer_update_q, update_epilogue, update_epilogue_q
 
 __all__ = [
@@ -23,6 +31,6 @@ __all__ = [
     "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update",
     "indexer_update_q", "key_layernorm",
     "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
-    "pool_counts", "pool_topk", "prefill_windows", "projection_sums", "select_pools",
+    "pool_counts", "pool_topk", "prefill_windows", "projection_sums", "row_pages", "select_pools",
     "select_slots", "split_projection", "update_epilogue", "update_epilogue_q", "upcast_logits",
 ]

@@ -93,6 +93,16 @@ def pool_counts(positions):
   return jnp.where(positions >= 0, pos // POOL + (pos % POOL == POOL - 1), 0).astype(jnp.int32)
 
 
+def row_pages(page_table, req_ids, positions, max_pools):
+  """Each select row's K-cache pages and pool count: (i32[rows, MP] its request's row of
+  page_table i32[R, MP], all -1 for a req_id outside [0, R); i32[rows] n =
+  min(pool_counts(positions), max_pools)) for req_ids, positions i32[rows]."""
+  requests = page_table.shape[0]
+  ok = (req_ids >= 0) & (req_ids < requests)
+  table = jnp.where(ok[:, None], page_table[jnp.clip(req_ids, 0, requests - 1)], -1)
+  return table, jnp.minimum(pool_counts(positions), max_pools)
+
+
 def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
                  scale_format="fp32"):
   """The select path of a decode step: MQA logits, then the k best pools (SPEC §5).
@@ -108,10 +118,7 @@ def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, m
   altogether when every row fits). A req_id outside [0, R) has no pages: its pools
   score -inf (still eligible, so they are selected by ascending id).
   """
-  requests = page_table.shape[0]
-  ok = (req_ids >= 0) & (req_ids < requests)
-  table = jnp.where(ok[:, None], page_table[jnp.clip(req_ids, 0, requests - 1)], -1)
-  n = jnp.minimum(pool_counts(positions), max_pools)
+  table, n = row_pages(page_table, req_ids, positions, max_pools)
 
   def fill(_):
     g = jnp.arange(k)

@@ -1,0 +1,137 @@
+"""Rows wider than the top-k kernel takes (limits.TOPK_MAX_POOLS): plan.topk_chunks cuts
+them into chunks, pool_topk runs over the chunks then over their candidates, and
+select_pools / select_slots compose mqa_logits with that top-k. On the CPU the parts run
+their references, so these tests check the composition itself against the numpy oracle
+(glm5_testing.oracle, written from SPEC §5c) bit for bit; tests/test_wide_gpu.py runs the
+kernels."""
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import glm5_jax
+from glm5_jax import plan
+from glm5_jax import reference as ref
+from glm5_jax.limits import LOGITS_ITEM_POOLS, TOPK_MAX_POOLS
+from glm5_testing import oracle as O
+
+I32 = np.int32
+
+
+@pytest.mark.parametrize("width,k,want", [
+    (TOPK_MAX_POOLS, 512, (1, TOPK_MAX_POOLS)),       # one call holds it
+    (TOPK_MAX_POOLS + 1, 512, (2, 16448)),             # the first width cut
+    (202752 // 4, 512, (2, 25344)),                    # GLM-5's window
+    (262144, 512, (8, 32768)),                         # 1M tokens
+    (262145, 512, (9, 29184)),
+    (100000, TOPK_MAX_POOLS // 2, (1, 100000)),        # k too large: chunks would not shrink
+    (100000, TOPK_MAX_POOLS // 2 - 1, (4, 25024))])
+def test_chunks(width, k, want):
+  chunks = plan.topk_chunks(width, k)
+  assert tuple(chunks) == want
+  if chunks.chunks > 1:
+    assert chunks.pools <= TOPK_MAX_POOLS and chunks.pools % LOGITS_ITEM_POOLS == 0
+    assert chunks.padded >= width and chunks.padded - width < chunks.chunks * LOGITS_ITEM_POOLS
+    assert chunks.pools > k          # every chunk but a row's last full is wider than k
+
+
+def _rows(rng, rows, width, kind, bound):
+  """f32[rows, width] logits of one kind; `bound`: a chunk boundary where equal values
+  straddle it (the ties must go to the lower ids, across chunks)."""
+  if kind == "normal":
+    x = rng.standard_normal((rows, width)) * 10
+  elif kind == "ties":
+    x = np.round(rng.standard_normal((rows, width)) * 2)
+  elif kind == "rising":
+    x = np.tile(np.arange(width, dtype=np.float64), (rows, 1))
+  elif kind == "equal":
+    x = np.full((rows, width), 3.0)
+  elif kind == "special":
+    vals = np.array([np.nan, -np.inf, np.inf, 0.0, -0.0, 1e-40, -1e-40, 1.0, -1.0], np.float32)
+    x = rng.choice(vals, (rows, width))
+  else:
+    raise ValueError(kind)
+  x = x.astype(np.float32)
+  if kind in ("normal", "ties") and bound < width:
+    x[:, max(0, bound - 300):bound + 300] = 50.0     # the best straddle the boundary
+  return x
+
+
+@pytest.mark.parametrize("rows,width", [(1, 262144), (3, 50688), (2, 32769), (4, 70001)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "rising", "equal", "special"])
+def test_chunked_topk_equals_oracle(rows, width, kind):
+  rng = np.random.default_rng(rows * 31 + width)
+  chunks = plan.topk_chunks(width, 512)
+  logits = _rows(rng, rows, width, kind, chunks.pools)
+  lens = rng.integers(0, width + 10, rows).astype(I32)
+  edge = [width, chunks.pools + 5, 511, -3]          # full, just past a chunk, fits k, none
+  lens[:min(rows, len(edge))] = edge[:rows]
+  for k in (512, 1, 37):
+    fn = jax.jit(functools.partial(glm5_jax.pool_topk, k=k))
+    # two pool_topk calls a row (the chunks', then the candidates'), no single wide one
+    calls = [e for e in jax.make_jaxpr(fn)(logits, lens).jaxpr.eqns[0].params["jaxpr"].eqns
+             if e.primitive.name == "glm5_pool_topk"]
+    assert [c.invars[0].aval.shape for c in calls] == [
+        (rows * chunks.chunks, chunks.pools), (rows, chunks.chunks * k)]
+    got = np.asarray(fn(jnp.asarray(logits), jnp.asarray(lens)))
+    np.testing.assert_array_equal(got, O.pool_topk(logits, lens, k=k), err_msg=f"k={k}")
+
+
+def test_chunked_topk_k_above_a_row():
+  """k larger than every row (and than a chunk's share): each row lists all its pools."""
+  logits = np.zeros((2, 40000), np.float32)
+  lens = np.array([700, 40000], I32)
+  got = np.asarray(glm5_jax.pool_topk(logits, lens, k=1024))
+  np.testing.assert_array_equal(got, O.pool_topk(logits, lens, k=1024))
+  assert got[0].tolist() == list(range(700)) + [-1] * 324
+
+
+def test_reordered_candidates_fail_the_check():
+  """Negative control: candidates merged with the chunks in the wrong order (the ties then
+  go to the higher ids) differ from the oracle where equal values straddle a boundary."""
+  logits = np.full((1, 40000), 1.0, np.float32)
+  lens = np.array([40000], I32)
+  want = O.pool_topk(logits, lens, k=512)
+  halves = logits.reshape(2, 20000)
+  local = np.asarray(ref.pool_topk(halves, np.array([20000, 20000], I32), k=512))
+  wrong = np.sort(local[1] + 20000)                  # the second chunk's candidates first
+  assert not np.array_equal(wrong, want[0])
+  assert np.array_equal(local[0], want[0])
+
+
+def test_select_pools_by_chunks_equals_reference():
+  """select_pools past the select kernel's width: mqa_logits, then the chunked top-k; the
+  ids equal the reference select_pools' (CPU: the parts' references), a row that fits k
+  selecting 0..n-1, and its logits are the reference's on the rows with more than k pools."""
+  rng = np.random.default_rng(5)
+  max_pools, k, page = 40000, 64, 64
+  pages = -(-max_pools // page)
+  kv = rng.integers(0, 256, (2 * pages, page, 132)).astype(np.uint8)
+  kv[..., 128:] = np.frombuffer(np.float32(0.5).tobytes(), np.uint8)   # fp32 scales
+  kv[..., :128] &= 0x77                                                # finite e4m3
+  table = rng.permutation(2 * pages)[: 2 * pages].reshape(2, pages).astype(I32)
+  positions = np.array([4 * max_pools - 1, 100, 4 * 20000 + 2], I32)
+  req_ids = np.array([0, 1, 1], I32)
+  q = jnp.asarray(rng.integers(-2, 3, (3, 32, 128)).astype(np.float32), jnp.float8_e4m3fn)
+  w = jnp.asarray((rng.integers(-4, 5, (3, 32)) / 8).astype(np.float32))
+  args = (q, w, jnp.asarray(kv), jnp.asarray(table), jnp.asarray(req_ids),
+          jnp.asarray(positions))
+  params = dict(k=k, max_pools=max_pools)
+  assert glm5_jax.logits.select_chunks(args, dict(params, scale_format="fp32"),
+                                       glm5_jax.Routing()) == plan.topk_chunks(max_pools, k)
+  ids, logits = jax.jit(functools.partial(glm5_jax.select_pools, **params))(*args)
+  want_ids, want_logits = ref.select_pools(*args, **params)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+  assert np.asarray(ids)[1].tolist() == list(range(25)) + [-1] * (k - 25)
+  big = np.array([True, False, True])
+  np.testing.assert_array_equal(np.asarray(logits)[big], np.asarray(want_logits)[big])
+  assert logits.shape == (3, max_pools)
+  block_table = jnp.asarray(rng.integers(0, 9000, (2, 2000)).astype(I32))
+  remap = dict(block_size=64, width=4 * k + 3)
+  slots = jax.jit(functools.partial(glm5_jax.select_slots, **params, **remap))(
+      *args, block_table)
+  want = ref.select_slots(*args, block_table, **params, **remap)
+  for got, expected in zip(slots, want):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))

@@ -1,0 +1,116 @@
+"""Rows wider than the select kernels take (limits.TOPK_MAX_POOLS) on the GPU: pool_topk's
+kernel over chunks, then over the chunks' candidates (plan.topk_chunks), equal to the
+reference top-k bit for bit on the same logits up to 262,144 pools (1M tokens); select_pools
+and select_slots past the width (mqa_logits' kernel, the chunked top-k, expand_and_remap's
+kernel) equal to the CPU reference on logits exact in fp32, and within the logits bound on
+ordinary ones; no XLA sort in any of their programs."""
+import functools
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from bounds import check_logits
+from test_select_gpu import (
+  _block_table,
+  _contexts,
+  _exact_inputs,
+  _logit_rows,
+  _ref_topk,
+  _select_inputs,
+  _slots_params,
+)
+
+import glm5_jax
+from glm5_jax import plan
+from glm5_jax import reference as ref
+from glm5_testing import oracle as O
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
+I32 = np.int32
+
+
+def _targets(fn, *args):
+  """The compiled program's text, checked for no XLA sort."""
+  text = fn.lower(*args).compile().as_text()
+  assert re.search(r"\bsort\(", text) is None
+  return text
+
+
+@pytest.mark.parametrize("rows,width", [(1, 262144), (2, 50688), (3, 32769), (16, 65536),
+                                        (64, 50688), (1, 202752 // 4 + 7)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
+def test_wide_topk_equals_reference(rows, width, kind):
+  rng = np.random.default_rng(rows * 13 + width)
+  logits = _logit_rows(rng, rows, width, kind)
+  chunks = plan.topk_chunks(width, 512)
+  if kind == "ties":                   # the best straddle a chunk boundary
+    logits[:, chunks.pools - 200:chunks.pools + 200] = 99.0
+  lens = rng.integers(0, width + 10, rows).astype(I32)
+  edge = [width, chunks.pools + 3, 512, -3, 511, width + 100, 1]
+  lens[:min(rows, len(edge))] = edge[:rows]
+  args = (jnp.asarray(logits), jnp.asarray(lens))
+  for k in (512, 37, 2048):
+    fn = jax.jit(functools.partial(glm5_jax.pool_topk, k=k))
+    assert _targets(fn, *args).count('custom_call_target="glm5_pool_topk"') == 2
+    np.testing.assert_array_equal(np.asarray(fn(*args)), np.asarray(_ref_topk(k)(logits, lens)),
+                                  err_msg=f"k={k}")
+
+
+# (requests, next_n, k, max_pools, block_size, stride_rows, width past 4k + 3, scale format)
+WIDE_SLOTS = [
+    (1, 1, 512, 262144, 128, None, 0, "fp32"),        # 1M tokens
+    (2, 2, 512, 50688, 64, 80, 3, "ue8m0"),           # GLM-5's window, MTP rows
+    (5, 1, 64, 40000, 128, None, 1, "fp32"),
+    (3, 4, 512, 50688, 48, None, 2, "fp32"),
+]
+
+
+@pytest.mark.parametrize("requests,next_n,k,max_pools,block_size,stride_rows,extra,scale_format",
+                         WIDE_SLOTS)
+def test_wide_select_equals_reference(requests, next_n, k, max_pools, block_size, stride_rows,
+                                      extra, scale_format):
+  """select_slots and select_pools past the select kernels' width give the CPU reference's
+  slots, counts and ids bit for bit (logits exact in fp32: any summation order)."""
+  rng = np.random.default_rng(requests * 1000 + max_pools + k)
+  contexts = _contexts(rng, requests, k, max_pools)
+  args = _exact_inputs(rng, contexts, next_n, max_pools=max_pools, scale_format=scale_format)
+  table = _block_table(rng, contexts, next_n, block_size)
+  params = _slots_params(k, max_pools, block_size, stride_rows, extra, scale_format)
+  select = dict(k=k, max_pools=max_pools, scale_format=scale_format)
+  assert glm5_jax.logits.select_chunks(args, select, glm5_jax.Routing.from_env()) is not None
+  fn = jax.jit(functools.partial(glm5_jax.select_slots, **params))
+  text = _targets(fn, *args, table)
+  assert 'custom_call_target="glm5_mqa_logits"' in text
+  assert 'custom_call_target="glm5_expand_and_remap"' in text
+  got = [np.asarray(a) for a in fn(*args, table)]
+  host = [np.asarray(a) for a in args]
+  want = jax.jit(functools.partial(ref.select_slots, **params), backend="cpu")(*host,
+                                                                               np.asarray(table))
+  np.testing.assert_array_equal(got[1], np.asarray(want[1]), err_msg="counts")
+  np.testing.assert_array_equal(got[0], np.asarray(want[0]), err_msg="slots")
+  ids, logits = jax.jit(functools.partial(glm5_jax.select_pools, **select))(*args)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids := jax.jit(
+      functools.partial(ref.select_pools, **select), backend="cpu")(*host)[0]))
+  assert want_ids.shape == (requests * next_n, k) and logits.shape[1] == max_pools
+
+
+def test_wide_select_logits_within_bound():
+  """select_pools at GLM-5's window on ordinary inputs: its logits within the documented
+  bound of a float64 evaluation, its ids the reference top-k of those logits."""
+  rng = np.random.default_rng(7)
+  args, max_pools = _select_inputs(rng, [202000, 1500, 150000], 1, max_pools=50688)
+  k = 512
+  fn = jax.jit(functools.partial(glm5_jax.select_pools, k=k, max_pools=max_pools))
+  _targets(fn, *args)
+  ids, logits = (np.asarray(a) for a in fn(*args))
+  q, w, kv, table, req, pos = (np.asarray(a) for a in args)
+  n = np.minimum(np.where(pos >= 0, (pos.astype(np.int64) + 1) // 4, 0), max_pools)
+  big = n > k
+  want, bound = O.mqa_logits_vectorized(q[big], w[big], kv, table[req[big]], n[big],
+                                        max_pools=max_pools)
+  check_logits(logits[big], want, bound, n[big])
+  np.testing.assert_array_equal(ids, np.asarray(_ref_topk(k)(np.where(
+      big[:, None], logits, 0).astype(np.float32), n.astype(I32))))
+  assert ids[1].tolist() == list(range(n[1])) + [-1] * (k - n[1])
