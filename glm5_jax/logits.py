@@ -154,9 +154,18 @@ def _chunked_topk(logits, lens, k, chunks, routing):
   local = _topk(parts, chunk_lens.reshape(-1), k=k, routing=routing)[0]      # [rows * n, k]
   values = jnp.take_along_axis(parts, jnp.maximum(local, 0), axis=1).reshape(rows, n * k)
   ids = jnp.where(local >= 0, local + jnp.tile(first, rows)[:, None], -1).reshape(rows, n * k)
-  best = pool_topk(values, jnp.sum(jnp.minimum(chunk_lens, k), axis=1, dtype=I32), k=k,
-                   routing=routing)
-  return jnp.where(best >= 0, jnp.take_along_axis(ids, jnp.maximum(best, 0), axis=1), -1)
+  return candidates_topk(ids, values, jnp.sum(jnp.minimum(chunk_lens, k), axis=1, dtype=I32),
+                         k=k, routing=routing)
+
+
+def candidates_topk(ids, values, count, *, k, routing=None):
+  """The top-k pool ids i32[rows, k] among candidates: ids i32[rows, C] in ascending order
+  over each row's first count[r] (the valid ones), their logits f32[rows, C]. pool_topk
+  ranks the positions (ties by ascending position, so by ascending id) and lists them in
+  ascending order, which the ids keep; -1 where fewer."""
+  pick = pool_topk(values, count, k=k, routing=routing)
+  return jnp.where(pick >= 0, jnp.take_along_axis(ids, jnp.maximum(pick, 0), axis=1),
+                   -1).astype(I32)
 
 
 def _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k, max_pools,

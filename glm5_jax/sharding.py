@@ -87,7 +87,7 @@ from jax.sharding import PartitionSpec as P
 from . import checks, serving
 from ._checks import fail
 from ._primitive import Routing, local_ids
-from .logits import mqa_logits, pool_topk
+from .logits import candidates_topk, mqa_logits, pool_topk
 from .reference.logits import pool_counts
 from .stage import (
   DecodeBatch,
@@ -321,9 +321,7 @@ def _merge_topk(local, logits, *, k, axis, routing):
   # (hence check_vma=False in the shard_maps: jax types an all-gather's result as
   # varying over the axis, but a replicated out_spec is exact here).
   count = jnp.sum(gid != _NO_ID, axis=1, dtype=jnp.int32)
-  pick = pool_topk(value, count, k=k, routing=routing)             # ascending index
-  return jnp.where(pick >= 0, jnp.take_along_axis(gid, jnp.maximum(pick, 0), axis=1),
-                   -1).astype(jnp.int32)
+  return candidates_topk(gid, value, count, k=k, routing=routing)
 
 
 def _check_axis(op, mesh, axis):
