@@ -90,6 +90,9 @@ def shapes(bench, group):
 
 def add_arguments(parser):
   shape_arguments(parser, NAME)
+  parser.add_argument("--stage-next-n", type=int, default=1,
+                      help="rows per request (MTP: 1 + the draft tokens): M rows are M / N "
+                           "requests of N consecutive positions (default 1)")
   parser.add_argument("--stage-pdl-off", action="store_true",
                       help="also time the kernels with PDL off (Routing(pdl=False)): the "
                            "launches after XLA's own kernels gain nothing from it")
@@ -175,23 +178,27 @@ def _config(ctx, routing, update=None):
   return glm5_jax.IndexerConfig(max_pools=max_pools, routing=routing, **update)
 
 
-def layers_state(rng, m, max_context, layers):
+def layers_state(rng, m, max_context, layers, next_n=1):
   """(weights, caches, page_table, block_table) of `layers` layers for m requests of up
-  to max_context tokens: each layer its own weights and cache buffers."""
+  to max_context tokens, next_n rows each: each layer its own weights and cache buffers."""
   weights = [synthetic.layer(rng, CONFIG) for _ in range(layers)]
   # One random cache, copied on the device per layer: distinct buffers (each layer's
   # pages cold), without drawing 11 x up to 280 MB of random numbers on the host.
-  cache, pt, bt = synthetic.decode_cache(rng, m, max_context)
+  cache, pt, bt = synthetic.decode_cache(rng, m, max_context, next_n=next_n)
   caches = [cache] + [jax.tree.map(jnp.copy, cache) for _ in range(layers - 1)]
   return weights, caches, pt, bt
 
 
-def _state(m, ctx, layers, seed, steps=STEPS):
+def _state(m, ctx, layers, seed, steps=STEPS, next_n=1):
   rng = np.random.default_rng(seed)
-  weights, caches, pt, bt = layers_state(rng, m, ctx, layers)
+  if m % next_n:
+    raise ValueError(f"M={m} is not a multiple of next_n={next_n}")
+  weights, caches, pt, bt = layers_state(rng, m // next_n, ctx, layers, next_n)
   cache = caches[0]
-  # Every request at ctx tokens with this step's token (position ctx - 1): ctx / 4 pools.
-  batch = synthetic.decode_batch(np.full((m, 1), ctx - 1), cache, pt, bt)
+  # Every request at ctx tokens with this step's tokens (positions ctx - next_n .. ctx - 1,
+  # the last one ctx / 4 pools).
+  positions = np.broadcast_to(ctx - next_n + np.arange(next_n), (m // next_n, next_n))
+  batch = synthetic.decode_batch(positions, cache, pt, bt)
   # Every layer of each of the steps of a run gets its own x and qr (no work shared
   # between layers or steps; synthetic.layer_inputs says why).
   xs, qrs = map(list, zip(*(synthetic.layer_inputs(rng, m, layers) for _ in range(steps))))
@@ -280,9 +287,12 @@ def run(bench):
                         if bench.module else [REFERENCE])
   steps, chained = bench.args.stage_steps, bench.args.stage_chained
   barrier = chained and bench.args.stage_chain_barrier
+  next_n = bench.args.stage_next_n
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731
-                                steps=steps)
-  for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME), variants, build):
+                                steps=steps, next_n=next_n)
+  labelled = [(label.replace(",ctx=", f",next_n={next_n},ctx=") if next_n > 1 else label, key)
+              for label, key in shapes(bench, NAME)]
+  for shape, (ctx, _), state in bench.states(NAME, labelled, variants, build):
     weights, caches, xs, qrs, batch = state
     del state
     for variant in variants:
