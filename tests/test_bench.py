@@ -397,3 +397,27 @@ def test_sweep_q_times_each_tactic_that_tiles(tmp_path, monkeypatch):
   got = sorted((r["shape"], r["variant"]) for r in bench.rows)
   assert got == sorted((f"M={m}", f"kernel {t}") for m in (1, 3) for t in Q_TACTICS), got
   assert all(r["device_us"] and r["device_us"] > 0 for r in bench.rows), bench.rows
+
+
+def test_select_sizes_and_mtp_stage_rows(tmp_path):
+  """--select-pools / --select-rows set the select ops' shapes (widths past the top-k
+  kernel's, up to 1M tokens' 262,144 pools), and --stage-next-n times M rows as M / N
+  requests of N consecutive positions, the row labelled with its next_n."""
+  from bench import __main__ as cli
+  from bench import stage
+  from bench.driver import Bench
+  p = cli.parser()
+  sizes = cli.sizes_from(p, p.parse_args(["--cpu-smoke", "--select-pools", "50688,262144",
+                                          "--select-rows", "1,16"]))
+  assert (sizes.select_pools, sizes.select_rows) == ((50688, 262144), (1, 16))
+  args = p.parse_args(["--stage-contexts", "1024", "--stage-rows", "4", "--stage-next-n", "2",
+                       "--skip-variants", "kernel", "--cache-dir", "",
+                       "--out", str(tmp_path / "b.json")])
+  bench = Bench(cli.sizes_from(p, p.parse_args(["--cpu-smoke"])), args)
+  stage.run(bench)
+  assert [(r["shape"], r["variant"]) for r in bench.rows] == [
+      ("M=4,next_n=2,ctx=1024", "reference")]
+  assert bench.rows[0]["device_us"] > 0
+  _, _, _, _, batch = stage._state(4, 1024, 1, seed=0, steps=1, next_n=2)
+  assert batch.positions.tolist() == [[1022, 1023], [1022, 1023]]
+  assert batch.req_ids.tolist() == [0, 0, 1, 1]
