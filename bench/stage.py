@@ -78,14 +78,16 @@ def shape_arguments(parser, group):
                              f"(default {default})")
 
 
-def shapes(bench, group):
-  """[("M=<m>,ctx=<context>", (context, M))] of a whole-step group: its flags, else the
-  run's sizes."""
+def shapes(bench, group, next_n=1):
+  """[("M=<m>[,next_n=<n>],ctx=<context>", (context, M))] of a whole-step group: its flags,
+  else the run's sizes; next_n named where rows come as requests of more than one."""
   def ints(what):
     text = getattr(bench.args, f"{group}_{what}")
     return (tuple(int(v) for v in text.split(",")) if text
             else getattr(bench.s, f"{group}_{what}"))
-  return [(f"M={m},ctx={ctx}", (ctx, m)) for ctx in ints("contexts") for m in ints("rows")]
+  rows = f",next_n={next_n}" if next_n > 1 else ""
+  return [(f"M={m}{rows},ctx={ctx}", (ctx, m)) for ctx in ints("contexts")
+          for m in ints("rows")]
 
 
 def add_arguments(parser):
@@ -290,9 +292,8 @@ def run(bench):
   next_n = bench.args.stage_next_n
   build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731
                                 steps=steps, next_n=next_n)
-  labelled = [(label.replace(",ctx=", f",next_n={next_n},ctx=") if next_n > 1 else label, key)
-              for label, key in shapes(bench, NAME)]
-  for shape, (ctx, _), state in bench.states(NAME, labelled, variants, build):
+  for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME, next_n), variants,
+                                             build):
     weights, caches, xs, qrs, batch = state
     del state
     for variant in variants:

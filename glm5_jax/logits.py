@@ -129,15 +129,25 @@ def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
   the same ids, exactly."""
   k = int(k)
   rows, width = jnp.shape(logits)
-  chunks = topk_chunks(width, k)
-  if chunks.chunks > 1 and _topk.kernel_chosen(
-      Routing.resolve(routing, _topk.name),
-      [jax.ShapeDtypeStruct((rows * chunks.chunks, chunks.pools), F32),
-       jax.ShapeDtypeStruct((rows * chunks.chunks,), I32)], dict(k=k)):
+  chunks = _kernel_chunks(rows, width, k, routing)
+  if chunks is not None:
     _topk_shapes(jax.typeof(logits), jax.typeof(pool_lens), k=k)
     padded = jnp.pad(logits, ((0, 0), (0, chunks.padded - width)))
     return _chunked_topk(padded, jnp.clip(pool_lens, 0, width), k, chunks, routing)
   return _topk(logits, pool_lens, k=k, routing=routing)[0]
+
+
+def _kernel_chunks(rows, width, k, routing) -> TopkChunks | None:
+  """plan.topk_chunks of rows of `width` pools where they cut the row and the routing runs
+  pool_topk's kernel on the chunks; else None (one call: the kernel, or the reference)."""
+  chunks = topk_chunks(width, k)
+  chunk_rows = rows * chunks.chunks
+  if chunks.chunks > 1 and _topk.kernel_chosen(
+      Routing.resolve(routing, _topk.name),
+      [jax.ShapeDtypeStruct((chunk_rows, chunks.pools), F32),
+       jax.ShapeDtypeStruct((chunk_rows,), I32)], dict(k=k)):
+    return chunks
+  return None
 
 
 def _chunked_topk(logits, lens, k, chunks, routing):
@@ -236,18 +246,13 @@ def select_chunks(args, params, routing) -> TopkChunks | None:
   avals = [jax.typeof(a) for a in args]
   if _select.kernel_chosen(Routing.resolve(routing, _select.name), avals, params):
     return None
-  chunks = topk_chunks(params["max_pools"], params["k"])
   rows = avals[0].shape[0]
-  chunk_rows = rows * chunks.chunks
+  chunks = _kernel_chunks(rows, params["max_pools"], params["k"], routing)
   logits_avals = [*avals[:3], jax.ShapeDtypeStruct((rows, avals[3].shape[1]), I32),
                   jax.ShapeDtypeStruct((rows,), I32)]
-  topk_avals = [jax.ShapeDtypeStruct((chunk_rows, chunks.pools), F32),
-                jax.ShapeDtypeStruct((chunk_rows,), I32)]
-  if (chunks.chunks > 1
-      and _mqa.kernel_chosen(Routing.resolve(routing, _mqa.name), logits_avals,
-                             dict(max_pools=chunks.padded, scale_format=params["scale_format"]))
-      and _topk.kernel_chosen(Routing.resolve(routing, _topk.name), topk_avals,
-                              dict(k=params["k"]))):
+  if chunks is not None and _mqa.kernel_chosen(
+      Routing.resolve(routing, _mqa.name), logits_avals,
+      dict(max_pools=chunks.padded, scale_format=params["scale_format"])):
     return chunks
   return None
 
