@@ -22,7 +22,8 @@ def parser():
   p = argparse.ArgumentParser(prog="python -m bench", description=DOC.split("\n")[0])
   p.add_argument("--out", default="BENCHMARKS.json", help="JSON rows")
   p.add_argument("--md", default="BENCHMARKS.md", help="markdown report")
-  p.add_argument("--plot", default=os.path.join(HERE, "benchmarks.png"), help="PNG plot")
+  p.add_argument("--plot", default=os.path.join(HERE, "benchmarks.png"),
+                 help="PNG plot ('': none)")
   p.add_argument("--quick", action="store_true",
                  help="M (B, n, rows) in {1, 64} and the first of the other sizes")
   p.add_argument("--ops", default="", help="comma-separated ops (default: all)")

@@ -240,7 +240,9 @@ def plot(rows, path):
 
 def plot_or_none(rows, args):
   """Writes args.plot; its path relative to args.md, or None when plotting fails
-  (e.g. no matplotlib: the report is written without the plot)."""
+  (e.g. no matplotlib: the report is written without the plot) or --plot '' (none wanted)."""
+  if not args.plot:
+    return None
   try:
     plot(rows, args.plot)
   except Exception as e:                                   # noqa: BLE001

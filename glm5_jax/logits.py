@@ -97,8 +97,9 @@ def mqa_logits(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
                scale_format: str = "fp32", routing: Routing | None = None) -> jax.Array:
   """Pool scores f32[rows, max_pools] of fp8 queries against the paged K cache
   (SPEC §5b); see glm5_jax.reference.mqa_logits for shapes. The kernel sums in its
-  own fixed order (cc/select.cu): within 2^-12 * sum_h |w| sum_d |q k| * scale of the
-  exact value (tests/test_select_gpu.py), not bit-equal to the reference."""
+  own fixed order (cc/select.cu), its fp8 dots on tensor cores that truncate their sums:
+  within 2^-9 * sum_h |w| sum_d |q k| * scale of the exact value (docs/semantics.md §5b,
+  tests/test_select_gpu.py), not bit-equal to the reference."""
   return _mqa(q_fp8, w_out, kv_cache, page_table, pool_lens,
               max_pools=int(max_pools), scale_format=scale_format, routing=routing)[0]
 

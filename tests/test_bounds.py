@@ -158,35 +158,29 @@ def _wrong_logits(kind, q, w, kv, table, lens, width, scale_format):
 
 
 WRONG_LOGITS = ["bf16 head weights", "bf16 logits", "scales read row-wise", "row one short"]
+# What LOGITS_BOUND (the tensor cores' fp8 sums) still rejects on random terms; the exact
+# dots reject every wrong kernel at EXACT_DOTS_BOUND.
+WRONG_LAYOUTS = ["scales read row-wise", "row one short"]
 
 
-@pytest.mark.parametrize("positive", [False, True])
+@pytest.mark.parametrize("terms,limit,wrong", [
+    ("mixed", bounds.LOGITS_BOUND, WRONG_LAYOUTS), ("positive", bounds.LOGITS_BOUND, WRONG_LAYOUTS),
+    ("exact", bounds.EXACT_DOTS_BOUND, WRONG_LOGITS)])
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c[0] * c[1] >= 2 ** 17
                                                else []) for c in LOGITS_CASES])
-def test_logits_bound_rejects_wrong_kernels(case, positive):
-  """Every case of test_logits_kernel_within_bound rejects each wrong kernel (WRONG_LOGITS)
-  and passes the float64 logits rounded to f32."""
-  (q, w, kv, table, lens), width = logits_case(*case, positive=positive)
+def test_logits_bound_rejects_wrong_kernels(case, terms, limit, wrong):
+  """Every case of test_logits_kernel_within_bound (random terms) and of
+  test_logits_kernel_on_exact_dots rejects each wrong kernel of its list and passes the
+  float64 logits rounded to f32."""
+  (q, w, kv, table, lens), width = logits_case(*case, terms=terms)
   want, bound = O.mqa_logits_vectorized(q.view(jnp.float8_e4m3fn), w, kv, table, lens,
                                         max_pools=width, scale_format=case[-1])
   n = np.clip(lens, 0, width)
-  assert bounds.check_logits(want.astype(np.float32), want, bound, n) < 2.0 ** -20
-  for kind in WRONG_LOGITS:
+  assert bounds.check_logits(want.astype(np.float32), want, bound, n, limit) < 2.0 ** -20
+  for kind in wrong:
     got = _wrong_logits(kind, q, w, kv, table, lens, width, case[-1])
     with np.errstate(invalid="ignore"), pytest.raises(AssertionError):
-      bounds.check_logits(got.astype(np.float32), want, bound, n)
-
-
-def test_positive_case_rejects_bf16_head_weights_at_any_bound_up_to_2_to_the_minus_10():
-  """The positive-terms case does not depend on LOGITS_BOUND's tightness: a bf16 read of
-  the head weights moves every logit by >= 2^-9.3 of its bound."""
-  (q, w, kv, table, lens), width = logits_case(*LOGITS_CASES[0], positive=True)
-  want, bound = O.mqa_logits_vectorized(q.view(jnp.float8_e4m3fn), w, kv, table, lens,
-                                        max_pools=width)
-  got = _wrong_logits("bf16 head weights", q, w, kv, table, lens, width, "fp32")
-  with pytest.raises(AssertionError):
-    bounds.check_logits(got.astype(np.float32), want, bound, np.clip(lens, 0, width),
-                        limit=2.0 ** -10)
+      bounds.check_logits(got.astype(np.float32), want, bound, n, limit)
 
 
 # --------------------------------------------------------------------------- pool rate

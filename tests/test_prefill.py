@@ -6,7 +6,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from bounds import check_equivalent
+from bounds import GEMM_TAIL_FLOOR, check_equivalent
 
 import glm5_jax
 from glm5_jax import synthetic
@@ -291,3 +291,29 @@ def test_prefill_rejects_bad_input():
                                     batch.tslot))
   with pytest.raises(ValueError, match="glm5_jax.indexer_prefill: weights.w_cat"):
     run(config=glm5_jax.IndexerConfig(heads=16))
+
+
+def test_gemm_floor_passes_a_value_near_0_and_nothing_else():
+  """check_equivalent's gemm_floor (the stage against the reference: GEMMs in other orders)
+  passes a value at 2^-14 of its row's rms off by 8 of its ulps, which fails without it,
+  and still rejects 2 ulps on a value of the row's size and a token's key in another's
+  slot."""
+  kv, tail, _ = _written_caches()
+  rms = np.sqrt(np.mean(tail.astype(np.float64) ** 2, axis=-1))
+  b, plane, slot = np.unravel_index(np.argmax(rms), rms.shape)
+  want = tail.copy()
+  want[b, plane, slot, 4] = rms[b, plane, slot] * 2.0 ** -14
+  got = want.copy()
+  got.view(np.uint16)[b, plane, slot, 4] += 8
+  check_equivalent(kv, got, kv, want, GEMM_TAIL_FLOOR)
+  with pytest.raises(AssertionError, match="8 bf16 ulp off"):
+    check_equivalent(kv, got, kv, want)
+  big = np.argmax(np.abs(want[b, plane, slot].astype(np.float64)))
+  got = want.copy()
+  got.view(np.uint16)[b, plane, slot, big] += 2
+  with pytest.raises(AssertionError, match="2 bf16 ulp off"):
+    check_equivalent(kv, got, kv, want, GEMM_TAIL_FLOOR)
+  got = want.copy()
+  got[b, plane, slot] = want[b, plane, (slot + 1) % want.shape[2]]
+  with pytest.raises(AssertionError):
+    check_equivalent(kv, got, kv, want, GEMM_TAIL_FLOOR)

@@ -10,7 +10,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
-from bounds import check_logits
+from bounds import EXACT_DOTS_BOUND, LOGITS_BOUND, check_logits
 
 import glm5_jax
 from glm5_jax import reference as ref
@@ -114,25 +114,36 @@ LOGITS_CASES = [
     (8, 30000, 32, 32, "fp32")]
 
 
-def logits_case(rows, pools, page, heads, scale_format, positive=False):
+# The fp8 codes of 0, 0.5, 1, 1.5 and 2: products of two are multiples of 1/4 up to 4.
+SMALL_CODES = np.array([0x00, 0x30, 0x38, 0x3C, 0x40], np.uint8)
+
+
+def logits_case(rows, pools, page, heads, scale_format, terms="mixed"):
   """mqa_logits' operands (q u8[rows, padded, 128], w f32[rows, padded], K cache, page table,
-  pool counts i32[rows]) and its width: random fp8; a missing page, a page id past the
-  cache (D4), a row of no pools, one of negative count. positive: every q and K value >= 0
-  (each dot its abs-sum) and head weights 0.4 of a bf16 ulp above a bf16 value (a bf16 read
-  of them moves every logit by >= 2^-9.3 of its bound, one way)."""
+  pool counts i32[rows]) and its width: a missing page, a page id past the cache (D4), a row
+  of no pools, one of negative count. terms: "mixed" random fp8 of both signs; "positive"
+  every q and K value >= 0 (each dot its abs-sum: the tensor cores' truncating sums at
+  their worst); "exact" q and K codes of 0..2 in halves, so that every dot is exact on the
+  tensor cores and the kernel's only error is its fp32 head sum. Outside "mixed" the head
+  weights sit 0.4 of a bf16 ulp above a bf16 value (a bf16 read of them moves every logit
+  by >= 2^-9.3 of its bound, one way)."""
   rng = np.random.default_rng(rows + pools)
   padded = max(heads, 32)
-  values = ((lambda rng, shape: np.abs(rng.standard_normal(shape)) * 40) if positive
+  values = ((lambda rng, shape: np.abs(rng.standard_normal(shape)) * 40) if terms != "mixed"
             else (lambda rng, shape: rng.standard_normal(shape) * 40))
   kv, table = _cache(rng, rows, pools, page, scale_format, values=values)
   table[0, 1] = -1                       # a missing page
   table[-1, -1] = kv.shape[0] + 7        # a page id past the cache (D4: not read)
   q, w = _queries(rng, rows, padded, heads)
-  if positive:
+  if terms != "mixed":
     q &= 0x7F
     w = O.bf16r(rng.uniform(0.02, 0.06, w.shape))
     w = (w + 0.4 * O.bf16_ulp(w)).astype(np.float32)
     w[:, heads:] = 0
+  if terms == "exact":
+    flat = kv.reshape(kv.shape[0], -1)
+    flat[:, :page * 128] = SMALL_CODES[rng.integers(0, 5, (kv.shape[0], page * 128))]
+    q[:, :heads] = SMALL_CODES[rng.integers(0, 5, q[:, :heads].shape)]
   lens = rng.integers(0, pools + 1, rows).astype(I32)
   lens[0] = pools
   if rows > 2:
@@ -140,13 +151,10 @@ def logits_case(rows, pools, page, heads, scale_format, positive=False):
   return (q, w, kv, table, lens), pools + 64
 
 
-@pytest.mark.parametrize("positive", [False, True])
-@pytest.mark.parametrize("rows,pools,page,heads,scale_format", LOGITS_CASES)
-def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format, positive):
-  """The kernel (in the compiled program) within bounds.LOGITS_BOUND of float64; with
-  positive terms a bf16 read of the head weights could not pass (tests/test_bounds.py)."""
-  (q, w, kv, table, lens), width = logits_case(rows, pools, page, heads, scale_format,
-                                               positive)
+def _logits_within(rows, pools, page, heads, scale_format, terms, limit):
+  """The kernel (asserted in the compiled program) on logits_case within limit of the
+  float64 bound; -inf from each row's pool count on."""
+  (q, w, kv, table, lens), width = logits_case(rows, pools, page, heads, scale_format, terms)
   fn = jax.jit(functools.partial(glm5_jax.mqa_logits, max_pools=width,
                                  scale_format=scale_format))
   args = (jnp.asarray(q).view(jnp.float8_e4m3fn), jnp.asarray(w), jnp.asarray(kv),
@@ -156,9 +164,27 @@ def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format, posi
   want, bound = O.mqa_logits_vectorized(q.view(jnp.float8_e4m3fn), w, kv, table, lens,
                                         max_pools=width, scale_format=scale_format)
   n = np.clip(lens, 0, width)
-  check_logits(got, want, bound, n)
+  worst = check_logits(got, want, bound, n, limit)
   for r in range(rows):     # the op's contract: -inf from the row's pool count on
     assert np.all(np.isneginf(got[r, n[r]:]))
+  return worst
+
+
+@pytest.mark.parametrize("terms", ["mixed", "positive"])
+@pytest.mark.parametrize("rows,pools,page,heads,scale_format", LOGITS_CASES)
+def test_logits_kernel_within_bound(rows, pools, page, heads, scale_format, terms):
+  """The kernel within bounds.LOGITS_BOUND of float64 (the tensor cores' fp8 sums)."""
+  worst = _logits_within(rows, pools, page, heads, scale_format, terms, LOGITS_BOUND)
+  print(f"worst |logit - f64| / bound: {worst:.3g} ({terms})")
+
+
+@pytest.mark.parametrize("rows,pools,page,heads,scale_format", LOGITS_CASES)
+def test_logits_kernel_on_exact_dots(rows, pools, page, heads, scale_format):
+  """Where every dot is exact the kernel is within bounds.EXACT_DOTS_BOUND (its fp32 head
+  FMAs): a bf16 read of the weights, bf16 logits, a dimension dropped or scales read
+  row-wise all fail that check (tests/test_bounds.py)."""
+  worst = _logits_within(rows, pools, page, heads, scale_format, "exact", EXACT_DOTS_BOUND)
+  print(f"worst |logit - f64| / bound on exact dots: {worst:.3g}")
 
 
 @pytest.mark.long
