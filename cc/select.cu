@@ -76,6 +76,7 @@ LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
   a.page = Divisor::extent(kv.dimensions()[1]);
   a.width = static_cast<int32_t>(width);
   a.skip_upto = -1;
+  a.group = 1;
   a.ue8m0 = ue8m0;
   return a;
 }
@@ -132,7 +133,8 @@ ffi::Error launch_select(const Check& check, cudaStream_t stream, ffi::AnyBuffer
                          ffi::BufferR2<ffi::F32>& w_out, ffi::BufferR3<ffi::U8>& kv,
                          ffi::BufferR2<ffi::S32>& page_table, ffi::BufferR1<ffi::S32>& req_ids,
                          ffi::BufferR1<ffi::S32>& positions, ffi::Result<ffi::BufferR2<ffi::F32>>& logits,
-                         int32_t* ids, const SlotArgs& slots, int64_t k, bool ue8m0, bool pdl) {
+                         int32_t* ids, const SlotArgs& slots, int64_t k, int64_t next_n,
+                         bool ue8m0, bool pdl) {
   const int64_t rows = logits->dimensions()[0], width = logits->dimensions()[1];
   if (ffi::Error err = check_logits(check, q, w_out, kv, rows, width); err.failure()) return err;
   if (req_ids.dimensions()[0] != rows || positions.dimensions()[0] != rows)
@@ -140,12 +142,18 @@ ffi::Error launch_select(const Check& check, cudaStream_t stream, ffi::AnyBuffer
   if (width > kTopkMaxPools)
     return check.fail("max_pools above " + std::to_string(kTopkMaxPools));
   if (k <= 0 || k > kI32Max) return check.fail("k must be in [1, 2^31)");
+  if (next_n < 1) return check.fail("next_n must be >= 1");
   if (rows == 0) return ffi::Error::Success();
   LogitsArgs a = logits_args(q, w_out, kv, page_table, logits->typed_data(), rows, width, ue8m0);
   a.req_ids = req_ids.typed_data();
   a.lens = positions.typed_data();
   a.from_positions = true;
   a.skip_upto = static_cast<int32_t>(std::min<int64_t>(k, width));
+  // Rows come as requests of next_n rows: units of up to LOGITS_GROUP_ROWS rows of one
+  // request share each K tile's read (the pool spans need 28 bits: wider logits do not).
+  a.group = width < (int64_t{1} << 28)
+                ? static_cast<int32_t>(std::min<int64_t>(next_n, limits::kLogitsGroupRows))
+                : 1;
   cudaError_t err = launch_logits(stream, pdl, a, q.dimensions()[1]);
   if (err != cudaSuccess) return check.cuda(err);
   TopkArgs b = topk_args(logits->typed_data(), positions.typed_data(), ids, rows, width, k);
@@ -160,14 +168,15 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
                            ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
                            ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
                            ffi::ResultBufferR2<ffi::S32> ids,
-                           ffi::ResultBufferR2<ffi::F32> logits, bool ue8m0, bool pdl) {
+                           ffi::ResultBufferR2<ffi::F32> logits, int64_t next_n, bool ue8m0,
+                           bool pdl) {
   const Check check{targets::glm5_select_pools};
   if (ids->dimensions()[0] != logits->dimensions()[0])
     return check.fail("the ids need `rows` rows");
   const int64_t k = ids->dimensions()[1];
   if (k == 0) return ffi::Error::Success();
   return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,
-                       ids->typed_data(), SlotArgs{}, k, ue8m0, pdl);
+                       ids->typed_data(), SlotArgs{}, k, next_n, ue8m0, pdl);
 }
 
 ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
@@ -177,7 +186,7 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
                            ffi::ResultBufferR2<ffi::S32> slots,
                            ffi::ResultBufferR1<ffi::S32> counts,
                            ffi::ResultBufferR2<ffi::F32> logits, int64_t k, int64_t block_size,
-                           int64_t stride_rows, bool ue8m0, bool pdl) {
+                           int64_t stride_rows, int64_t next_n, bool ue8m0, bool pdl) {
   const Check check{targets::glm5_select_slots};
   const int64_t rows = logits->dimensions()[0], width = slots->dimensions()[1];
   if (slots->dimensions()[0] != rows || counts->dimensions()[0] != rows)
@@ -198,7 +207,7 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   s.width = static_cast<int32_t>(width);
   s.vector = width % kPool == 0 && aligned(s.out, 16);
   return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,
-                       nullptr, s, k, ue8m0, pdl);
+                       nullptr, s, k, next_n, ue8m0, pdl);
 }
 
 // The stream and the operands both select handlers take first, in launch_select's order.
@@ -242,6 +251,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectPools, glm5::SelectPoolsImpl,
                               glm5::bind_select()
                                   .Ret<ffi::BufferR2<ffi::S32>>()   // pool_ids
                                   .Ret<ffi::BufferR2<ffi::F32>>()   // logits
+                                  .Attr<int64_t>("next_n")          // next_n
                                   .Attr<bool>("ue8m0")              // ue8m0
                                   .Attr<bool>("pdl"),               // pdl
                               {ffi::Traits::kCmdBufferCompatible});
@@ -255,6 +265,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectSlots, glm5::SelectSlotsImpl,
                                   .Attr<int64_t>("k")               // k
                                   .Attr<int64_t>("block_size")      // block_size
                                   .Attr<int64_t>("stride_rows")     // stride_rows
+                                  .Attr<int64_t>("next_n")          // next_n
                                   .Attr<bool>("ue8m0")              // ue8m0
                                   .Attr<bool>("pdl"),               // pdl
                               {ffi::Traits::kCmdBufferCompatible});

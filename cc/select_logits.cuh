@@ -35,6 +35,7 @@ struct LogitsArgs {
   int32_t rows, tables, table_width, pages, width;
   Divisor page;               // PAGE (1 for an empty cache: no tile is read then)
   int32_t skip_upto;          // rows with at most this many pools are skipped (-1: none)
+  int32_t group;              // rows of one request scored from one read of its tiles, <= 4
   bool from_positions;
   bool fill;                  // write -inf from each row's pool count up to width
   bool ue8m0;                 // scale format: UE8M0 byte (else fp32)
@@ -79,14 +80,39 @@ __device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
 // first_item[0..rows], then each row's pool count and page-table row (its request). They are
 // read once, together, before the scan: the page lookups behind them then wait on one
 // global load instead of two in a row (lens, then req_ids).
+//
+// Units (kGroup > 1, the select path with next_n rows a request): a unit is a run of at most
+// a.group consecutive rows of one request, each unit's rows scored from one read of each
+// K tile. unit[r] of a unit's first row is (its rows << kUnitShift) | its span (the most
+// pools a row of it scores); 0 for the unit's other rows, which own no items.
+constexpr int kUnitShift = 28;
+constexpr int32_t kUnitSpan = (1 << kUnitShift) - 1;
+// Rows of one request looked back to find a row's place in its run: a multiple of every
+// group (1..LOGITS_GROUP_ROWS), so a run longer than it still splits at a unit boundary.
+constexpr int kUnitLookback = 48;
+static_assert(limits::kLogitsGroupRows <= 4 && kUnitLookback % 12 == 0);
+
+template <int kGroup>
 struct RowTables {
+  static constexpr int kArrays = kGroup > 1 ? 4 : 3;
   int32_t* first_item;  // [rows + 1]
   int32_t* pools;       // [rows]
   int32_t* req;         // [rows]
+  int32_t* unit;        // [rows] (kGroup > 1)
   __device__ RowTables(int32_t* base, int32_t rows)
-      : first_item(base), pools(base + rows + 1), req(base + 2 * rows + 1) {}
+      : first_item(base), pools(base + rows + 1), req(base + 2 * rows + 1),
+        unit(base + 3 * rows + 1) {}
   static constexpr size_t bytes(int32_t rows) {
-    return (3 * static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+    return (kArrays * static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+  }
+  // The pools a row's (unit's) items cover: its span.
+  __device__ __forceinline__ int32_t span(int r) const {
+    if constexpr (kGroup > 1) return unit[r] & kUnitSpan;
+    else return pools[r];
+  }
+  __device__ __forceinline__ int rows_of(int r) const {
+    if constexpr (kGroup > 1) return unit[r] >> kUnitShift;
+    else return 1;
   }
 };
 
@@ -97,19 +123,53 @@ struct ItemRange {
   int32_t begin, end, row;
 };
 
-template <int kThreads>
-__device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTables& t) {
+// A unit's first row (kGroup > 1): whether row r starts one, given the rows of its request
+// right before it (d, at most kUnitLookback); its rows and span into t.unit[r]; its items.
+template <int kGroup>
+__device__ __forceinline__ int32_t unit_items(const LogitsArgs& a, const RowTables<kGroup>& t,
+                                              int r) {
+  const int32_t req = t.req[r];
+  int d = 0;
+  while (d < kUnitLookback && r - d - 1 >= 0 && t.req[r - d - 1] == req) ++d;
+  if (d < kUnitLookback && d % a.group != 0) {
+    t.unit[r] = 0;
+    return 0;
+  }
+  // Rows that need no logits (at most skip_upto pools, select path) widen no span.
+  const auto needs = [&](int32_t n) { return a.fill || n > a.skip_upto ? n : 0; };
+  int rows = 1;
+  int32_t span = needs(t.pools[r]);
+  if (d < kUnitLookback)
+    for (; rows < a.group && r + rows < a.rows && t.req[r + rows] == req; ++rows)
+      span = max(span, needs(t.pools[r + rows]));
+  t.unit[r] = (rows << kUnitShift) | span;
+  return row_items(a, span);
+}
+
+template <int kThreads, int kGroup>
+__device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTables<kGroup>& t) {
   __shared__ uint32_t warp_sums[kThreads / kWarp];
   int32_t* const first_item = t.first_item;
+  if constexpr (kGroup > 1) {  // every row's request first: a unit reads its neighbours'
+    for (int r = threadIdx.x; r < a.rows; r += kThreads) {
+      t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
+      t.pools[r] = row_pools(a.lens, a.from_positions, r, a.width);
+    }
+    __syncthreads();
+  }
   int32_t carry = 0;
   for (int base = 0; base < a.rows; base += kThreads) {
     const int r = base + threadIdx.x;
     int32_t own = 0;
     if (r < a.rows) {
-      const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
-      t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
-      t.pools[r] = n;
-      own = row_items(a, n);
+      if constexpr (kGroup > 1) {
+        own = unit_items<kGroup>(a, t, r);
+      } else {
+        const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+        t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
+        t.pools[r] = n;
+        own = row_items(a, n);
+      }
     }
     const Scan scan = block_scan<kThreads>(static_cast<uint32_t>(own), warp_sums);
     if (r < a.rows) first_item[r] = carry + static_cast<int32_t>(scan.incl) - own;
@@ -200,10 +260,11 @@ struct TileSource {
   int32_t page, entry;
 };
 
-__device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const RowTables& t,
+template <int kGroup>
+__device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const RowTables<kGroup>& t,
                                                   int32_t item, int tile, int& row) {
   while (t.first_item[row + 1] <= item) ++row;
-  const int32_t n = t.pools[row];
+  const int32_t n = t.span(row);
   const int32_t p0 = (item - t.first_item[row]) * kItemPools + tile * kWarpPools;
   const int32_t req = t.req[row];
   const int32_t slot = a.page.div(p0);  // PAGE % 16 == 0: the tile is in one page
@@ -216,18 +277,21 @@ __device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const Row
 
 using wgmma::kAtom;
 
-template <int kHeadTiles>
+template <int kHeadTiles, int kGroup>
 struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared memory
   static constexpr int kPadded = 8 * kHeadTiles;
   static constexpr int kKeys = 0;                                          // [stage][64][128]
-  static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [padded][128]
-  static constexpr int kScales = kQueries + kPadded * kDim;                 // [stage][64] x 4 B
+  static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [group][padded][128]
+  static constexpr int kQueryBytes = kPadded * kDim;                       // a row's queries
+  static constexpr int kScales = kQueries + kGroup * kQueryBytes;          // [stage][64] x 4 B
   static constexpr int kBars = kScales + kRingStages * kItemPools * 4;      // full, empty
   static constexpr int kFlags = kBars + 2 * 8 * kRingStages;               // s32[stage][4]
-  static constexpr int kRowTables = kFlags + 4 * kRingStages * kConsumerWarps;
-  static_assert(kQueries % kAtom == 0 && kScales % 16 == 0 && kBars % 8 == 0);
+  static constexpr int kWeights = kFlags + 4 * kRingStages * kConsumerWarps;  // f32[group][padded]
+  static constexpr int kRowTables = kWeights + (kGroup > 1 ? kGroup * kPadded * 4 : 0);
+  static_assert(kQueries % kAtom == 0 && kQueryBytes % kAtom == 0 && kScales % 16 == 0 &&
+                kBars % 8 == 0 && kWeights % 16 == 0);
   static size_t bytes(int32_t rows) {  // + slack to align the base
-    return kAtom + kRowTables + RowTables::bytes(rows);
+    return kAtom + kRowTables + RowTables<kGroup>::bytes(rows);
   }
 };
 
@@ -243,15 +307,15 @@ __device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t 
   }
 }
 
-template <int kHeadTiles>
+template <int kHeadTiles, int kGroup>
 __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     const LogitsArgs a, const __grid_constant__ CUtensorMap keys_map) {
-  using L = LogitsLayout<kHeadTiles>;
+  using L = LogitsLayout<kHeadTiles, kGroup>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw = bulk::smem_address(smem_raw);
   unsigned char* const smem = smem_raw + ((kAtom - raw % kAtom) % kAtom);
   const uint32_t base = bulk::smem_address(smem);
-  const RowTables tables(reinterpret_cast<int32_t*>(smem + L::kRowTables), a.rows);
+  const RowTables<kGroup> tables(reinterpret_cast<int32_t*>(smem + L::kRowTables), a.rows);
   const int32_t* const first_item = tables.first_item;
   int32_t* const copied = reinterpret_cast<int32_t*>(smem + L::kFlags);
   const uint32_t full = base + L::kBars, empty = full + 8 * kRingStages;
@@ -265,7 +329,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     bulk::fence_init();
   }
   pdl_wait();
-  const ItemRange range = cta_items<kLogitsThreads>(a, tables);  // barriers inside
+  const ItemRange range = cta_items<kLogitsThreads, kGroup>(a, tables);  // barriers inside
   const int32_t begin = range.begin, end = range.end;
 
   if (warp == kConsumerWarps) {
@@ -301,50 +365,55 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       }
     }
   } else {
-    // Consumers: one warpgroup, every item together; warp w finishes rows 16w.. of it.
+    // Consumers: one warpgroup, every item together; warp w finishes pools 16w.. of it,
+    // for each row of the item's unit (one row where kGroup == 1) in turn, from the same
+    // stage: a row's scores are computed as they would be alone (its own wgmma chain and
+    // head_sum), so they do not depend on the unit.
     const int g = lane >> 2, t = lane & 3;
-    int r = range.row, row = -1;
-    float w0[kHeadTiles], w1[kHeadTiles];
-    int32_t n = 0;
+    int r = range.row, row = -1, rows = 1;
+    float w0[kHeadTiles], w1[kHeadTiles];  // kGroup == 1: the row's weights, held
+    float* const weights = reinterpret_cast<float*>(smem + L::kWeights);
     const uint32_t queries = base + L::kQueries;
     for (int32_t item = begin; item < end; ++item) {
       const int32_t k = item - begin;
       const int s = k % kRingStages;
       while (first_item[r + 1] <= item) ++r;
       if (r != row) {
-        // The row's queries into shared memory, swizzled: 16-byte chunk c of head h at
+        // The unit's queries into shared memory, swizzled: 16-byte chunk c of head h at
         // chunk c ^ (h % 8) of its 128-byte row. Every consumer thread is past its last
         // wgmma on the old ones (each waited for its group) before any overwrites them.
         if (row >= 0) bulk::named_sync(1, kConsumerWarps * kWarp);
         row = r;
-        n = tables.pools[r];
-        const uint4* qrow = reinterpret_cast<const uint4*>(
-            a.q + static_cast<int64_t>(r) * L::kPadded * kDim);
-        for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
-          const int h = c / (kDim / 16), chunk = c % (kDim / 16);
-          const uint4 v = __ldg(qrow + c);
-          bulk::store16(queries + h * kDim + ((chunk ^ (h % 8)) * 16), v);
+        rows = tables.rows_of(r);
+        for (int j = 0; j < rows; ++j) {
+          const uint4* qrow = reinterpret_cast<const uint4*>(
+              a.q + static_cast<int64_t>(r + j) * L::kPadded * kDim);
+          for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
+            const int h = c / (kDim / 16), chunk = c % (kDim / 16);
+            const uint4 v = __ldg(qrow + c);
+            bulk::store16(queries + j * L::kQueryBytes + h * kDim + ((chunk ^ (h % 8)) * 16), v);
+          }
+          if constexpr (kGroup > 1) {
+            const float* wr = a.w_out + static_cast<int64_t>(r + j) * L::kPadded;
+            for (int c = threadIdx.x; c < L::kPadded; c += kConsumerWarps * kWarp)
+              weights[j * L::kPadded + c] = __ldg(wr + c);
+          }
         }
+        if constexpr (kGroup == 1) {
 #pragma unroll
-        for (int j = 0; j < kHeadTiles; ++j) {
-          const float* wr = a.w_out + static_cast<int64_t>(r) * L::kPadded + 8 * j + 2 * t;
-          w0[j] = __ldg(wr);
-          w1[j] = __ldg(wr + 1);
+          for (int j = 0; j < kHeadTiles; ++j) {
+            const float* wr = a.w_out + static_cast<int64_t>(r) * L::kPadded + 8 * j + 2 * t;
+            w0[j] = __ldg(wr);
+            w1[j] = __ldg(wr + 1);
+          }
         }
         bulk::fence_proxy_async();  // the generic-proxy writes, before wgmma reads them
         bulk::named_sync(1, kConsumerWarps * kWarp);
       }
-      const int32_t p0 = (item - first_item[r]) * kItemPools + warp * kWarpPools;
-      float* out = a.logits + static_cast<int64_t>(r) * a.width;
+      const int32_t first = (item - first_item[r]) * kItemPools;  // the item's first pool
+      const int32_t p0 = first + warp * kWarpPools;
       const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
       bulk::wait(full + 8 * s, (k / kRingStages) & 1);
-      float d[4 * kHeadTiles];
-#pragma unroll
-      for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
-      wgmma::fence();
-      wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes, queries);
-      wgmma::commit();
-      wgmma::wait();
       // Tiles not copied hold stale bytes: their rows (this warp's, when so) are masked.
       const bool have = copied[s * kConsumerWarps + warp];
       const unsigned char* sc = smem + L::kScales + (s * kConsumerWarps + warp) * kTileScaleBytes;
@@ -356,14 +425,45 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         scale_lo = reinterpret_cast<const float*>(sc)[g];
         scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
       }
-      bulk::arrive(empty + 8 * s);  // this thread's reads of the stage (wgmma's too) are done
-      float s_lo, s_hi;
-      head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
-      if (!have) s_lo = s_hi = -INFINITY;
-      if (t < 2) {
-        if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-        else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+      for (int j = 0; j < rows; ++j) {
+        const int32_t n = tables.pools[r + j];
+        float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
+        // A row of the unit with no logits to write (the select path's skipped rows), or
+        // none in this item: no wgmma (the same branch in the whole warpgroup).
+        const bool scored = a.fill || n > a.skip_upto;
+        if (!scored) continue;
+        float s_lo = -INFINITY, s_hi = -INFINITY;
+        if (first < n) {
+          float d[4 * kHeadTiles];
+#pragma unroll
+          for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
+          wgmma::fence();
+          wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes,
+                                 queries + j * L::kQueryBytes);
+          wgmma::commit();
+          wgmma::wait();
+          if constexpr (kGroup > 1) {
+#pragma unroll
+            for (int i = 0; i < kHeadTiles; ++i) {
+              const float2 w = *reinterpret_cast<const float2*>(
+                  weights + j * L::kPadded + 8 * i + 2 * t);
+              w0[i] = w.x;
+              w1[i] = w.y;
+            }
+          }
+          if (j == rows - 1) bulk::arrive(empty + 8 * s);  // the stage's reads are done
+          head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+          if (!have) s_lo = s_hi = -INFINITY;
+        } else if (j == rows - 1) {
+          bulk::arrive(empty + 8 * s);
+        }
+        if (t < 2) {
+          if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+          else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+        }
       }
+      if (rows > 0 && !(a.fill || tables.pools[r + rows - 1] > a.skip_upto))
+        bulk::arrive(empty + 8 * s);  // the unit's last row was skipped: release here
     }
   }
   pdl_launch_dependents();
@@ -401,13 +501,13 @@ cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
 // The logits kernel on a persistent grid: at most one CTA per possible item, at most what is
 // resident at once (shapes only: the command-buffer contract); the kernel spreads the actual
 // items over it.
-template <int kHeadTiles>
+template <int kHeadTiles, int kGroup>
 cudaError_t launch_logits_as(cudaStream_t stream, bool pdl, const LogitsArgs& args) {
   CUtensorMap map{};  // a cache of no pages is never read: no map to encode
   if (args.pages > 0)
     if (cudaError_t err = keys_tensor_map(args, &map); err != cudaSuccess) return err;
-  const auto kernel = mqa_logits_kernel<kHeadTiles>;
-  const size_t smem = LogitsLayout<kHeadTiles>::bytes(args.rows);
+  const auto kernel = mqa_logits_kernel<kHeadTiles, kGroup>;
+  const size_t smem = LogitsLayout<kHeadTiles, kGroup>::bytes(args.rows);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
@@ -419,12 +519,17 @@ cudaError_t launch_logits_as(cudaStream_t stream, bool pdl, const LogitsArgs& ar
                 pdl, args, map);
 }
 
+// LOGITS_HEADS in tiles of 8 heads (the wgmma's N = the padded heads); units of up to
+// LOGITS_GROUP_ROWS rows where the rows come as requests of group > 1 rows (args.group).
 cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                           int32_t padded) {
-  // LOGITS_HEADS in tiles of 8 heads (the wgmma's N = the padded heads).
   constexpr int kFew = limits::kLogitsHeads[0] / 8, kMany = limits::kLogitsHeads[1] / 8;
-  return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany>(stream, pdl, args)
-                                           : launch_logits_as<kFew>(stream, pdl, args);
+  constexpr int kUnits = limits::kLogitsGroupRows;
+  if (args.group > 1)
+    return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany, kUnits>(stream, pdl, args)
+                                             : launch_logits_as<kFew, kUnits>(stream, pdl, args);
+  return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany, 1>(stream, pdl, args)
+                                           : launch_logits_as<kFew, 1>(stream, pdl, args);
 }
 
 }  // namespace

@@ -71,6 +71,9 @@ LOGITS_PAGE_MULTIPLE = 16
 LOGITS_MAX_ROWS = 8192
 LOGITS_ITEM_POOLS = 64
 TOPK_MAX_POOLS = 32768
+# The select path's logits score the rows of one request (next_n consecutive rows, MTP) from
+# one read of its K tiles, in units of at most LOGITS_GROUP_ROWS rows.
+LOGITS_GROUP_ROWS = 4
 
 COMMAND = "python scripts/limits_header.py"
 

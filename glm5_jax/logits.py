@@ -180,7 +180,7 @@ def candidates_topk(ids, values, count, *, k, routing=None):
 
 
 def _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k, max_pools,
-                  scale_format):
+                  scale_format, next_n=1):
   """The select path's shared arguments (select_pools, select_slots); returns the rows."""
   rows = _check_queries(op, q_fp8, w_out, kv_cache, scale_format)
   expect(op, "page_table", page_table, I32, (None, None))
@@ -190,13 +190,15 @@ def _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k,
     fail(op, "k", f"must be > 0, got {k}")
   if max_pools <= 0:
     fail(op, "max_pools", f"must be > 0, got {max_pools}")
+  if next_n < 1:
+    fail(op, "next_n", f"must be >= 1, got {next_n}")
   return rows
 
 
 def _select_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, max_pools,
-                   scale_format):
+                   scale_format, next_n=1):
   rows = _check_select("select_pools", q_fp8, w_out, kv_cache, page_table, req_ids,
-                       positions, k, max_pools, scale_format)
+                       positions, k, max_pools, scale_format, next_n)
   return [((rows, k), I32), ((rows, max_pools), F32)]
 
 
@@ -215,10 +217,16 @@ _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
 _SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (wider: over chunks)"
 _SELECT_OTHERWISE = (f"the reference; max_pools > {TOPK_MAX_POOLS}: mqa_logits, then pool_topk "
                      "over chunks (plan.topk_chunks)")
+def _without_next_n(reference):
+  """A select reference as the op's: next_n (how the kernel shares K reads) changes nothing
+  it computes."""
+  return lambda *args, next_n, **params: reference(*args, **params)
+
+
 _select = Op(
-    "select_pools", ref.select_pools, _select_shapes,
+    "select_pools", _without_next_n(ref.select_pools), _select_shapes,
     rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
-    attributes=dict(ue8m0=np.bool_), attribute_values=_ue8m0,
+    attributes=dict(ue8m0=np.bool_, next_n=np.int64), attribute_values=_ue8m0,
     kernel_supports=_select_kernel_supports,
     kernel_limits=_SELECT_LIMITS, otherwise=_SELECT_OTHERWISE,
     split=Split(_SELECT_OPERANDS, ("rows", "rows"), _localize_select))
@@ -226,14 +234,20 @@ _select = Op(
 
 def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
                  page_table: jax.Array, req_ids: jax.Array, positions: jax.Array, *, k: int,
-                 max_pools: int, scale_format: str = "fp32",
+                 max_pools: int, scale_format: str = "fp32", next_n: int = 1,
                  routing: Routing | None = None) -> tuple[jax.Array, jax.Array]:
   """The select path of a decode step (SPEC §5), one FFI call on CUDA: (pool_ids
   i32[rows, k], logits f32[rows, max_pools]). A row with at most k pools selects all of
   them without logits (the causal fill), the others the top-k of their logits; see
-  glm5_jax.reference.select_pools for shapes and which logits are specified."""
+  glm5_jax.reference.select_pools for shapes and which logits are specified.
+
+  next_n: the rows come as requests of next_n consecutive rows (DecodeBatch's request-major
+  rows, MTP): the kernel scores the rows of a request (up to limits.LOGITS_GROUP_ROWS of
+  them) from one read of its K tiles. A hint only: rows are grouped by equal req_ids, and
+  each row's logits and ids are the same bits whatever next_n is."""
   args = (q_fp8, w_out, kv_cache, page_table, req_ids, positions)
-  params = dict(k=int(k), max_pools=int(max_pools), scale_format=scale_format)
+  params = dict(k=int(k), max_pools=int(max_pools), scale_format=scale_format,
+                next_n=int(next_n))
   if select_chunks(args, params, routing):
     return _select_by_chunks(*args, routing=routing, **params)
   ids, logits = _select(*args, routing=routing, **params)
@@ -242,7 +256,7 @@ def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
 
 def select_chunks(args, params, routing) -> TopkChunks | None:
   """The chunks (plan.topk_chunks) over which select_pools, at these operands (arrays or
-  avals) and keywords (k, max_pools, scale_format), runs mqa_logits' kernel then
+  avals) and keywords (k, max_pools, scale_format[, next_n]), runs mqa_logits' kernel then
   pool_topk's: where its own kernel does not take the width but those do; else None."""
   avals = [jax.typeof(a) for a in args]
   if _select.kernel_chosen(Routing.resolve(routing, _select.name), avals, params):
@@ -259,12 +273,13 @@ def select_chunks(args, params, routing) -> TopkChunks | None:
 
 
 def _select_by_chunks(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k,
-                      max_pools, scale_format, routing):
+                      max_pools, scale_format, routing, next_n=1):
   """select_pools of rows wider than its kernel takes: the logits of the rows with more
-  than k pools (the others select 0..n-1 whatever their logits), then the top-k over
-  chunks; the same ids as select_pools' reference, exactly."""
+  than k pools (the others select 0..n-1 whatever their logits; mqa_logits reads each row's
+  pages on its own, whatever next_n), then the top-k over chunks; the same ids as
+  select_pools' reference, exactly."""
   _select_shapes(*map(jax.typeof, (q_fp8, w_out, kv_cache, page_table, req_ids, positions)),
-                 k=k, max_pools=max_pools, scale_format=scale_format)
+                 k=k, max_pools=max_pools, scale_format=scale_format, next_n=next_n)
   chunks = topk_chunks(max_pools, k)
   table, n = ref.row_pages(page_table, req_ids, positions, max_pools)
   logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, n, 0),
@@ -273,10 +288,10 @@ def _select_by_chunks(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *,
 
 
 def _slots_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, block_table, *, k,
-                  max_pools, block_size, width, stride_rows, scale_format):
+                  max_pools, block_size, width, stride_rows, scale_format, next_n=1):
   op = "select_slots"
   rows = _check_select(op, q_fp8, w_out, kv_cache, page_table, req_ids, positions, k,
-                       max_pools, scale_format)
+                       max_pools, scale_format, next_n)
   check_remap(op, k, block_table, block_size=block_size, width=width, stride_rows=stride_rows)
   return [((rows, width), I32), ((rows,), I32), ((rows, max_pools), F32)]
 
@@ -285,37 +300,40 @@ def _slots_shapes(q_fp8, w_out, kv_cache, page_table, req_ids, positions, block_
 # writes the pool id (the remap's arguments as attributes): its limits and scale attribute
 # are select_pools'.
 _slots = Op(
-    "select_slots", ref.select_slots, _slots_shapes,
+    "select_slots", _without_next_n(ref.select_slots), _slots_shapes,
     rows=((0, 0, None, None, 0, 0, None), (0, 0, 0)), kernel="glm5_select_slots",
-    attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64),
+    attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64,
+                    next_n=np.int64),
     attribute_values=_select.attribute_values, kernel_supports=_select.kernel_supports,
     kernel_limits=_select.kernel_limits,
     otherwise=f"{_SELECT_OTHERWISE}, then expand_and_remap",
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
 
 
-def _slots_params(k, max_pools, block_size, width, stride_rows, scale_format):
+def _slots_params(k, max_pools, block_size, width, stride_rows, scale_format, next_n=1):
   """select_slots' keyword arguments as the primitive takes them."""
   block_size = int(block_size)
   return dict(k=int(k), max_pools=int(max_pools), block_size=block_size, width=int(width),
               stride_rows=remap_stride(block_size, None if stride_rows is None
                                        else int(stride_rows), "select_slots"),
-              scale_format=scale_format)
+              scale_format=scale_format, next_n=int(next_n))
 
 
 def select_slots(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
                  page_table: jax.Array, req_ids: jax.Array, positions: jax.Array,
                  block_table: jax.Array, *, k: int, max_pools: int, block_size: int,
                  width: int, stride_rows: int | None = None, scale_format: str = "fp32",
-                 routing: Routing | None = None) -> tuple[jax.Array, jax.Array]:
+                 next_n: int = 1, routing: Routing | None = None) -> tuple[jax.Array, jax.Array]:
   """The select path to the sparse-MLA slots, one FFI call on CUDA: (slots i32[rows,
   width], counts i32[rows]) = expand_and_remap(select_pools(...)'s pool ids, positions,
   req_ids, block_table) (SPEC §5-§7); see glm5_jax.reference.select_slots. The kernel
   is select_pools' whose top-k writes each selected pool's four slots where it would
-  write the pool id (no expand launch), bit-equal to the two ops."""
-  params = _slots_params(k, max_pools, block_size, width, stride_rows, scale_format)
+  write the pool id (no expand launch), bit-equal to the two ops. next_n: as
+  select_pools'."""
+  params = _slots_params(k, max_pools, block_size, width, stride_rows, scale_format, next_n)
   args = (q_fp8, w_out, kv_cache, page_table, req_ids, positions)
-  select = dict(k=params["k"], max_pools=params["max_pools"], scale_format=scale_format)
+  select = dict(k=params["k"], max_pools=params["max_pools"], scale_format=scale_format,
+                next_n=params["next_n"])
   avals = [jax.typeof(a) for a in (*args, block_table)]
   if (not _slots.kernel_chosen(Routing.resolve(routing, _slots.name), avals, params)
       and select_chunks(args, select, routing)):

@@ -405,7 +405,8 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       "update_epilogue": (update_epilogue, (raw, q, *cache_args), update),
       "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
                                       batch.req_ids, positions, batch.block_table),
-                       dict(_select_params(config), **_remap_params(config))),
+                       dict(_select_params(config), **_remap_params(config),
+                            next_n=batch.positions.shape[1])),
       # and those whose tactics the plan reports
       "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
       "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
@@ -435,7 +436,8 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       projection = ProjectionTactic(_indexer.fused_warps(), 1)
   chunks = None
   if kernels and select is SelectPath.SELECT_POOLS_EXPAND and not select_pools:
-    chunks = select_chunks(calls["select_slots"][1][:-1], _select_params(config),
+    chunks = select_chunks(calls["select_slots"][1][:-1],
+                           dict(_select_params(config), next_n=batch.positions.shape[1]),
                            config.routing)
   return StagePlan(rows, path, select, projection, q_tactic, chunks)
 
@@ -523,6 +525,9 @@ def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=N
   args = (q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table, batch.req_ids,
           positions)
   select, remap = _select_params(config), _remap_params(config)
+  if ops.kernels and select_pools is None:
+    # the kernels score a request's next_n rows from one read of its K tiles
+    select["next_n"] = batch.positions.shape[1]
   if plan is None:
     plan_select = _plan.select_path(
         ops.kernels and select_pools is None,

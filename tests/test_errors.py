@@ -136,6 +136,8 @@ BAD_PARAMS = [
     ("select_pools", dict(k=-4), "k must be > 0"),
     ("select_pools", dict(max_pools=0), "max_pools must be > 0"),
     ("select_pools", dict(scale_format="e8"), "scale_format must be one of"),
+    ("select_pools", dict(next_n=0), "next_n must be >= 1, got 0"),
+    ("select_slots", dict(next_n=-2), "next_n must be >= 1, got -2"),
     ("mqa_logits", dict(scale_format="bf16"), "scale_format must be one of"),
     ("select_slots", dict(k=0), "k must be > 0, got 0"),
     ("select_slots", dict(max_pools=-1), "max_pools must be > 0"),

@@ -352,9 +352,10 @@ def test_remap_attributes(compact, stride_rows, want):
 @pytest.mark.parametrize("scale_format,stride_rows,want", [("fp32", None, 16),
                                                             ("ue8m0", 48, 48)])
 def test_slots_attributes(scale_format, stride_rows, want):
-  """select_slots' params reach its one kernel as i64 (stride_rows None = block_size) and
-  the scale format as the bool ue8m0; width and max_pools only in the result types. No
-  expand_and_remap call: the top-k writes the slots."""
+  """select_slots' params reach its one kernel as i64 (stride_rows None = block_size), the
+  scale format as the bool ue8m0 and the next_n hint as i64 (1: rows scored one by one);
+  width and max_pools only in the result types. No expand_and_remap call: the top-k writes
+  the slots."""
   case = CASES["select_slots"]
   fn = functools.partial(case.fn, stride_rows=stride_rows, scale_format=scale_format,
                          routing=Routing(kernels=True))
@@ -362,7 +363,8 @@ def test_slots_attributes(scale_format, stride_rows, want):
   assert glm5_calls(text) == ["glm5_select_slots"]
   assert call_attributes(text, "glm5_select_slots") == {
       "k": ("5", "i64"), "block_size": ("16", "i64"), "stride_rows": (str(want), "i64"),
-      "ue8m0": (str(scale_format == "ue8m0").lower(), None), "pdl": ("true", None)}
+      "ue8m0": (str(scale_format == "ue8m0").lower(), None), "pdl": ("true", None),
+      "next_n": ("1", "i64")}
   call = text[text.index("stablehlo.custom_call @glm5_select_slots"):].split("\n")[0]
   assert "tensor<4x24xi32>, tensor<4xi32>, tensor<4x48xf32>" in call, call
 

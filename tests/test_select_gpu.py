@@ -469,3 +469,60 @@ def test_slots_is_one_custom_call():
   single = jax.jit(fn)(*args)
   for b, s in zip(batched(*stacked), single):
     np.testing.assert_array_equal(np.asarray(b[1]), np.asarray(s))
+
+
+# MTP rows: (contexts of the requests, next_n, req_ids layout, heads, scale format). "runs":
+# request-major rows as DecodeBatch lays them out; "odd": runs of 5 and 3 rows under a hint
+# of 4 (units split at the run's 4th row, and where the request changes); "mixed": requests
+# interleaved (no two neighbours share one: units of one row).
+MTP_CASES = [
+    ([30000] * 16, 4, "runs", 32, "fp32"),
+    ([8000, 2100, 500, 20000, 16000], 4, "runs", 64, "ue8m0"),
+    ([9000, 3000, 12000], 2, "runs", 32, "fp32"),
+    ([6000, 7000, 2050], 4, "odd", 32, "fp32"),
+    ([6000, 7000, 9000, 4000], 4, "mixed", 32, "ue8m0"),
+]
+
+
+@pytest.mark.parametrize("contexts,next_n,layout,heads,scale_format", MTP_CASES)
+def test_mtp_rows_equal_the_row_by_row_kernel(contexts, next_n, layout, heads, scale_format):
+  """select_pools and select_slots with next_n rows a request (the logits kernel scores a
+  unit of a request's rows from one read of its K tiles) give the same bits as with next_n
+  = 1 (every row alone): the ids, the slots and counts, and every specified logit."""
+  rng = np.random.default_rng(len(contexts) * 31 + next_n)
+  args, max_pools = _select_inputs(rng, contexts, next_n, heads=heads, page=64,
+                                   scale_format=scale_format)
+  q, w, kv, table, req, pos = args
+  req = np.asarray(req).copy()
+  pos = np.asarray(pos).copy()
+  if layout == "odd":       # runs of 5, 3 and the rest: rows of one request past the hint
+    req = np.repeat(np.arange(3), [5, 3, req.size - 8]).astype(I32)
+  elif layout == "mixed":
+    req = (np.arange(req.size) % len(contexts)).astype(I32)
+  pos[1] = -1                        # a pad inside a unit
+  req[-1] = len(contexts) + 7        # an unknown request
+  pos[2] = 4 * 100 - 1               # a row that fits k (the causal fill) inside a unit
+  args = (q, w, kv, table, jnp.asarray(req), jnp.asarray(pos))
+  k = 512
+  n = np.minimum(np.where(pos >= 0, (pos.astype(np.int64) + 1) // 4, 0), max_pools)
+  scored = n > k
+  block_table = _block_table(rng, contexts, next_n, 128)
+  results = {}
+  for hint in (1, next_n):
+    fn = jax.jit(functools.partial(glm5_jax.select_pools, k=k, max_pools=max_pools,
+                                   scale_format=scale_format, next_n=hint))
+    assert 'custom_call_target="glm5_select_pools"' in fn.lower(*args).compile().as_text()
+    ids, logits = (np.asarray(a) for a in fn(*args))
+    slots = jax.jit(functools.partial(glm5_jax.select_slots, k=k, max_pools=max_pools,
+                                      block_size=128, width=4 * k + 3,
+                                      scale_format=scale_format, next_n=hint))(
+        *args, block_table)
+    results[hint] = ids, logits, *(np.asarray(a) for a in slots)
+  (ids1, logits1, slots1, counts1), (ids, logits, slots, counts) = results[1], results[next_n]
+  np.testing.assert_array_equal(ids, ids1)
+  np.testing.assert_array_equal(slots, slots1)
+  np.testing.assert_array_equal(counts, counts1)
+  cols = np.arange(max_pools)[None, :] < n[:, None]
+  both = scored[:, None] & cols
+  assert np.array_equal(logits[both].view(np.uint32), logits1[both].view(np.uint32))
+  assert scored.sum() >= 3 and not scored[2]

@@ -5,6 +5,8 @@ their references, so these tests check the composition itself against the numpy 
 (glm5_testing.oracle, written from SPEC §5c) bit for bit; tests/test_wide_gpu.py runs the
 kernels."""
 import functools
+import json
+import pathlib
 
 import numpy as np
 import jax
@@ -148,3 +150,30 @@ def test_select_pools_by_chunks_equals_reference():
   want = ref.select_slots(*args, block_table, **params, **remap)
   for got, expected in zip(slots, want):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_next_n_is_a_hint_that_changes_no_result():
+  """select_pools' next_n (how its kernel shares a request's K reads) leaves the ids of every
+  row and its logits over its pools as they are (the rest are unspecified), and the
+  stage's CUDA lowering passes it to select_slots' kernel as the batch's next_n."""
+  rng = np.random.default_rng(9)
+  pages, page = 40, 64
+  kv = _exact_cache(rng, pages, page, 0.25)
+  table = rng.permutation(pages)[:32].reshape(2, 16).astype(I32)
+  positions = np.array([900, 901, 902, 903, 400, 401, 402, 403], I32)
+  req_ids = np.repeat(np.arange(2), 4).astype(I32)
+  q = jnp.asarray(rng.integers(-2, 3, (8, 32, 128)).astype(np.float32), jnp.float8_e4m3fn)
+  w = jnp.asarray((rng.integers(-4, 5, (8, 32)) / 8).astype(np.float32))
+  args = (q, w, jnp.asarray(kv), jnp.asarray(table), jnp.asarray(req_ids),
+          jnp.asarray(positions))
+  one = glm5_jax.select_pools(*args, k=64, max_pools=1024)
+  four = glm5_jax.select_pools(*args, k=64, max_pools=1024, next_n=4)
+  np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(four[0]))
+  n = np.asarray(ref.pool_counts(positions))
+  for r in range(len(n)):
+    np.testing.assert_array_equal(np.asarray(one[1])[r, :n[r]], np.asarray(four[1])[r, :n[r]])
+  golden = json.loads((pathlib.Path(__file__).parent / "golden" /
+                       "stage_lowering.json").read_text())
+  for case, next_n in (("M16-n4-ctx32768", 4), ("M16-n2-ctx8192", 2), ("M16-n1-ctx8192", 1)):
+    calls = dict(golden[case]["calls"])
+    assert calls["glm5_select_slots"]["next_n"] == f"{next_n} : i64"
