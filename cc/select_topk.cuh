@@ -3,7 +3,8 @@
 // (cc/select.cu).
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), or a cluster of 2-8
-// CTAs per row at few rows of many pools; exact and deterministic by construction:
+// CTAs per row at few rows of many pools and always past one CTA's registers (32,768
+// pools); exact and deterministic by construction:
 // order-preserving 32-bit keys in registers, a candidate bound that drops most of them, the
 // kept ones gathered in id order, radix select of the threshold with 11-bit digits that
 // start below the bits the bound and the row's largest key share, then one prefix sum of
@@ -242,7 +243,7 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
   }
 
   // Emit: keys above the prefix, and the first `remaining` keys equal to it, in id order
-  // (counts packed: above in the high half, equal in the low; each <= kTopkMaxPools).
+  // (counts packed: above in the high half, equal in the low; each <= kTopkCtaPools: one CTA's keys).
   const uint32_t top = prefix >> shift;
   uint32_t gt = 0, eq = 0;
 #pragma unroll
@@ -440,6 +441,18 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, co
   radix_select_emit<kThreads>(key, [&](int i) { return base + i; }, lo, hi, k, out, sh);
 }
 
+// select_slots: the selected pools of a row of n pools that its block table keeps, or -1
+// where the table may drop some of a top-k (counted while emitting: RowOut::valid). The
+// table keeps pools below table_pools (blocks ascend with the ids): all of a top-k from
+// n <= table_pools pools; ids 0..min(n, table_pools)-1 of the causal fill.
+__device__ __forceinline__ int64_t slots_kept(const TopkArgs& a, const RowOut& out, int32_t n) {
+  const int64_t table_pools = a.slots.max_blocks * a.slots.block_size.d / kPool;
+  return out.req < 0             ? 0
+         : n <= a.k              ? (n < table_pools ? n : table_pools)
+         : n <= table_pools      ? a.k
+                                 : -1;
+}
+
 // Row r's pool count, past the PDL wait the logits need; or -1 where every pool is selected
 // (n <= k): then the CTA has written ids 0..n-1 in order and -1 past them, or their slots
 // (where `writes`), released its dependents, and returns at once. With early_rows such a
@@ -450,13 +463,7 @@ __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, Row
   if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (writes && out.slots()) {
-    // The table keeps pools below table_pools (blocks ascend with the ids): all of a top-k
-    // from n <= table_pools pools; ids 0..min(n, table_pools)-1 of the causal fill.
-    const int64_t table_pools = a.slots.max_blocks * a.slots.block_size.d / kPool;
-    const int64_t kept = out.req < 0    ? 0
-                         : n <= a.k     ? (n < table_pools ? n : table_pools)
-                         : n <= table_pools ? a.k
-                                            : -1;
+    const int64_t kept = slots_kept(a, out, n);
     if (kept < 0) {
       out.valid = valid;
       if (threadIdx.x == 0) *valid = 0u;  // barriers of the selection come before its use
@@ -492,6 +499,113 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   pdl_launch_dependents();
 }
 
+// radix_select_emit by every CTA of a cluster on its own keys (a row wider than one CTA's
+// registers whose bound kept more than kTopkCandidates keys): each digit's histogram is the
+// sum of the CTAs' (each thread reads its bins in every CTA's shared memory after one
+// cluster barrier), so every CTA finds the same digits; then each CTA places its ids after
+// the lower CTAs' (their counts, after one more barrier), the ids still ascending with
+// (CTA, thread, key). key[i] (0: no key) has id first + i; lo and hi are the cluster's
+// smallest and largest nonzero keys; hist[0] is zero in every CTA. A CTA clears a
+// histogram only after the next digit's barrier, which every reader of it has passed, and
+// the last barrier keeps every CTA's shared memory alive until no CTA reads it.
+template <int kParts, int kPer>
+__device__ __forceinline__ void cluster_select_emit(uint32_t (&key)[kPer], int32_t first,
+                                                    uint32_t lo, uint32_t hi, int32_t k,
+                                                    const RowOut& out, TopkShared& sh,
+                                                    uint32_t* part_gt, uint32_t* part_eq,
+                                                    const cg::cluster_group& cluster) {
+  constexpr int kThreads = kTopkMaxThreads;
+  constexpr int kBinsPerThread = kTopkBins / kThreads;
+  static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) key[i] = key[i] != 0u ? key[i] - lo + 1u : 0u;
+  hi = hi - lo + 1u;
+  lo = 1u;
+  int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
+  uint32_t prefix = bits == 32 ? 0u : hi & ~((1u << bits) - 1u);
+  uint32_t remaining = static_cast<uint32_t>(k);
+  int shift = 0, buffer = 0;
+  while (bits > 0) {
+    shift = bits > kTopkDigitBits ? bits - kTopkDigitBits : 0;
+    const uint32_t digit_mask = (1u << (bits - shift)) - 1u;
+    uint32_t* h = sh.hist[buffer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
+        atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
+    cluster.sync();  // every CTA's histogram of this digit
+    const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
+    uint32_t mine[kBinsPerThread], sum = 0;
+#pragma unroll
+    for (int b = 0; b < kBinsPerThread; ++b) {
+      uint32_t bin = 0;
+#pragma unroll
+      for (int q = 0; q < kParts; ++q) bin += cluster.map_shared_rank(h, q)[first_bin + b];
+      sum += mine[b] = bin;
+    }
+    const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums).incl;
+    uint32_t above = incl - sum;
+    if (above < remaining && remaining <= incl) {
+#pragma unroll
+      for (int b = kBinsPerThread - 1; b >= 0; --b) {
+        if (above + mine[b] >= remaining) {
+          sh.digit = static_cast<uint32_t>(first_bin + b);
+          sh.above = above;
+          sh.count = mine[b];
+          break;
+        }
+        above += mine[b];
+      }
+    }
+    for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[buffer ^ 1][i] = 0;
+    __syncthreads();
+    prefix |= sh.digit << shift;
+    remaining -= sh.above;
+    bits = shift;
+    if (sh.count == remaining) break;  // the same in every CTA: the same sums
+    buffer ^= 1;
+  }
+
+  // Emit, as radix_select_emit, with the lower CTAs' counts ahead of this CTA's (a CTA's
+  // counts pack into 16 bits each: at most kTopkCtaPools keys).
+  const uint32_t top = prefix >> shift;
+  uint32_t gt = 0, eq = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (key[i] == 0u) continue;
+    gt += (key[i] >> shift) > top;
+    eq += (key[i] >> shift) == top;
+  }
+  const uint32_t packed = (gt << 16) | eq;
+  const Scan scan = block_scan<kThreads>(packed, sh.warp_sums);
+  if (threadIdx.x == 0) {
+    *part_gt = scan.total >> 16;
+    *part_eq = scan.total & 0xffffu;
+  }
+  cluster.sync();  // the CTAs' counts
+  uint32_t gt_before = 0, eq_before = 0;
+  const int part = static_cast<int>(cluster.block_rank());
+  for (int q = 0; q < part; ++q) {
+    gt_before += *cluster.map_shared_rank(part_gt, q);
+    eq_before += *cluster.map_shared_rank(part_eq, q);
+  }
+  const uint32_t before = scan.incl - packed;
+  gt_before += before >> 16;
+  eq_before += before & 0xffffu;
+  uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
+  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (key[i] == 0u) continue;
+    const uint32_t d = key[i] >> shift;
+    if (d > top || (d == top && take > 0u)) {
+      if (d == top) --take;
+      out.put(at++, first + i);
+    }
+  }
+  cluster.sync();  // no CTA reads another's shared memory past here; the puts are counted
+}
+
 // kParts CTAs of kTopkMaxThreads per row, a thread-block cluster (few rows of many pools:
 // one CTA would walk the row alone on one SM). CTA q of the cluster holds pools
 // [q * span, (q + 1) * span), span = ceil(n / kParts) rounded up to 4, kPer keys per thread
@@ -499,14 +613,18 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
 // writes its kept keys, in id order, into CTA 0's shared memory at its offset (the sum of
 // the lower CTAs' counts), and CTA 0 alone runs the radix select among them. Three cluster
 // barriers in all. Where more than kTopkCandidates keys are kept (ties, adversarial rows),
-// CTA 0 runs the one-CTA path (topk_row) on the whole row instead.
+// CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
+// one CTA's registers, every CTA the cluster's radix select on its own keys
+// (cluster_select_emit).
 template <int kParts, int kPer>
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
-  constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA
-  static_assert(kPer % 4 == 0 && kRowPer <= kTopkMaxKeys);
+  constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
+  constexpr bool kOneCta = kRowPer <= kTopkMaxKeys;
+  static_assert(kPer % 4 == 0 && kPer <= kTopkMaxKeys);
   __shared__ TopkShared sh;
-  __shared__ uint32_t part_bound, part_count, part_lo, part_hi;  // read by the cluster
+  // Read by the cluster: each CTA's bound, kept keys, their range; its selected counts.
+  __shared__ uint32_t part_bound, part_count, part_lo, part_hi, part_gt, part_eq;
   const cg::cluster_group cluster = cg::this_cluster();
   const int part = static_cast<int>(cluster.block_rank());
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -583,7 +701,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     offset += q < part ? c : 0u;
     total += c;
   }
-  if (part == 0) {
+  if (part == 0 || !kOneCta) {
     for (int q = 0; q < kParts; ++q) {
       lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
       hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
@@ -596,10 +714,22 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
                       cluster.map_shared_rank(sh.cand_key, 0),
                       cluster.map_shared_rank(sh.cand_id, 0));
   cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  if constexpr (!kOneCta) {
+    if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
+      RowOut mine = out;
+      if (part != 0 && out.slots() && slots_kept(a, out, n) < 0)
+        mine.valid = cluster.map_shared_rank(&sh.valid, 0);
+      cluster_select_emit<kParts, kPer>(key, first, lo, hi, k, mine, sh, &part_gt, &part_eq,
+                                        cluster);
+      if (part == 0) finish_count(a, r, out);
+      pdl_launch_dependents();
+      return;
+    }
+  }
   if (part == 0) {
     if (gathered)
       select_gathered<kThreads>(total, lo, hi, k, out, sh);
-    else
+    else if constexpr (kOneCta)
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     finish_count(a, r, out);
   }
@@ -644,12 +774,18 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // 1024 threads per CTA). Narrower CTAs at the 2048 and 4096 widths are slower (ncu): below
 // 16 warps there is no bound, and the key loops of the fewer threads are longer than what
 // the fewer warps save at the barriers.
+// Past one CTA's registers a cluster of kTopkClusterParts holds the row at any rows, 8 to
+// 32 keys per thread.
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
-  return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<kParts, 8>(stream, pdl, args);
+  if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
+  return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 
 }  // namespace

@@ -65,8 +65,10 @@ def test_update_modes(update_mode, fused, routing, kernels, want):
     (8192, Routing(), True, SelectPath.SELECT_SLOTS),
     (8192, Routing(ops={"select_slots": False}), True, SelectPath.SELECT_POOLS_EXPAND),
     (8192, Routing(), False, SelectPath.SELECT_POOLS_EXPAND),
-    # Past the top-k kernel's pools.
-    (4 * (32768 + 64), Routing(), True, SelectPath.SELECT_POOLS_EXPAND)])
+    # GLM-5's window and 1M tokens: one select_slots call; past the top-k kernel's pools.
+    (202752, Routing(), True, SelectPath.SELECT_SLOTS),
+    (4 * 262144, Routing(), True, SelectPath.SELECT_SLOTS),
+    (4 * (262144 + 64), Routing(), True, SelectPath.SELECT_POOLS_EXPAND)])
 def test_select_path(context, routing, kernels, want):
   assert _plan(16, context=context, routing=routing, kernels=kernels).select is want
 
@@ -161,8 +163,9 @@ def test_info_plan_command(monkeypatch):
 
 @pytest.mark.parametrize("context,calls,xla", [
     (8192, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
+    (202752, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
     # past the top-k kernel's pools (limits.TOPK_MAX_POOLS): its kernel over chunks
-    (202752, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
+    (4 * 300000, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
      "glm5_expand_and_remap", "none besides fusions")])
 def test_info_plan_names_what_the_lowering_runs(context, calls, xla):
   """info --plan prints the CUDA lowering's FFI calls and any XLA sort or GEMM beside them:
