@@ -166,10 +166,54 @@ __device__ __forceinline__ void finish_count(const TopkArgs& a, int r, const Row
 template <int kThreads, int kPer>
 constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 
-// Radix select of the k-th largest of the CTA's keys, then the selected ids written to `out`
-// in ascending id order. key[i] (0: no key) has id id_of(i), and the ids ascend with
-// (thread, i) across the CTA; lo and hi are the CTA's smallest and largest nonzero keys,
-// and at least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
+// Where radix_select_emit's keys live. CtaScope: one CTA's. ClusterScope: every CTA of a
+// cluster runs it on its own keys (a row wider than one CTA's registers): a digit's
+// histogram is the sum of the CTAs' (each thread reads its bins in every CTA's shared
+// memory after a cluster barrier, so every CTA finds the same digits), a CTA's ids come
+// after the lower CTAs' (their counts, after one more barrier), and a last barrier keeps
+// every CTA's shared memory alive until no CTA reads it. A CTA clears a histogram only
+// after the next digit's barrier, which every reader of it has passed.
+struct CtaScope {
+  __device__ __forceinline__ void histograms_ready() const { __syncthreads(); }
+  __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const { return h[i]; }
+  __device__ __forceinline__ void add_lower_counts(uint32_t, uint32_t&, uint32_t&) const {}
+  __device__ __forceinline__ void done() const {}
+};
+
+template <int kParts>
+struct ClusterScope {
+  uint32_t* part_gt;  // this CTA's selected counts (above, equal), read by the higher CTAs
+  uint32_t* part_eq;
+
+  __device__ __forceinline__ void histograms_ready() const { cg::this_cluster().sync(); }
+  __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const {
+    uint32_t sum = 0;
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) sum += cg::this_cluster().map_shared_rank(h, q)[i];
+    return sum;
+  }
+  // total: this CTA's packed counts (above << 16 | equal: at most kTopkCtaPools each).
+  __device__ __forceinline__ void add_lower_counts(uint32_t total, uint32_t& gt,
+                                                   uint32_t& eq) const {
+    const cg::cluster_group cluster = cg::this_cluster();
+    if (threadIdx.x == 0) {
+      *part_gt = total >> 16;
+      *part_eq = total & 0xffffu;
+    }
+    cluster.sync();
+    for (int q = 0; q < static_cast<int>(cluster.block_rank()); ++q) {
+      gt += *cluster.map_shared_rank(part_gt, q);
+      eq += *cluster.map_shared_rank(part_eq, q);
+    }
+  }
+  __device__ __forceinline__ void done() const { cg::this_cluster().sync(); }
+};
+
+// Radix select of the k-th largest of the CTA's keys (a ClusterScope: the cluster's), then
+// the selected ids written to `out` in ascending id order. key[i] (0: no key) has id
+// id_of(i), and the ids ascend with (thread, i) across the CTA (with (CTA, thread, i) across
+// the cluster); lo and hi are the smallest and largest nonzero keys of them all, and at
+// least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
 //
 // The keys are first taken relative to lo (key - lo + 1: the order and the ties kept, 0
 // still "no key"), so the digits cover [lo, hi] linearly. Bit-aligned digits of the keys
@@ -188,10 +232,11 @@ constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 // equal to the prefix is selected, or at shift 0 (ties at the k-th key, taken by ascending
 // id). Shared-memory atomics only count; the order of the output is fixed by one prefix sum
 // of per-thread counts.
-template <int kThreads, int kSlots, typename IdOf>
+template <int kThreads, int kSlots, typename IdOf, typename Scope = CtaScope>
 __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf id_of,
                                                   uint32_t lo, uint32_t hi, int32_t k,
-                                                  const RowOut& out, TopkShared& sh) {
+                                                  const RowOut& out, TopkShared& sh,
+                                                  const Scope& scope = Scope()) {
   constexpr int kBinsPerThread = kTopkBins / kThreads;
   static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
 #pragma unroll
@@ -212,13 +257,13 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     for (int i = 0; i < kSlots; ++i)
       if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
         atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
-    __syncthreads();
+    scope.histograms_ready();
     // Thread t owns kBinsPerThread bins, thread 0 the highest: the thread whose prefix
     // sum crosses `remaining` holds the digit.
     const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
     uint32_t mine[kBinsPerThread], sum = 0;
 #pragma unroll
-    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = h[first_bin + b];
+    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = scope.bin(h, first_bin + b);
     const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums).incl;
     uint32_t above = incl - sum;
     if (above < remaining && remaining <= incl) {
@@ -243,7 +288,8 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
   }
 
   // Emit: keys above the prefix, and the first `remaining` keys equal to it, in id order
-  // (counts packed: above in the high half, equal in the low; each <= kTopkCtaPools: one CTA's keys).
+  // (counts packed: above in the high half, equal in the low; each <= kTopkCtaPools: one
+  // CTA's keys), after the lower CTAs' in a cluster.
   const uint32_t top = prefix >> shift;
   uint32_t gt = 0, eq = 0;
 #pragma unroll
@@ -253,8 +299,10 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     eq += (key[i] >> shift) == top;
   }
   const uint32_t packed = (gt << 16) | eq;
-  const uint32_t before = block_scan<kThreads>(packed, sh.warp_sums).incl - packed;
-  const uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
+  const Scan scan = block_scan<kThreads>(packed, sh.warp_sums);
+  const uint32_t before = scan.incl - packed;
+  uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
+  scope.add_lower_counts(scan.total, gt_before, eq_before);
   uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
   int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
 #pragma unroll
@@ -266,6 +314,7 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
       out.put(at++, id_of(i));
     }
   }
+  scope.done();
 }
 
 // Thread t's `chunk` keys of a row, pools [first, first + chunk) (0 past `end`: no pool);
@@ -499,113 +548,6 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   pdl_launch_dependents();
 }
 
-// radix_select_emit by every CTA of a cluster on its own keys (a row wider than one CTA's
-// registers whose bound kept more than kTopkCandidates keys): each digit's histogram is the
-// sum of the CTAs' (each thread reads its bins in every CTA's shared memory after one
-// cluster barrier), so every CTA finds the same digits; then each CTA places its ids after
-// the lower CTAs' (their counts, after one more barrier), the ids still ascending with
-// (CTA, thread, key). key[i] (0: no key) has id first + i; lo and hi are the cluster's
-// smallest and largest nonzero keys; hist[0] is zero in every CTA. A CTA clears a
-// histogram only after the next digit's barrier, which every reader of it has passed, and
-// the last barrier keeps every CTA's shared memory alive until no CTA reads it.
-template <int kParts, int kPer>
-__device__ __forceinline__ void cluster_select_emit(uint32_t (&key)[kPer], int32_t first,
-                                                    uint32_t lo, uint32_t hi, int32_t k,
-                                                    const RowOut& out, TopkShared& sh,
-                                                    uint32_t* part_gt, uint32_t* part_eq,
-                                                    const cg::cluster_group& cluster) {
-  constexpr int kThreads = kTopkMaxThreads;
-  constexpr int kBinsPerThread = kTopkBins / kThreads;
-  static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) key[i] = key[i] != 0u ? key[i] - lo + 1u : 0u;
-  hi = hi - lo + 1u;
-  lo = 1u;
-  int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);
-  uint32_t prefix = bits == 32 ? 0u : hi & ~((1u << bits) - 1u);
-  uint32_t remaining = static_cast<uint32_t>(k);
-  int shift = 0, buffer = 0;
-  while (bits > 0) {
-    shift = bits > kTopkDigitBits ? bits - kTopkDigitBits : 0;
-    const uint32_t digit_mask = (1u << (bits - shift)) - 1u;
-    uint32_t* h = sh.hist[buffer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i)
-      if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
-        atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
-    cluster.sync();  // every CTA's histogram of this digit
-    const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
-    uint32_t mine[kBinsPerThread], sum = 0;
-#pragma unroll
-    for (int b = 0; b < kBinsPerThread; ++b) {
-      uint32_t bin = 0;
-#pragma unroll
-      for (int q = 0; q < kParts; ++q) bin += cluster.map_shared_rank(h, q)[first_bin + b];
-      sum += mine[b] = bin;
-    }
-    const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums).incl;
-    uint32_t above = incl - sum;
-    if (above < remaining && remaining <= incl) {
-#pragma unroll
-      for (int b = kBinsPerThread - 1; b >= 0; --b) {
-        if (above + mine[b] >= remaining) {
-          sh.digit = static_cast<uint32_t>(first_bin + b);
-          sh.above = above;
-          sh.count = mine[b];
-          break;
-        }
-        above += mine[b];
-      }
-    }
-    for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[buffer ^ 1][i] = 0;
-    __syncthreads();
-    prefix |= sh.digit << shift;
-    remaining -= sh.above;
-    bits = shift;
-    if (sh.count == remaining) break;  // the same in every CTA: the same sums
-    buffer ^= 1;
-  }
-
-  // Emit, as radix_select_emit, with the lower CTAs' counts ahead of this CTA's (a CTA's
-  // counts pack into 16 bits each: at most kTopkCtaPools keys).
-  const uint32_t top = prefix >> shift;
-  uint32_t gt = 0, eq = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    if (key[i] == 0u) continue;
-    gt += (key[i] >> shift) > top;
-    eq += (key[i] >> shift) == top;
-  }
-  const uint32_t packed = (gt << 16) | eq;
-  const Scan scan = block_scan<kThreads>(packed, sh.warp_sums);
-  if (threadIdx.x == 0) {
-    *part_gt = scan.total >> 16;
-    *part_eq = scan.total & 0xffffu;
-  }
-  cluster.sync();  // the CTAs' counts
-  uint32_t gt_before = 0, eq_before = 0;
-  const int part = static_cast<int>(cluster.block_rank());
-  for (int q = 0; q < part; ++q) {
-    gt_before += *cluster.map_shared_rank(part_gt, q);
-    eq_before += *cluster.map_shared_rank(part_eq, q);
-  }
-  const uint32_t before = scan.incl - packed;
-  gt_before += before >> 16;
-  eq_before += before & 0xffffu;
-  uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
-  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    if (key[i] == 0u) continue;
-    const uint32_t d = key[i] >> shift;
-    if (d > top || (d == top && take > 0u)) {
-      if (d == top) --take;
-      out.put(at++, first + i);
-    }
-  }
-  cluster.sync();  // no CTA reads another's shared memory past here; the puts are counted
-}
-
 // kParts CTAs of kTopkMaxThreads per row, a thread-block cluster (few rows of many pools:
 // one CTA would walk the row alone on one SM). CTA q of the cluster holds pools
 // [q * span, (q + 1) * span), span = ceil(n / kParts) rounded up to 4, kPer keys per thread
@@ -615,7 +557,7 @@ __device__ __forceinline__ void cluster_select_emit(uint32_t (&key)[kPer], int32
 // barriers in all. Where more than kTopkCandidates keys are kept (ties, adversarial rows),
 // CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
 // one CTA's registers, every CTA the cluster's radix select on its own keys
-// (cluster_select_emit).
+// (radix_select_emit in a ClusterScope).
 template <int kParts, int kPer>
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
@@ -719,8 +661,8 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
       RowOut mine = out;
       if (part != 0 && out.slots() && slots_kept(a, out, n) < 0)
         mine.valid = cluster.map_shared_rank(&sh.valid, 0);
-      cluster_select_emit<kParts, kPer>(key, first, lo, hi, k, mine, sh, &part_gt, &part_eq,
-                                        cluster);
+      radix_select_emit<kThreads>(key, [&](int i) { return first + i; }, lo, hi, k, mine, sh,
+                                  ClusterScope<kParts>{&part_gt, &part_eq});
       if (part == 0) finish_count(a, r, out);
       pdl_launch_dependents();
       return;
