@@ -421,3 +421,16 @@ def test_select_sizes_and_mtp_stage_rows(tmp_path):
   _, _, _, _, batch = stage._state(4, 1024, 1, seed=0, steps=1, next_n=2)
   assert batch.positions.tolist() == [[1022, 1023], [1022, 1023]]
   assert batch.req_ids.tolist() == [0, 0, 1, 1]
+
+
+def test_empty_plot_option_writes_no_plot(tmp_path, monkeypatch):
+  """--plot '' (the device runs): the report names no plot and nothing is drawn, where a
+  path was taken relative to the report before (ValueError after the whole measurement)."""
+  import argparse
+  from bench import report
+  drawn = []
+  monkeypatch.setattr(report, "plot", lambda rows, path: drawn.append(path))
+  args = argparse.Namespace(plot="", md=str(tmp_path / "b.md"))
+  assert report.plot_or_none([], args) is None and drawn == []
+  args.plot = str(tmp_path / "b.png")
+  assert report.plot_or_none([], args) == "b.png" and drawn == [args.plot]
