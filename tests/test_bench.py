@@ -427,6 +427,7 @@ def test_empty_plot_option_writes_no_plot(tmp_path, monkeypatch):
   """--plot '' (the device runs): the report names no plot and nothing is drawn, where a
   path was taken relative to the report before (ValueError after the whole measurement)."""
   import argparse
+
   from bench import report
   drawn = []
   monkeypatch.setattr(report, "plot", lambda rows, path: drawn.append(path))
