@@ -46,7 +46,7 @@ def check_cache_d2(got, want, orig, written, label="", stats=None, plain_scales=
 TAIL_RATE = 2.0 ** -10
 # A kernel's K = 4096 fp32 GEMM against XLA's: ~2^-18 of a row's rms apart (sqrt(K) roundings
 # of 2^-24); a tail value so near 0 that this is several of its ulps may differ by up to
-# 2^-10 of the rms (64x that, still 2^-2 of a bf16 ulp at the rms: a wrong row or token is
+# 2^-10 of the rms (256x that, still 2^-2 of a bf16 ulp at the rms: a wrong row or token is
 # off by about the rms itself).
 GEMM_TAIL_FLOOR = 2.0 ** -10
 # K-cache entries that may differ, of all entries: keys differ in ~2.4e-4 of their values
