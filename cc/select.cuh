@@ -30,7 +30,9 @@ constexpr int kTopkMaxPools = limits::kTopkMaxPools;
 static_assert(kTopkClusterParts * kTopkCtaPools == kTopkMaxPools,
               "the widest row fills the registers of a portable cluster");
 // Keys gathered into shared memory after the bound (pool_topk_kernel): 2 per thread at 1024
-// threads; the bound leaves ~1000-1500 of 8K-32K normal logits (numpy model of the bound).
+// threads; the bound leaves ~1000-1500 of 8K-32K normal logits, and ~1000-1200 of a
+// cluster's 32K-256K (numpy model of the bound), so such rows gather; rows of few distinct
+// values (~3200 kept of 256K rounded logits) take the cluster's radix select.
 constexpr int kTopkCandidates = 2048;
 constexpr int kTopkClusterBoundWarps = 16;          // J of the bound in a cluster (warp_bound)
 constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
