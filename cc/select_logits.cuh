@@ -519,17 +519,22 @@ cudaError_t launch_logits_as(cudaStream_t stream, bool pdl, const LogitsArgs& ar
                 pdl, args, map);
 }
 
-// LOGITS_HEADS in tiles of 8 heads (the wgmma's N = the padded heads); units of up to
-// LOGITS_GROUP_ROWS rows where the rows come as requests of group > 1 rows (args.group).
+// LOGITS_HEADS in tiles of 8 heads (the wgmma's N = the padded heads).
+template <int kGroup>
+cudaError_t launch_logits_grouped(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                                  int32_t padded) {
+  constexpr int kFew = limits::kLogitsHeads[0] / 8, kMany = limits::kLogitsHeads[1] / 8;
+  return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany, kGroup>(stream, pdl, args)
+                                           : launch_logits_as<kFew, kGroup>(stream, pdl, args);
+}
+
+// Units of up to LOGITS_GROUP_ROWS rows where the rows come as requests of group > 1 rows
+// (args.group), else one row at a time.
 cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                           int32_t padded) {
-  constexpr int kFew = limits::kLogitsHeads[0] / 8, kMany = limits::kLogitsHeads[1] / 8;
-  constexpr int kUnits = limits::kLogitsGroupRows;
-  if (args.group > 1)
-    return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany, kUnits>(stream, pdl, args)
-                                             : launch_logits_as<kFew, kUnits>(stream, pdl, args);
-  return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany, 1>(stream, pdl, args)
-                                           : launch_logits_as<kFew, 1>(stream, pdl, args);
+  return args.group > 1
+             ? launch_logits_grouped<limits::kLogitsGroupRows>(stream, pdl, args, padded)
+             : launch_logits_grouped<1>(stream, pdl, args, padded);
 }
 
 }  // namespace

@@ -217,6 +217,8 @@ _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
 _SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (wider: over chunks)"
 _SELECT_OTHERWISE = (f"the reference; max_pools > {TOPK_MAX_POOLS}: mqa_logits, then pool_topk "
                      "over chunks (plan.topk_chunks)")
+
+
 def _without_next_n(reference):
   """A select reference as the op's: next_n (how the kernel shares K reads) changes nothing
   it computes."""

@@ -405,8 +405,7 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       "update_epilogue": (update_epilogue, (raw, q, *cache_args), update),
       "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
                                       batch.req_ids, positions, batch.block_table),
-                       dict(_select_params(config), **_remap_params(config),
-                            next_n=batch.positions.shape[1])),
+                       dict(_select_params(config, batch), **_remap_params(config))),
       # and those whose tactics the plan reports
       "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
       "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
@@ -436,8 +435,7 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       projection = ProjectionTactic(_indexer.fused_warps(), 1)
   chunks = None
   if kernels and select is SelectPath.SELECT_POOLS_EXPAND and not select_pools:
-    chunks = select_chunks(calls["select_slots"][1][:-1],
-                           dict(_select_params(config), next_n=batch.positions.shape[1]),
+    chunks = select_chunks(calls["select_slots"][1][:-1], _select_params(config, batch),
                            config.routing)
   return StagePlan(rows, path, select, projection, q_tactic, chunks)
 
@@ -448,9 +446,15 @@ def _cache_args(weights, cache, batch):
           weights.ape, batch.loc, batch.positions)
 
 
-def _select_params(config):
-  return dict(k=config.topk_tokens // POOL, max_pools=config.max_pools,
-              scale_format=config.scale_format)
+def _select_params(config, batch=None):
+  """The select ops' keywords; with the batch, its next_n too (the kernels score a request's
+  next_n rows from one read of its K tiles; the references and a custom select_pools take
+  no next_n)."""
+  params = dict(k=config.topk_tokens // POOL, max_pools=config.max_pools,
+                scale_format=config.scale_format)
+  if batch is not None:
+    params["next_n"] = batch.positions.shape[1]
+  return params
 
 
 def _remap_params(config):
@@ -524,10 +528,8 @@ def select_path(ops, config, q_fp8, w_out, kv_cache, batch, rows, select_pools=N
   # the top-k of their logits; decided per row inside the kernel: no branch here.
   args = (q_fp8, w_out.astype(jnp.float32), kv_cache, batch.page_table, batch.req_ids,
           positions)
-  select, remap = _select_params(config), _remap_params(config)
-  if ops.kernels and select_pools is None:
-    # the kernels score a request's next_n rows from one read of its K tiles
-    select["next_n"] = batch.positions.shape[1]
+  select = _select_params(config, batch if ops.kernels and select_pools is None else None)
+  remap = _remap_params(config)
   if plan is None:
     plan_select = _plan.select_path(
         ops.kernels and select_pools is None,

@@ -12,6 +12,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from test_select_gpu import SMALL_CODES
 
 import glm5_jax
 from glm5_jax import plan
@@ -109,8 +110,7 @@ def _exact_cache(rng, pages, page, scale):
   queries and weights in eighths every logit is exact in fp32 (the tensor cores' and the
   reference's sums alike), so the kernels' logits equal the reference's bit for bit and
   ties are common."""
-  codes = np.array([0x00, 0x30, 0x38, 0x3C, 0x40], np.uint8)[
-      rng.integers(0, 5, (pages, page * 128))]
+  codes = SMALL_CODES[rng.integers(0, len(SMALL_CODES), (pages, page * 128))]
   scales = np.full((pages, page), scale, np.float32).view(np.uint8).reshape(pages, -1)
   return np.concatenate([codes, scales], axis=1).reshape(pages, page, 132)
 
