@@ -33,7 +33,8 @@ inline constexpr int kLogitsHeads[] = {32, 64};  // LOGITS_HEADS
 inline constexpr int kLogitsPageMultiple = 16;  // LOGITS_PAGE_MULTIPLE
 inline constexpr int kLogitsMaxRows = 8192;  // LOGITS_MAX_ROWS
 inline constexpr int kLogitsItemPools = 64;  // LOGITS_ITEM_POOLS
-inline constexpr int kTopkMaxPools = 32768;  // TOPK_MAX_POOLS
+inline constexpr int kTopkCtaPools = 32768;  // TOPK_CTA_POOLS
+inline constexpr int kTopkMaxPools = 262144;  // TOPK_MAX_POOLS
 inline constexpr int kLogitsGroupRows = 4;  // LOGITS_GROUP_ROWS
 
 }  // namespace glm5::limits

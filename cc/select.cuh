@@ -19,15 +19,21 @@ constexpr int kWarpPools = limits::kLogitsPageMultiple;   // pools per tile
 constexpr int kItemPools = limits::kLogitsItemPools;      // pools per work item
 constexpr int kConsumerWarps = kItemPools / kWarpPools;  // + a producer warp: kLogitsWarps
 static_assert(kConsumerWarps == 4 && kItemPools == 64, "one warpgroup's m64 wgmma an item");
-// Top-k: a row's keys live in the registers of one CTA, at most 1024 threads x 32 keys
-// (launch_topk's widest shape): TOPK_MAX_POOLS.
+// Top-k: a row's keys live in registers, at most 32 keys per thread (64 registers a thread
+// at 1024 threads): one CTA holds a row of kTopkCtaPools, a cluster of kTopkClusterParts
+// CTAs (the portable cluster size) one of TOPK_MAX_POOLS.
 constexpr int kTopkMaxThreads = 1024;
+constexpr int kTopkMaxKeys = 32;
+constexpr int kTopkCtaPools = limits::kTopkCtaPools;
+static_assert(kTopkMaxThreads * kTopkMaxKeys == kTopkCtaPools, "a CTA's row fills its registers");
+constexpr int kTopkClusterParts = 8;
 constexpr int kTopkMaxPools = limits::kTopkMaxPools;
-constexpr int kTopkMaxKeys = kTopkMaxPools / kTopkMaxThreads;
-static_assert(kTopkMaxKeys * kTopkMaxThreads == kTopkMaxPools && kTopkMaxKeys <= 32,
-              "a row is whole keys per thread of the widest CTA, at most 32 (its registers)");
+static_assert(kTopkClusterParts * kTopkCtaPools == kTopkMaxPools,
+              "the widest row fills the registers of a portable cluster");
 // Keys gathered into shared memory after the bound (pool_topk_kernel): 2 per thread at 1024
-// threads; the bound leaves ~1000-1500 of 8K-32K normal logits (numpy model of the bound).
+// threads; the bound leaves ~1000-1500 of 8K-32K normal logits, and ~1000-1200 of a
+// cluster's 32K-256K (numpy model of the bound), so such rows gather; rows of few distinct
+// values (~3200 kept of 256K rounded logits) take the cluster's radix select.
 constexpr int kTopkCandidates = 2048;
 constexpr int kTopkClusterBoundWarps = 16;          // J of the bound in a cluster (warp_bound)
 constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row

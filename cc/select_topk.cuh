@@ -3,7 +3,8 @@
 // (cc/select.cu).
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), or a cluster of 2-8
-// CTAs per row at few rows of many pools; exact and deterministic by construction:
+// CTAs per row at few rows of many pools and always past one CTA's registers (32,768
+// pools); exact and deterministic by construction:
 // order-preserving 32-bit keys in registers, a candidate bound that drops most of them, the
 // kept ones gathered in id order, radix select of the threshold with 11-bit digits that
 // start below the bits the bound and the row's largest key share, then one prefix sum of
@@ -165,10 +166,54 @@ __device__ __forceinline__ void finish_count(const TopkArgs& a, int r, const Row
 template <int kThreads, int kPer>
 constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 
-// Radix select of the k-th largest of the CTA's keys, then the selected ids written to `out`
-// in ascending id order. key[i] (0: no key) has id id_of(i), and the ids ascend with
-// (thread, i) across the CTA; lo and hi are the CTA's smallest and largest nonzero keys,
-// and at least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
+// Where radix_select_emit's keys live. CtaScope: one CTA's. ClusterScope: every CTA of a
+// cluster runs it on its own keys (a row wider than one CTA's registers): a digit's
+// histogram is the sum of the CTAs' (each thread reads its bins in every CTA's shared
+// memory after a cluster barrier, so every CTA finds the same digits), a CTA's ids come
+// after the lower CTAs' (their counts, after one more barrier), and a last barrier keeps
+// every CTA's shared memory alive until no CTA reads it. A CTA clears a histogram only
+// after the next digit's barrier, which every reader of it has passed.
+struct CtaScope {
+  __device__ __forceinline__ void histograms_ready() const { __syncthreads(); }
+  __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const { return h[i]; }
+  __device__ __forceinline__ void add_lower_counts(uint32_t, uint32_t&, uint32_t&) const {}
+  __device__ __forceinline__ void done() const {}
+};
+
+template <int kParts>
+struct ClusterScope {
+  uint32_t* part_gt;  // this CTA's selected counts (above, equal), read by the higher CTAs
+  uint32_t* part_eq;
+
+  __device__ __forceinline__ void histograms_ready() const { cg::this_cluster().sync(); }
+  __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const {
+    uint32_t sum = 0;
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) sum += cg::this_cluster().map_shared_rank(h, q)[i];
+    return sum;
+  }
+  // total: this CTA's packed counts (above << 16 | equal: at most kTopkCtaPools each).
+  __device__ __forceinline__ void add_lower_counts(uint32_t total, uint32_t& gt,
+                                                   uint32_t& eq) const {
+    const cg::cluster_group cluster = cg::this_cluster();
+    if (threadIdx.x == 0) {
+      *part_gt = total >> 16;
+      *part_eq = total & 0xffffu;
+    }
+    cluster.sync();
+    for (int q = 0; q < static_cast<int>(cluster.block_rank()); ++q) {
+      gt += *cluster.map_shared_rank(part_gt, q);
+      eq += *cluster.map_shared_rank(part_eq, q);
+    }
+  }
+  __device__ __forceinline__ void done() const { cg::this_cluster().sync(); }
+};
+
+// Radix select of the k-th largest of the CTA's keys (a ClusterScope: the cluster's), then
+// the selected ids written to `out` in ascending id order. key[i] (0: no key) has id
+// id_of(i), and the ids ascend with (thread, i) across the CTA (with (CTA, thread, i) across
+// the cluster); lo and hi are the smallest and largest nonzero keys of them all, and at
+// least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
 //
 // The keys are first taken relative to lo (key - lo + 1: the order and the ties kept, 0
 // still "no key"), so the digits cover [lo, hi] linearly. Bit-aligned digits of the keys
@@ -187,10 +232,11 @@ constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 // equal to the prefix is selected, or at shift 0 (ties at the k-th key, taken by ascending
 // id). Shared-memory atomics only count; the order of the output is fixed by one prefix sum
 // of per-thread counts.
-template <int kThreads, int kSlots, typename IdOf>
+template <int kThreads, int kSlots, typename IdOf, typename Scope = CtaScope>
 __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf id_of,
                                                   uint32_t lo, uint32_t hi, int32_t k,
-                                                  const RowOut& out, TopkShared& sh) {
+                                                  const RowOut& out, TopkShared& sh,
+                                                  const Scope& scope = Scope()) {
   constexpr int kBinsPerThread = kTopkBins / kThreads;
   static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
 #pragma unroll
@@ -211,13 +257,13 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     for (int i = 0; i < kSlots; ++i)
       if (key[i] != 0u && (bits == 32 || (key[i] >> bits) == (prefix >> bits)))
         atomicAdd(&h[(key[i] >> shift) & digit_mask], 1u);
-    __syncthreads();
+    scope.histograms_ready();
     // Thread t owns kBinsPerThread bins, thread 0 the highest: the thread whose prefix
     // sum crosses `remaining` holds the digit.
     const int first_bin = kTopkBins - (threadIdx.x + 1) * kBinsPerThread;
     uint32_t mine[kBinsPerThread], sum = 0;
 #pragma unroll
-    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = h[first_bin + b];
+    for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = scope.bin(h, first_bin + b);
     const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums).incl;
     uint32_t above = incl - sum;
     if (above < remaining && remaining <= incl) {
@@ -242,7 +288,8 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
   }
 
   // Emit: keys above the prefix, and the first `remaining` keys equal to it, in id order
-  // (counts packed: above in the high half, equal in the low; each <= kTopkMaxPools).
+  // (counts packed: above in the high half, equal in the low; each <= kTopkCtaPools: one
+  // CTA's keys), after the lower CTAs' in a cluster.
   const uint32_t top = prefix >> shift;
   uint32_t gt = 0, eq = 0;
 #pragma unroll
@@ -252,8 +299,10 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     eq += (key[i] >> shift) == top;
   }
   const uint32_t packed = (gt << 16) | eq;
-  const uint32_t before = block_scan<kThreads>(packed, sh.warp_sums).incl - packed;
-  const uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
+  const Scan scan = block_scan<kThreads>(packed, sh.warp_sums);
+  const uint32_t before = scan.incl - packed;
+  uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
+  scope.add_lower_counts(scan.total, gt_before, eq_before);
   uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
   int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
 #pragma unroll
@@ -265,6 +314,7 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
       out.put(at++, id_of(i));
     }
   }
+  scope.done();
 }
 
 // Thread t's `chunk` keys of a row, pools [first, first + chunk) (0 past `end`: no pool);
@@ -440,6 +490,18 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, co
   radix_select_emit<kThreads>(key, [&](int i) { return base + i; }, lo, hi, k, out, sh);
 }
 
+// select_slots: the selected pools of a row of n pools that its block table keeps, or -1
+// where the table may drop some of a top-k (counted while emitting: RowOut::valid). The
+// table keeps pools below table_pools (blocks ascend with the ids): all of a top-k from
+// n <= table_pools pools; ids 0..min(n, table_pools)-1 of the causal fill.
+__device__ __forceinline__ int64_t slots_kept(const TopkArgs& a, const RowOut& out, int32_t n) {
+  const int64_t table_pools = a.slots.max_blocks * a.slots.block_size.d / kPool;
+  return out.req < 0             ? 0
+         : n <= a.k              ? (n < table_pools ? n : table_pools)
+         : n <= table_pools      ? a.k
+                                 : -1;
+}
+
 // Row r's pool count, past the PDL wait the logits need; or -1 where every pool is selected
 // (n <= k): then the CTA has written ids 0..n-1 in order and -1 past them, or their slots
 // (where `writes`), released its dependents, and returns at once. With early_rows such a
@@ -450,13 +512,7 @@ __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, Row
   if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (writes && out.slots()) {
-    // The table keeps pools below table_pools (blocks ascend with the ids): all of a top-k
-    // from n <= table_pools pools; ids 0..min(n, table_pools)-1 of the causal fill.
-    const int64_t table_pools = a.slots.max_blocks * a.slots.block_size.d / kPool;
-    const int64_t kept = out.req < 0    ? 0
-                         : n <= a.k     ? (n < table_pools ? n : table_pools)
-                         : n <= table_pools ? a.k
-                                            : -1;
+    const int64_t kept = slots_kept(a, out, n);
     if (kept < 0) {
       out.valid = valid;
       if (threadIdx.x == 0) *valid = 0u;  // barriers of the selection come before its use
@@ -499,14 +555,18 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
 // writes its kept keys, in id order, into CTA 0's shared memory at its offset (the sum of
 // the lower CTAs' counts), and CTA 0 alone runs the radix select among them. Three cluster
 // barriers in all. Where more than kTopkCandidates keys are kept (ties, adversarial rows),
-// CTA 0 runs the one-CTA path (topk_row) on the whole row instead.
+// CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
+// one CTA's registers, every CTA the cluster's radix select on its own keys
+// (radix_select_emit in a ClusterScope).
 template <int kParts, int kPer>
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
-  constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA
-  static_assert(kPer % 4 == 0 && kRowPer <= kTopkMaxKeys);
+  constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
+  constexpr bool kOneCta = kRowPer <= kTopkMaxKeys;
+  static_assert(kPer % 4 == 0 && kPer <= kTopkMaxKeys);
   __shared__ TopkShared sh;
-  __shared__ uint32_t part_bound, part_count, part_lo, part_hi;  // read by the cluster
+  // Read by the cluster: each CTA's bound, kept keys, their range; its selected counts.
+  __shared__ uint32_t part_bound, part_count, part_lo, part_hi, part_gt, part_eq;
   const cg::cluster_group cluster = cg::this_cluster();
   const int part = static_cast<int>(cluster.block_rank());
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -583,7 +643,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     offset += q < part ? c : 0u;
     total += c;
   }
-  if (part == 0) {
+  if (part == 0 || !kOneCta) {
     for (int q = 0; q < kParts; ++q) {
       lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
       hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
@@ -596,10 +656,22 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
                       cluster.map_shared_rank(sh.cand_key, 0),
                       cluster.map_shared_rank(sh.cand_id, 0));
   cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  if constexpr (!kOneCta) {
+    if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
+      RowOut mine = out;
+      if (part != 0 && out.slots() && slots_kept(a, out, n) < 0)
+        mine.valid = cluster.map_shared_rank(&sh.valid, 0);
+      radix_select_emit<kThreads>(key, [&](int i) { return first + i; }, lo, hi, k, mine, sh,
+                                  ClusterScope<kParts>{&part_gt, &part_eq});
+      if (part == 0) finish_count(a, r, out);
+      pdl_launch_dependents();
+      return;
+    }
+  }
   if (part == 0) {
     if (gathered)
       select_gathered<kThreads>(total, lo, hi, k, out, sh);
-    else
+    else if constexpr (kOneCta)
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     finish_count(a, r, out);
   }
@@ -644,12 +716,18 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // 1024 threads per CTA). Narrower CTAs at the 2048 and 4096 widths are slower (ncu): below
 // 16 warps there is no bound, and the key loops of the fewer threads are longer than what
 // the fewer warps save at the barriers.
+// Past one CTA's registers a cluster of kTopkClusterParts holds the row at any rows, 8 to
+// 32 keys per thread.
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
-  return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<kParts, 8>(stream, pdl, args);
+  if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
+  return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 
 }  // namespace

@@ -65,12 +65,14 @@ REMAP_GROUPS = (32, 1024)
 # tiles; K-cache pages of a multiple of LOGITS_PAGE_MULTIPLE entries (one warp's tile of pools
 # lies in one page); at most LOGITS_MAX_ROWS rows (the CTA's row tables live in shared memory
 # beside the ring); LOGITS_ITEM_POOLS pools per work item (the consumer warps' tiles); the
-# top-k holds a row of at most TOPK_MAX_POOLS pools in one CTA's registers.
+# top-k holds a row of at most TOPK_CTA_POOLS pools in one CTA's registers, and of at most
+# TOPK_MAX_POOLS (1M tokens) in those of a cluster of 8 CTAs.
 LOGITS_HEADS = (32, 64)
 LOGITS_PAGE_MULTIPLE = 16
 LOGITS_MAX_ROWS = 8192
 LOGITS_ITEM_POOLS = 64
-TOPK_MAX_POOLS = 32768
+TOPK_CTA_POOLS = 32768
+TOPK_MAX_POOLS = 262144
 # The select path's logits score the rows of one request (next_n consecutive rows, MTP) from
 # one read of its K tiles, in units of at most LOGITS_GROUP_ROWS rows.
 LOGITS_GROUP_ROWS = 4

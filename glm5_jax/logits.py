@@ -13,9 +13,10 @@ from .limits import (
   LOGITS_ITEM_POOLS,
   LOGITS_MAX_ROWS,
   LOGITS_PAGE_MULTIPLE,
+  TOPK_CTA_POOLS,
   TOPK_MAX_POOLS,
 )
-from .plan import TopkChunks, topk_chunks
+from .plan import TOPK_CLUSTER_MAX_ROWS, TopkChunks, select_kernel_default, topk_chunks
 from .reference.expand import remap_stride
 from .reference.numerics import DIM
 
@@ -115,7 +116,8 @@ def _topk_shapes(logits, pool_lens, *, k):
 _topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
            kernel="glm5_pool_topk",
            kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
-           kernel_limits=f"P <= {TOPK_MAX_POOLS} a call (wider rows: over chunks)",
+           kernel_limits=f"P <= {TOPK_MAX_POOLS} a call up to {TOPK_CLUSTER_MAX_ROWS} rows, "
+                         f"{TOPK_CTA_POOLS} past them (wider rows: over chunks)",
            otherwise=f"the reference; P > {TOPK_MAX_POOLS}: the kernel over chunks of the row, "
                      "then over the chunks' candidates (plan.topk_chunks)",
            split=Split(("rows", "rows"), ("rows",)))
@@ -141,7 +143,7 @@ def pool_topk(logits: jax.Array, pool_lens: jax.Array, *, k: int,
 def _kernel_chunks(rows, width, k, routing) -> TopkChunks | None:
   """plan.topk_chunks of rows of `width` pools where they cut the row and the routing runs
   pool_topk's kernel on the chunks; else None (one call: the kernel, or the reference)."""
-  chunks = topk_chunks(width, k)
+  chunks = topk_chunks(width, k, rows)
   chunk_rows = rows * chunks.chunks
   if chunks.chunks > 1 and _topk.kernel_chosen(
       Routing.resolve(routing, _topk.name),
@@ -214,7 +216,8 @@ def _localize_select(index, q_fp8, w_out, kv_cache, page_table, req_ids, *rest):
 
 
 _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
-_SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (wider: over chunks)"
+_SELECT_LIMITS = (f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (by default {TOPK_CTA_POOLS} "
+                  f"past {TOPK_CLUSTER_MAX_ROWS} rows; wider: over chunks)")
 _SELECT_OTHERWISE = (f"the reference; max_pools > {TOPK_MAX_POOLS}: mqa_logits, then pool_topk "
                      "over chunks (plan.topk_chunks)")
 
@@ -229,7 +232,7 @@ _select = Op(
     "select_pools", _without_next_n(ref.select_pools), _select_shapes,
     rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
     attributes=dict(ue8m0=np.bool_, next_n=np.int64), attribute_values=_ue8m0,
-    kernel_supports=_select_kernel_supports,
+    kernel_supports=_select_kernel_supports, **select_kernel_default(),
     kernel_limits=_SELECT_LIMITS, otherwise=_SELECT_OTHERWISE,
     split=Split(_SELECT_OPERANDS, ("rows", "rows"), _localize_select))
 
@@ -282,7 +285,7 @@ def _select_by_chunks(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *,
   select_pools' reference, exactly."""
   _select_shapes(*map(jax.typeof, (q_fp8, w_out, kv_cache, page_table, req_ids, positions)),
                  k=k, max_pools=max_pools, scale_format=scale_format, next_n=next_n)
-  chunks = topk_chunks(max_pools, k)
+  chunks = topk_chunks(max_pools, k, q_fp8.shape[0])
   table, n = ref.row_pages(page_table, req_ids, positions, max_pools)
   logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, n, 0),
                       max_pools=chunks.padded, scale_format=scale_format, routing=routing)
@@ -307,7 +310,7 @@ _slots = Op(
     attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64,
                     next_n=np.int64),
     attribute_values=_select.attribute_values, kernel_supports=_select.kernel_supports,
-    kernel_limits=_select.kernel_limits,
+    **select_kernel_default(), kernel_limits=_select.kernel_limits,
     otherwise=f"{_SELECT_OTHERWISE}, then expand_and_remap",
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 
 from ._primitive import Op, Routing
-from .limits import LOGITS_ITEM_POOLS, TOPK_MAX_POOLS
+from .limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS
 
 
 class Rows(NamedTuple):
@@ -104,18 +104,38 @@ class TopkChunks(NamedTuple):
     return self.chunks * self.pools
 
 
-def topk_chunks(width: int, k: int) -> TopkChunks:
-  """The top-k's chunks at rows of `width` pools: one CTA (or cluster) row holds at most
-  TOPK_MAX_POOLS, so a wider row is cut into the fewest chunks that fit, of equal width (a
-  multiple of LOGITS_ITEM_POOLS: the logits kernel's item, 16-byte aligned rows). A pool of
-  the row's top-k is in its chunk's top-k, and the chunks' candidates keep ascending ids, so
-  the second top-k (ties by ascending position) is the row's, exactly. Chunks only shrink
-  the row where k is below half the limit (every chunk is wider than k)."""
-  if width <= TOPK_MAX_POOLS or 2 * k >= TOPK_MAX_POOLS:
+# Rows wider than one CTA holds (TOPK_CTA_POOLS) take the top-k kernel's 8-CTA cluster up to
+# this many rows: their clusters fit one wave of the GPU's SMs. More rows are cut into chunks
+# of one CTA's width, a CTA per chunk row, and a top-k of the chunks' candidates. Decided by the
+# stage bench at 202,752 tokens, M=1/16/64, the cluster against the chunks (docs/performance.md).
+TOPK_CLUSTER_MAX_ROWS = 16
+
+
+def topk_chunks(width: int, k: int, rows: int) -> TopkChunks:
+  """The top-k's chunks at `rows` rows of `width` pools: one call holds a row of at most
+  TOPK_MAX_POOLS pools (an 8-CTA cluster) at up to TOPK_CLUSTER_MAX_ROWS rows, of at most
+  TOPK_CTA_POOLS (one CTA) at more; a wider row is cut into the fewest chunks that fit, of
+  equal width (a multiple of LOGITS_ITEM_POOLS: the logits kernel's item, 16-byte aligned
+  rows). A pool of the row's top-k is in its chunk's top-k, and the chunks' candidates keep
+  ascending ids, so the second top-k (ties by ascending position) is the row's, exactly.
+  Chunks only shrink the row where k is below half the limit (every chunk is wider than k)."""
+  limit = TOPK_MAX_POOLS if rows <= TOPK_CLUSTER_MAX_ROWS else TOPK_CTA_POOLS
+  if width <= limit or 2 * k >= limit:
     return TopkChunks(1, width)
-  chunks = -(-width // TOPK_MAX_POOLS)
+  chunks = -(-width // limit)
   per = -(-width // chunks)
   return TopkChunks(chunks, -(-per // LOGITS_ITEM_POOLS) * LOGITS_ITEM_POOLS)
+
+
+def select_kernel_default() -> dict:
+  """Op(...) keywords kernel_default and kernel_default_note of select_pools and
+  select_slots: their one call wherever pool_topk's kernel takes the row whole
+  (topk_chunks: one chunk); past it, mqa_logits then pool_topk over chunks."""
+  return dict(
+      kernel_default=lambda q, *rest, k, max_pools, **params:
+          topk_chunks(max_pools, k, q.shape[0]).chunks == 1,
+      kernel_default_note=f"rows of more than {TOPK_CTA_POOLS} pools up to "
+                          f"{TOPK_CLUSTER_MAX_ROWS} rows (topk_chunks)")
 
 
 class TacticKind(enum.Enum):

@@ -89,6 +89,15 @@ def _variants():
     return jnp.asarray(logits), cases.i32([width, width, 20001][:rows])
   out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
               topk_parts_args, None, True))
+  # Rows past one CTA (262,144 and 50,688 pools): the cluster holds the row; equal logits
+  # keep every key, so every CTA runs the cluster's radix select (histograms and counts read
+  # across the cluster's shared memory).
+  out.append(("pool_topk cluster", functools.partial(glm5_jax.pool_topk, k=512),
+              functools.partial(topk_parts_args, rows=2, width=262144), None, True))
+  out.append(("select_slots cluster", functools.partial(
+      glm5_jax.select_slots, k=512, max_pools=50688, block_size=128, width=2053,
+      stride_rows=160), lambda rng: slots_wide_args(rng, rows=2, pools=50688),
+      None, True))
   # select_slots: the case's small shape (k 5, 48 pools, a narrow block table), and a
   # cluster top-k per row (3 rows of 8192 pools, k 512) whose CTAs write the slots. Its
   # logits exact in fp32 (small-integer fp8, weights in eighths, power-of-two scales): the

@@ -47,7 +47,7 @@ def test_limits_header_follows_the_declaration(monkeypatch):
   tactic and array element is in it under its C++ name."""
   text = limits.header()
   assert text.startswith(f"// Generated from glm5_jax/limits.py by `{limits.COMMAND}`")
-  for line in ("inline constexpr int kTopkMaxPools = 32768;  // TOPK_MAX_POOLS",
+  for line in ("inline constexpr int kTopkMaxPools = 262144;  // TOPK_MAX_POOLS",
                "inline constexpr int kLogitsHeads[] = {32, 64};  // LOGITS_HEADS",
                "inline constexpr int kQMma = 0;  // Q_TACTICS[0]",
                "inline constexpr int kQWgmma = 1;  // Q_TACTICS[1]",

@@ -68,7 +68,8 @@ def test_cuda_lowering_uses_kernel_where_one_exists(op, switch, monkeypatch):
   calls = custom_calls(cuda_module(case.fn, args))
   spec = Op.registry[op]
   targets = [spec.kernel] if spec.kernel else []
-  if switch is None and (spec.kernel_off or not spec.kernel_default(*args)):
+  params = getattr(case.fn, "keywords", {})
+  if switch is None and (spec.kernel_off or not spec.kernel_default(*args, **params)):
     targets = [Op.registry[part].kernel for part in COMPOSED.get(op, ())]
   assert [c for c in calls if c.startswith("glm5_")] == targets
 

@@ -61,14 +61,20 @@ def test_update_modes(update_mode, fused, routing, kernels, want):
                fused=fused).update is want
 
 
-@pytest.mark.parametrize("context,routing,kernels,want", [
-    (8192, Routing(), True, SelectPath.SELECT_SLOTS),
-    (8192, Routing(ops={"select_slots": False}), True, SelectPath.SELECT_POOLS_EXPAND),
-    (8192, Routing(), False, SelectPath.SELECT_POOLS_EXPAND),
-    # Past the top-k kernel's pools.
-    (4 * (32768 + 64), Routing(), True, SelectPath.SELECT_POOLS_EXPAND)])
-def test_select_path(context, routing, kernels, want):
-  assert _plan(16, context=context, routing=routing, kernels=kernels).select is want
+@pytest.mark.parametrize("rows,context,routing,kernels,want", [
+    (16, 8192, Routing(), True, SelectPath.SELECT_SLOTS),
+    (16, 8192, Routing(ops={"select_slots": False}), True, SelectPath.SELECT_POOLS_EXPAND),
+    (16, 8192, Routing(), False, SelectPath.SELECT_POOLS_EXPAND),
+    (256, 131072, Routing(), True, SelectPath.SELECT_SLOTS),   # one CTA's row at any rows
+    # GLM-5's window and 1M tokens: one select_slots call up to 16 rows (the top-k's
+    # clusters), chunks past them or past the top-k kernel's pools; named: one call.
+    (16, 202752, Routing(), True, SelectPath.SELECT_SLOTS),
+    (17, 202752, Routing(), True, SelectPath.SELECT_POOLS_EXPAND),
+    (64, 202752, Routing(ops={"select_slots": True}), True, SelectPath.SELECT_SLOTS),
+    (1, 4 * 262144, Routing(), True, SelectPath.SELECT_SLOTS),
+    (1, 4 * (262144 + 64), Routing(), True, SelectPath.SELECT_POOLS_EXPAND)])
+def test_select_path(rows, context, routing, kernels, want):
+  assert _plan(rows, context=context, routing=routing, kernels=kernels).select is want
 
 
 def test_plan_tactics():
@@ -101,11 +107,28 @@ def test_kernel_defaults_are_the_plans_rows(op):
   assert spec.kernel_default_note.startswith(f"M {low} to {high}, ")
 
 
+WIDTH_DEFAULTS = ("select_pools", "select_slots")   # plan.select_kernel_default
+
+
 def test_ops_without_rows_default_everywhere():
   for name, spec in Op.registry.items():
-    if spec.kernel and name not in plan.KERNEL_ROWS:
+    if spec.kernel and name not in plan.KERNEL_ROWS and name not in WIDTH_DEFAULTS:
       assert spec.kernel_default_note is None, name
       assert spec.kernel_default(_first(1)) and spec.kernel_default(_first(100000)), name
+
+
+@pytest.mark.parametrize("op", WIDTH_DEFAULTS)
+@pytest.mark.parametrize("rows,pools,want", [
+    (1, 262144, True), (16, 50688, True), (17, 50688, False), (64, 50688, False),
+    (4096, 32768, True), (64, 32769, False), (1, 262145, False)])
+def test_select_defaults_follow_the_chunks(op, rows, pools, want):
+  """select_pools and select_slots run their one call by default wherever the top-k takes
+  the row whole (plan.topk_chunks: one chunk): one CTA's width at any rows, the cluster's
+  up to TOPK_CLUSTER_MAX_ROWS rows."""
+  spec = Op.registry[op]
+  assert bool(spec.kernel_default(_first(rows), k=512, max_pools=pools)) is want
+  assert (plan.topk_chunks(pools, 512, rows).chunks == 1) is want
+  assert "topk_chunks" in spec.kernel_default_note
 
 
 @pytest.mark.parametrize("rows,k,gemv,want", [
@@ -161,12 +184,17 @@ def test_info_plan_command(monkeypatch):
 
 @pytest.mark.parametrize("context,calls,xla", [
     (8192, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
+    (202752, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
     # past the top-k kernel's pools (limits.TOPK_MAX_POOLS): its kernel over chunks
-    (202752, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
+    (4 * 300000, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
+     "glm5_expand_and_remap", "none besides fusions"),
+    # past the top-k's cluster rows (plan.TOPK_CLUSTER_MAX_ROWS): chunks of one CTA's width
+    ((202752, 17), "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
      "glm5_expand_and_remap", "none besides fusions")])
 def test_info_plan_names_what_the_lowering_runs(context, calls, xla):
   """info --plan prints the CUDA lowering's FFI calls and any XLA sort or GEMM beside them:
   a fallback to XLA code is visible."""
   from glm5_jax.info import plan_report
-  lines = plan_report(16, 1, context, routing=glm5_jax.Routing())
+  context, rows = context if isinstance(context, tuple) else (context, 16)
+  lines = plan_report(rows, 1, context, routing=glm5_jax.Routing())
   assert f"  CUDA lowering: {calls}" in lines and f"  XLA code: {xla}" in lines

@@ -1,9 +1,9 @@
 """The default stage on the GPU, end to end at GLM-5.3-Flash sizes (hidden 4096, q_lora 1536,
 32 heads, 64-entry pages), the default routing: at every M where the routing changes (1, 2,
-16, 17, 64, 65, 128, 129, 256), next_n 1-4, max_pools 2048 to 32,768, 32,769 (past the
-largest logits width a select kernel takes), 50,688 and 262,144 (GLM-5's window, 1M
-tokens: the top-k over chunks), the kernels' program against use_reference=True
-on the same device:
+16, 17, 64, 65, 128, 129, 256), next_n 1-4, max_pools 2048 to 32,768, 32,769 (past one
+CTA's top-k row), 50,688 and 262,144 (GLM-5's window, 1M tokens: the top-k in a cluster)
+and 262,145 (past it: the top-k over chunks), the kernels' program against
+use_reference=True on the same device:
 * the custom calls the compiled program runs are the ones tests/golden/stage_lowering.json
   pins for that shape (indexer_update_q, update_epilogue_q, update_epilogue, select_slots,
   or mqa_logits, pool_topk twice and expand_and_remap);
@@ -45,9 +45,10 @@ CASES = [
     _case(64, 2, 32768), _case(64, 4, 131072, long=True), _case(65, 1, 32768),
     _case(128, 4, 8192), _case(128, 2, 32768, long=True), _case(129, 1, 8192),
     _case(256, 4, 32768, long=True), _case(256, 1, 8192, long=True),
-    # past the select kernels' width: mqa_logits, pool_topk over chunks, expand_and_remap
+    # rows in a cluster's top-k (select_slots' one call), then past it: mqa_logits, pool_topk
+    # over chunks, expand_and_remap
     _case(1, 1, 1048576, long=True), _case(16, 4, 202752, long=True),
-    _case(64, 1, 202752, long=True),
+    _case(64, 1, 202752, long=True), _case(1, 1, 1048580, long=True),
 ]
 
 

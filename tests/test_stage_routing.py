@@ -20,7 +20,8 @@ from glm5_jax.info import stage_args, stage_lowering
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "stage_lowering.json"
 ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 256)
-CONTEXTS = (1024, 8192, 32768, 131072, 131076, 202752, 1048576)
+# 131,076 tokens: a pool past one CTA's top-k row; 1,048,580: one past the cluster's (chunks).
+CONTEXTS = (1024, 8192, 32768, 131072, 131076, 202752, 1048576, 1048580)
 
 
 def case_name(rows, next_n, context, **config):
@@ -43,7 +44,7 @@ def _grid():
              {"update": "fused"}, {"w_out_dtype": "bfloat16"}, {"heads": 64},
              {"kernels": True}, {"kernels": False}, {"pdl": False})
   for option, m in itertools.product(options, (1, 2, 16, 17, 64, 65, 128, 129, 256)):
-    cases += [_case(m, 1, c, **option) for c in (8192, 131076)]
+    cases += [_case(m, 1, c, **option) for c in (8192, 1048580)]
   cases += [_case(m, 4, 32768, **o) for o in options[:4] for m in (16, 64, 128)]
   return dict(cases)
 

@@ -2,8 +2,9 @@
 them into chunks, pool_topk runs over the chunks then over their candidates, and
 select_pools / select_slots compose mqa_logits with that top-k. On the CPU the parts run
 their references, so these tests check the composition itself against the numpy oracle
-(glm5_testing.oracle, written from SPEC §5c) bit for bit; tests/test_wide_gpu.py runs the
-kernels."""
+(glm5_testing.oracle, written from SPEC §5c) bit for bit, at the limit of 32,768 pools
+(`small_limit`: the composition does not depend on it, and the oracle walks rows of that
+size in seconds); tests/test_wide_gpu.py runs the kernels at the real one."""
 import functools
 import json
 import pathlib
@@ -17,27 +18,39 @@ from test_select_gpu import SMALL_CODES
 import glm5_jax
 from glm5_jax import plan
 from glm5_jax import reference as ref
-from glm5_jax.limits import LOGITS_ITEM_POOLS, TOPK_MAX_POOLS
+from glm5_jax.limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS
 from glm5_testing import oracle as O
 
 I32 = np.int32
 
 
-@pytest.mark.parametrize("width,k,want", [
-    (TOPK_MAX_POOLS, 512, (1, TOPK_MAX_POOLS)),       # one call holds it
-    (TOPK_MAX_POOLS + 1, 512, (2, 16448)),             # the first width cut
-    (202752 // 4, 512, (2, 25344)),                    # GLM-5's window
-    (262144, 512, (8, 32768)),                         # 1M tokens
-    (262145, 512, (9, 29184)),
-    (100000, TOPK_MAX_POOLS // 2, (1, 100000)),        # k too large: chunks would not shrink
-    (100000, TOPK_MAX_POOLS // 2 - 1, (4, 25024))])
-def test_chunks(width, k, want):
-  chunks = plan.topk_chunks(width, k)
+@pytest.mark.parametrize("width,k,rows,want", [
+    (TOPK_MAX_POOLS, 512, 1, (1, TOPK_MAX_POOLS)),      # one call holds it: 1M tokens
+    (202752 // 4, 512, 16, (1, 50688)),                 # GLM-5's window, clusters in one wave
+    (202752 // 4, 512, 17, (2, 25344)),                 # more rows: chunks of one CTA's width
+    (TOPK_CTA_POOLS, 512, 4096, (1, TOPK_CTA_POOLS)),   # one CTA a row at any rows
+    (TOPK_CTA_POOLS + 1, 512, 64, (2, 16448)),
+    (TOPK_MAX_POOLS + 1, 512, 1, (2, 131136)),          # the first width cut
+    (4 * TOPK_MAX_POOLS, 512, 2, (4, TOPK_MAX_POOLS)),  # 4M tokens
+    (300000, TOPK_MAX_POOLS // 2, 1, (1, 300000)),      # k too large: chunks would not shrink
+    (300000, TOPK_MAX_POOLS // 2 - 1, 1, (2, 150016)),
+    (300000, TOPK_CTA_POOLS // 2, 64, (1, 300000)),
+    (300000, TOPK_CTA_POOLS // 2 - 1, 64, (10, 30016))])
+def test_chunks(width, k, rows, want):
+  chunks = plan.topk_chunks(width, k, rows)
   assert tuple(chunks) == want
+  limit = TOPK_MAX_POOLS if rows <= plan.TOPK_CLUSTER_MAX_ROWS else TOPK_CTA_POOLS
   if chunks.chunks > 1:
-    assert chunks.pools <= TOPK_MAX_POOLS and chunks.pools % LOGITS_ITEM_POOLS == 0
+    assert chunks.pools <= limit and chunks.pools % LOGITS_ITEM_POOLS == 0
     assert chunks.padded >= width and chunks.padded - width < chunks.chunks * LOGITS_ITEM_POOLS
     assert chunks.pools > k          # every chunk but a row's last full is wider than k
+
+
+@pytest.fixture
+def small_limit(monkeypatch):
+  """TOPK_MAX_POOLS at 32,768 (one CTA's row) where the routing and the chunks read it."""
+  monkeypatch.setattr(plan, "TOPK_MAX_POOLS", TOPK_CTA_POOLS)
+  monkeypatch.setattr(glm5_jax.logits, "TOPK_MAX_POOLS", TOPK_CTA_POOLS)
 
 
 def _rows(rng, rows, width, kind, bound):
@@ -64,9 +77,10 @@ def _rows(rng, rows, width, kind, bound):
 
 @pytest.mark.parametrize("rows,width", [(1, 262144), (3, 50688), (2, 32769), (4, 70001)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "equal", "special"])
+@pytest.mark.usefixtures("small_limit")
 def test_chunked_topk_equals_oracle(rows, width, kind):
   rng = np.random.default_rng(rows * 31 + width)
-  chunks = plan.topk_chunks(width, 512)
+  chunks = plan.topk_chunks(width, 512, rows)
   logits = _rows(rng, rows, width, kind, chunks.pools)
   lens = rng.integers(0, width + 10, rows).astype(I32)
   edge = [width, chunks.pools + 5, 511, -3]          # full, just past a chunk, fits k, none
@@ -82,6 +96,7 @@ def test_chunked_topk_equals_oracle(rows, width, kind):
     np.testing.assert_array_equal(got, O.pool_topk(logits, lens, k=k), err_msg=f"k={k}")
 
 
+@pytest.mark.usefixtures("small_limit")
 def test_chunked_topk_k_above_a_row():
   """k larger than every row (and than a chunk's share): each row lists all its pools."""
   logits = np.zeros((2, 40000), np.float32)
@@ -115,6 +130,7 @@ def _exact_cache(rng, pages, page, scale):
   return np.concatenate([codes, scales], axis=1).reshape(pages, page, 132)
 
 
+@pytest.mark.usefixtures("small_limit")
 def test_select_pools_by_chunks_equals_reference():
   """select_pools past the select kernel's width: mqa_logits, then the chunked top-k; the
   ids equal the reference select_pools' (CPU: the parts' references), a row that fits k
@@ -133,7 +149,7 @@ def test_select_pools_by_chunks_equals_reference():
           jnp.asarray(positions))
   params = dict(k=k, max_pools=max_pools)
   assert glm5_jax.logits.select_chunks(args, dict(params, scale_format="fp32"),
-                                       glm5_jax.Routing()) == plan.topk_chunks(max_pools, k)
+                                       glm5_jax.Routing()) == plan.topk_chunks(max_pools, k, 3)
   ids, logits = jax.jit(functools.partial(glm5_jax.select_pools, **params))(*args)
   want_ids, want_logits = ref.select_pools(*args, **params)
   np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))

@@ -1,9 +1,12 @@
-"""Rows wider than the select kernels take (limits.TOPK_MAX_POOLS) on the GPU: pool_topk's
-kernel over chunks, then over the chunks' candidates (plan.topk_chunks), equal to the
-reference top-k bit for bit on the same logits up to 262,144 pools (1M tokens); select_pools
-and select_slots past the width (mqa_logits' kernel, the chunked top-k, expand_and_remap's
-kernel) equal to the CPU reference on logits exact in fp32, and within the logits bound on
-ordinary ones; no XLA sort in any of their programs."""
+"""Rows wider than one CTA's top-k (32,768 pools) on the GPU: up to limits.TOPK_MAX_POOLS
+(262,144 pools, 1M tokens) pool_topk's kernel holds a row in a cluster of 8 CTAs (its kept
+keys gathered into one, or, where the bound keeps too many, a radix select over the whole
+cluster); past it the kernel runs over chunks, then over the chunks' candidates
+(plan.topk_chunks). Either way equal to the reference top-k bit for bit on the same logits;
+select_pools and select_slots at those widths (their one kernel up to the limit, past it
+mqa_logits' kernel, the chunked top-k and expand_and_remap's kernel) equal to the CPU
+reference on logits exact in fp32, and within the logits bound on ordinary ones; no XLA sort
+in any of their programs."""
 import functools
 import re
 
@@ -25,6 +28,7 @@ from test_select_gpu import (
 import glm5_jax
 from glm5_jax import plan
 from glm5_jax import reference as ref
+from glm5_jax.limits import TOPK_MAX_POOLS
 from glm5_testing import oracle as O
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -38,22 +42,34 @@ def _targets(fn, *args):
   return text
 
 
+def _split(width, rows):
+  """Where a row of `width` pools is cut: between chunks where plan.topk_chunks cuts it,
+  else between the cluster's CTAs (pool_topk_parts_kernel's span)."""
+  chunks = plan.topk_chunks(width, 512, rows)
+  return chunks.pools if chunks.chunks > 1 else ((width + 7) // 8 + 3) // 4 * 4
+
+
+# The cluster's widths (8, 16 and 32 keys a thread), rows past the one-CTA split (130), and
+# past the limit the chunks; "equal", "ties" and "special" rows keep more keys than one CTA
+# gathers, so they take the cluster-wide radix select.
 @pytest.mark.parametrize("rows,width", [(1, 262144), (2, 50688), (3, 32769), (16, 65536),
-                                        (64, 50688), (1, 202752 // 4 + 7)])
+                                        (64, 50688), (1, 202752 // 4 + 7), (5, 131072),
+                                        (130, 40000), (1, 300000), (2, 2 * 262144 + 64)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
 def test_wide_topk_equals_reference(rows, width, kind):
   rng = np.random.default_rng(rows * 13 + width)
   logits = _logit_rows(rng, rows, width, kind)
-  chunks = plan.topk_chunks(width, 512)
-  if kind == "ties":                   # the best straddle a chunk boundary
-    logits[:, chunks.pools - 200:chunks.pools + 200] = 99.0
+  split = _split(width, rows)
+  if kind == "ties":                   # the best straddle a chunk or CTA boundary
+    logits[:, split - 200:split + 200] = 99.0
   lens = rng.integers(0, width + 10, rows).astype(I32)
-  edge = [width, chunks.pools + 3, 512, -3, 511, width + 100, 1]
+  edge = [width, split + 3, 512, -3, 511, width + 100, 1]
   lens[:min(rows, len(edge))] = edge[:rows]
   args = (jnp.asarray(logits), jnp.asarray(lens))
+  calls = 1 if plan.topk_chunks(width, 512, rows).chunks == 1 else 2
   for k in (512, 37, 2048):
     fn = jax.jit(functools.partial(glm5_jax.pool_topk, k=k))
-    assert _targets(fn, *args).count('custom_call_target="glm5_pool_topk"') == 2
+    assert _targets(fn, *args).count('custom_call_target="glm5_pool_topk"') == calls
     np.testing.assert_array_equal(np.asarray(fn(*args)), np.asarray(_ref_topk(k)(logits, lens)),
                                   err_msg=f"k={k}")
 
@@ -64,6 +80,7 @@ WIDE_SLOTS = [
     (2, 2, 512, 50688, 64, 80, 3, "ue8m0"),           # GLM-5's window, MTP rows
     (5, 1, 64, 40000, 128, None, 1, "fp32"),
     (3, 4, 512, 50688, 48, None, 2, "fp32"),
+    (1, 2, 512, 300032, 64, None, 0, "fp32"),         # past the limit: over chunks
 ]
 
 
@@ -71,19 +88,22 @@ WIDE_SLOTS = [
                          WIDE_SLOTS)
 def test_wide_select_equals_reference(requests, next_n, k, max_pools, block_size, stride_rows,
                                       extra, scale_format):
-  """select_slots and select_pools past the select kernels' width give the CPU reference's
-  slots, counts and ids bit for bit (logits exact in fp32: any summation order)."""
+  """select_slots and select_pools at wide rows give the CPU reference's slots, counts and
+  ids bit for bit (logits exact in fp32: any summation order): select_slots' one kernel up
+  to TOPK_MAX_POOLS, the chunked composition past it."""
   rng = np.random.default_rng(requests * 1000 + max_pools + k)
   contexts = _contexts(rng, requests, k, max_pools)
   args = _exact_inputs(rng, contexts, next_n, max_pools=max_pools, scale_format=scale_format)
   table = _block_table(rng, contexts, next_n, block_size)
   params = _slots_params(k, max_pools, block_size, stride_rows, extra, scale_format)
   select = dict(k=k, max_pools=max_pools, scale_format=scale_format)
-  assert glm5_jax.logits.select_chunks(args, select, glm5_jax.Routing.from_env()) is not None
+  chunked = glm5_jax.logits.select_chunks(args, select, glm5_jax.Routing.from_env())
+  assert (chunked is not None) == (max_pools > TOPK_MAX_POOLS)
   fn = jax.jit(functools.partial(glm5_jax.select_slots, **params))
   text = _targets(fn, *args, table)
-  assert 'custom_call_target="glm5_mqa_logits"' in text
-  assert 'custom_call_target="glm5_expand_and_remap"' in text
+  calls = sorted(re.findall(r'custom_call_target="(glm5_\w+)"', text))
+  assert calls == (["glm5_expand_and_remap", "glm5_mqa_logits", "glm5_pool_topk",
+                    "glm5_pool_topk"] if chunked else ["glm5_select_slots"]), calls
   got = [np.asarray(a) for a in fn(*args, table)]
   host = [np.asarray(a) for a in args]
   want = jax.jit(functools.partial(ref.select_slots, **params), backend="cpu")(*host,
