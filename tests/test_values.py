@@ -426,11 +426,13 @@ def run_gpu_fuzz(seed, count):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("contexts, next_n", [([30000, 60000], 1), ([8000] * 16, 1),
-                                              ([100, 3000, 20000, 5], 2), ([1500] * 3, 1)])
+                                              ([100, 3000, 20000, 5], 2), ([1500] * 3, 1),
+                                              ([202752, 150000], 1)])
 def test_select_slots_kernel_closes_holes(contexts, next_n):
   """select_slots' kernel on block tables with entries that name no block inside the
-  selection (the causal fill, the one-CTA top-k and the cluster top-k): bit-equal to
-  select_pools' kernel then the reference remap, whose compaction closes the holes."""
+  selection (the causal fill, the one-CTA top-k, the cluster top-k and, past 32,768 pools,
+  the 8-CTA cluster): bit-equal to select_pools' kernel then the reference remap, whose
+  compaction closes the holes."""
   from test_select_gpu import _select_inputs
   rng = np.random.default_rng(sum(contexts) + next_n)
   args, max_pools = _select_inputs(rng, contexts, next_n)
