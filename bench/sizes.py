@@ -36,9 +36,14 @@ class Sizes:
   next_ns: tuple = (1, 4)
   upcast_pools: tuple = (8192, 32768, 262144)
   select_rows: tuple = (1, 16, 64)             # mqa_logits, pool_topk, select_pools
-  select_pools: tuple = (2048, 8192, 32768)    # 8K, 32K, 128K-token contexts
+  # 8K, 32K and 128K-token contexts, GLM-5's window (202,752), 1M tokens
+  select_pools: tuple = (2048, 8192, 32768, 50688, 262144)
   stage_rows: tuple = (1, 16, 64)              # the stage group (11 layers per step)
   stage_contexts: tuple = (1024, 8192, 32768, 131072)
+  # The serving shapes past that grid (PERFORMANCE.md §13), as (context, M, next_n): GLM-5's
+  # window at M 1/16/64, 1M tokens at one row, 16 requests x next_n 4 (MTP) at 32K.
+  stage_envelope: tuple = ((202752, 1, 1), (202752, 16, 1), (202752, 64, 1),
+                           (1048576, 1, 1), (32768, 64, 4))
   stage_layers: int = 11
   serving_rows: tuple = (1, 16, 64)            # the serving group (stage_layers per step)
   serving_contexts: tuple = (1024, 32768)
@@ -66,12 +71,13 @@ def sizes_for(quick, cpu_smoke):
   s = Sizes()
   if quick:
     s = dataclasses.replace(s, rows=(1, 64), next_ns=(1,), upcast_pools=(32768,),
+                            stage_envelope=(),
                             select_rows=(1, 64), select_pools=s.select_pools[:1])
   if cpu_smoke:
     s = dataclasses.replace(
         s, upcast_pools=tuple(p // 16 for p in s.upcast_pools),
         select_rows=(1, 4), select_pools=(512, 1024), stage_rows=(1, 2),
-        stage_contexts=(1024, 4096), stage_layers=2,
+        stage_contexts=(1024, 4096), stage_envelope=((4096, 2, 2),), stage_layers=2,
         serving_rows=(1, 2), serving_contexts=(1024,), serving_steps=5,
         prefill_prompts=(300, 1200), compress_rows=(256,),
         cache_bytes=8 << 20, copy_bytes=16 << 20, r_max=4, r_min=2, reps=3,

@@ -78,16 +78,31 @@ def shape_arguments(parser, group):
                              f"(default {default})")
 
 
+def label(m, ctx, next_n=1):
+  """A whole-step row's shape: "M=<m>[,next_n=<n>],ctx=<context>", next_n named where rows
+  come as requests of more than one."""
+  return f"M={m}{f',next_n={next_n}' if next_n > 1 else ''},ctx={ctx}"
+
+
 def shapes(bench, group, next_n=1):
-  """[("M=<m>[,next_n=<n>],ctx=<context>", (context, M))] of a whole-step group: its flags,
-  else the run's sizes; next_n named where rows come as requests of more than one."""
+  """[(label, (context, M))] of a whole-step group: its flags, else the run's sizes."""
   def ints(what):
     text = getattr(bench.args, f"{group}_{what}")
     return (tuple(int(v) for v in text.split(",")) if text
             else getattr(bench.s, f"{group}_{what}"))
-  rows = f",next_n={next_n}" if next_n > 1 else ""
-  return [(f"M={m}{rows},ctx={ctx}", (ctx, m)) for ctx in ints("contexts")
-          for m in ints("rows")]
+  return [(label(m, ctx, next_n), (ctx, m)) for ctx in ints("contexts") for m in ints("rows")]
+
+
+def stage_shapes(bench):
+  """[(label, (context, M, next_n))] of the stage group: shapes() at --stage-next-n, and
+  where no shape flag narrows the run, the serving envelope past the grid too
+  (Sizes.stage_envelope)."""
+  next_n = bench.args.stage_next_n
+  out = [(name, (ctx, m, next_n)) for name, (ctx, m) in shapes(bench, NAME, next_n)]
+  if not (bench.args.stage_contexts or bench.args.stage_rows) and next_n == 1:
+    out += [(label(m, ctx, n), (ctx, m, n)) for ctx, m, n in bench.s.stage_envelope
+            if label(m, ctx, n) not in dict(out)]
+  return out
 
 
 def add_arguments(parser):
@@ -289,11 +304,9 @@ def run(bench):
                         if bench.module else [REFERENCE])
   steps, chained = bench.args.stage_steps, bench.args.stage_chained
   barrier = chained and bench.args.stage_chain_barrier
-  next_n = bench.args.stage_next_n
-  build = lambda ctx, m: _state(m, ctx, s.stage_layers, seed=m * 7 + ctx,  # noqa: E731
-                                steps=steps, next_n=next_n)
-  for shape, (ctx, _), state in bench.states(NAME, shapes(bench, NAME, next_n), variants,
-                                             build):
+  build = lambda ctx, m, next_n: _state(m, ctx, s.stage_layers,  # noqa: E731
+                                        seed=m * 7 + ctx, steps=steps, next_n=next_n)
+  for shape, (ctx, _, _), state in bench.states(NAME, stage_shapes(bench), variants, build):
     weights, caches, xs, qrs, batch = state
     del state
     for variant in variants:

@@ -435,3 +435,25 @@ def test_empty_plot_option_writes_no_plot(tmp_path, monkeypatch):
   assert report.plot_or_none([], args) is None and drawn == []
   args.plot = str(tmp_path / "b.png")
   assert report.plot_or_none([], args) == "b.png" and drawn == [args.plot]
+
+
+@pytest.mark.parametrize("flags,envelope", [([], True), (["--stage-rows", "1"], False),
+                                            (["--stage-contexts", "1024"], False),
+                                            (["--stage-next-n", "2"], False)])
+def test_stage_shapes_add_the_serving_envelope(flags, envelope):
+  """The stage group's default run times the grid and the serving shapes past it
+  (Sizes.stage_envelope: GLM-5's window at M 1/16/64, 1M tokens, MTP rows); a run narrowed
+  by a shape flag times only what the flags name."""
+  from bench import __main__ as cli
+  from bench import stage
+  from bench.driver import Bench
+  from bench.sizes import sizes_for
+  sizes = sizes_for(False, False)
+  bench = Bench(sizes, cli.parser().parse_args(["--cache-dir", "", *flags]))
+  got = dict(stage.stage_shapes(bench))
+  extra = {"M=1,ctx=202752": (202752, 1, 1), "M=16,ctx=202752": (202752, 16, 1),
+           "M=64,ctx=202752": (202752, 64, 1), "M=1,ctx=1048576": (1048576, 1, 1),
+           "M=64,next_n=4,ctx=32768": (32768, 64, 4)}
+  assert all(got.get(name) == args for name, args in extra.items()) is envelope
+  if not flags:
+    assert len(got) == len(sizes.stage_contexts) * len(sizes.stage_rows) + len(extra)
