@@ -716,8 +716,9 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // 1024 threads per CTA). Narrower CTAs at the 2048 and 4096 widths are slower (ncu): below
 // 16 warps there is no bound, and the key loops of the fewer threads are longer than what
 // the fewer warps save at the barriers.
-// Past one CTA's registers a cluster of kTopkClusterParts holds the row at any rows, 8 to
-// 32 keys per thread.
+// Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
+// thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
+// chunks of one CTA's width: their clusters would take several waves of the SMs).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
