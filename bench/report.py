@@ -70,8 +70,11 @@ def stage_table(rows):
   if not st:
     return []
   shapes = list(dict.fromkeys(sh for sh, _ in st))
-  ms = list(dict.fromkeys(sh.split(",")[0] for sh in shapes))
-  ctxs = list(dict.fromkeys(sh.split(",")[1] for sh in shapes))
+  # "M=<m>,ctx=<c>" rows make the grid; "M=<m>,next_n=<n>,ctx=<c>" (MTP) rows a list below.
+  mtp = [sh for sh in shapes if "next_n=" in sh]
+  grid = [sh for sh in shapes if sh not in mtp]
+  ms = list(dict.fromkeys(sh.split(",")[0] for sh in grid))
+  ctxs = list(dict.fromkeys(sh.split(",")[1] for sh in grid))
   out = ["## indexer_stage: µs per layer (one jitted decode step of "
          f"{next((r.get('layers') for r in rows if r['op'] == 'stage'), 11)} layers)", "",
          "kernels (default routing) / reference (every op on its pure-JAX reference), "
@@ -90,6 +93,14 @@ def stage_table(rows):
       mark = " †" if f"{m},{ctx}" in unchained else ""
       cells.append(f"{_fmt(k)} / {_fmt(ref)} ({_ratio(ref, k)}){mark}")
     out.append(f"| {ctx.split('=')[1]} | " + " | ".join(cells) + " |")
+  if mtp:
+    out += ["", "| MTP rows: requests x next_n | context | kernels / reference |", "|---|---|---|"]
+    for sh in mtp:
+      m, n, ctx = (int(part.split("=")[1]) for part in sh.split(","))
+      k, ref = st.get((sh, KERNEL)), st.get((sh, REFERENCE))
+      mark = " †" if sh in unchained else ""
+      out.append(f"| {m // n} x {n} (M={m}) | {ctx} | {_fmt(k)} / {_fmt(ref)} "
+                 f"({_ratio(ref, k)}){mark} |")
   if unchained:
     out += ["", "† layers and steps independent (measured before the stage group chained "
             "them): XLA's dot merger batched one layer's GEMMs over the steps of a run, so "

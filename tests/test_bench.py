@@ -457,3 +457,21 @@ def test_stage_shapes_add_the_serving_envelope(flags, envelope):
   assert all(got.get(name) == args for name, args in extra.items()) is envelope
   if not flags:
     assert len(got) == len(sizes.stage_contexts) * len(sizes.stage_rows) + len(extra)
+
+
+def test_stage_table_lists_mtp_rows_below_the_grid():
+  """A stage row of next_n > 1 ("M=64,next_n=4,ctx=32768") is listed under the contexts x M
+  grid as requests x next_n, not read as a context of the grid."""
+  from bench.report import stage_table
+  def row(shape, variant, us):
+    return dict(op="stage", shape=shape, variant=variant, device_us=us, layers=11,
+                notes="11 layers; layers and steps chained (each reads the output before it)")
+  rows = [row("M=1,ctx=1024", "kernel", 15.0), row("M=1,ctx=1024", "reference", 60.0),
+          row("M=64,next_n=4,ctx=32768", "kernel", 40.0),
+          row("M=64,next_n=4,ctx=32768", "reference", 600.0)]
+  lines = stage_table(rows)
+  assert "| context | M=1 |" in lines
+  assert [line for line in lines if line.startswith("| 1024 |")] == [
+      "| 1024 | 15.00 / 60.00 (4.00×) |"]
+  assert "| 16 x 4 (M=64) | 32768 | 40.00 / 600 (15.00×) |" in lines
+  assert not any(line.startswith("| 4 |") or "next_n=4 |" in line for line in lines)
