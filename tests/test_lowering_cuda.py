@@ -370,6 +370,24 @@ def test_slots_attributes(scale_format, stride_rows, want):
   assert "tensor<4x24xi32>, tensor<4xi32>, tensor<4x48xf32>" in call, call
 
 
+@pytest.mark.parametrize("rows,width,calls", [
+    (16, 50688, 1), (17, 50688, 2),          # GLM-5's window: the cluster up to 16 rows
+    (4096, 32768, 1), (64, 32769, 2),        # one CTA's width at any rows, chunks past it
+    (1, 262144, 1), (1, 262145, 2)])         # 1M tokens in one call, chunks past it
+def test_pool_topk_lowering_follows_the_chunks(rows, width, calls, monkeypatch):
+  """pool_topk lowers to one kernel call where plan.topk_chunks holds the row whole, else to
+  the chunks' call and the candidates' (two); never an XLA sort."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  args = (jax.ShapeDtypeStruct((rows, width), jnp.float32),
+          jax.ShapeDtypeStruct((rows,), jnp.int32))
+  text = cuda_module(functools.partial(glm5_jax.pool_topk, k=512), args)
+  assert custom_calls(text) == ["glm5_pool_topk"] * calls
+  assert (plan.topk_chunks(width, 512, rows).chunks == 1) is (calls == 1)
+  assert "stablehlo.sort" not in text
+  reference = functools.partial(glm5_jax.pool_topk, k=512, routing=Routing(kernels=False))
+  assert "stablehlo.sort" in cuda_module(reference, args)   # what a fallback would show
+
+
 @pytest.mark.parametrize("routing,max_pools,want", [
     (Routing(), 1024, ["glm5_select_slots"]),
     (Routing(ops={"select_slots": False}), 1024, ["glm5_select_pools", "glm5_expand_and_remap"]),
