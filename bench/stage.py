@@ -98,11 +98,11 @@ def stage_shapes(bench):
   where no shape flag narrows the run, the serving envelope past the grid too
   (Sizes.stage_envelope)."""
   next_n = bench.args.stage_next_n
-  out = [(name, (ctx, m, next_n)) for name, (ctx, m) in shapes(bench, NAME, next_n)]
+  out = {name: (ctx, m, next_n) for name, (ctx, m) in shapes(bench, NAME, next_n)}
   if not (bench.args.stage_contexts or bench.args.stage_rows) and next_n == 1:
-    out += [(label(m, ctx, n), (ctx, m, n)) for ctx, m, n in bench.s.stage_envelope
-            if label(m, ctx, n) not in dict(out)]
-  return out
+    for ctx, m, n in bench.s.stage_envelope:
+      out.setdefault(label(m, ctx, n), (ctx, m, n))
+  return list(out.items())
 
 
 def add_arguments(parser):

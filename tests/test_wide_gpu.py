@@ -49,9 +49,10 @@ def _split(width, rows):
   return chunks.pools if chunks.chunks > 1 else ((width + 7) // 8 + 3) // 4 * 4
 
 
-# The cluster's widths (8, 16 and 32 keys a thread), rows past the one-CTA split (130), and
-# past the limit the chunks; "equal", "ties" and "special" rows keep more keys than one CTA
-# gathers, so they take the cluster-wide radix select.
+# The cluster's widths (8, 16 and 32 keys a thread) at up to 16 rows; the chunks at 64 and
+# 130 rows (past plan.TOPK_CLUSTER_MAX_ROWS) and past the limit; "equal", "ties" and
+# "special" rows keep more keys than one CTA gathers, so in a cluster they take its radix
+# select.
 @pytest.mark.parametrize("rows,width", [(1, 262144), (2, 50688), (3, 32769), (16, 65536),
                                         (64, 50688), (1, 202752 // 4 + 7), (5, 131072),
                                         (130, 40000), (1, 300000), (2, 2 * 262144 + 64)])
