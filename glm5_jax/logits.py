@@ -253,8 +253,9 @@ def select_pools(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
   args = (q_fp8, w_out, kv_cache, page_table, req_ids, positions)
   params = dict(k=int(k), max_pools=int(max_pools), scale_format=scale_format,
                 next_n=int(next_n))
-  if select_chunks(args, params, routing):
-    return _select_by_chunks(*args, routing=routing, **params)
+  chunks = select_chunks(args, params, routing)
+  if chunks is not None:
+    return _select_by_chunks(*args, chunks=chunks, routing=routing, **params)
   ids, logits = _select(*args, routing=routing, **params)
   return ids, logits
 
@@ -277,15 +278,14 @@ def select_chunks(args, params, routing) -> TopkChunks | None:
   return None
 
 
-def _select_by_chunks(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k,
+def _select_by_chunks(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, chunks, k,
                       max_pools, scale_format, routing, next_n=1):
   """select_pools of rows wider than its kernel takes: the logits of the rows with more
   than k pools (the others select 0..n-1 whatever their logits; mqa_logits reads each row's
   pages on its own, whatever next_n), then the top-k over chunks; the same ids as
-  select_pools' reference, exactly."""
+  select_pools' reference, exactly. chunks: select_chunks' answer at these operands."""
   _select_shapes(*map(jax.typeof, (q_fp8, w_out, kv_cache, page_table, req_ids, positions)),
                  k=k, max_pools=max_pools, scale_format=scale_format, next_n=next_n)
-  chunks = topk_chunks(max_pools, k, q_fp8.shape[0])
   table, n = ref.row_pages(page_table, req_ids, positions, max_pools)
   logits = mqa_logits(q_fp8, w_out, kv_cache, table, jnp.where(n > k, n, 0),
                       max_pools=chunks.padded, scale_format=scale_format, routing=routing)
@@ -340,10 +340,11 @@ def select_slots(q_fp8: jax.Array, w_out: jax.Array, kv_cache: jax.Array,
   select = dict(k=params["k"], max_pools=params["max_pools"], scale_format=scale_format,
                 next_n=params["next_n"])
   avals = [jax.typeof(a) for a in (*args, block_table)]
-  if (not _slots.kernel_chosen(Routing.resolve(routing, _slots.name), avals, params)
-      and select_chunks(args, select, routing)):
+  chunks = (None if _slots.kernel_chosen(Routing.resolve(routing, _slots.name), avals, params)
+            else select_chunks(args, select, routing))
+  if chunks is not None:
     _slots_shapes(*avals, **params)
-    ids, _ = _select_by_chunks(*args, routing=routing, **select)
+    ids, _ = _select_by_chunks(*args, chunks=chunks, routing=routing, **select)
     return expand_and_remap(ids, positions, req_ids, block_table, block_size=block_size,
                             width=width, stride_rows=stride_rows, routing=routing)
   slots, counts, _ = _slots(*args, block_table, routing=routing, **params)
