@@ -87,6 +87,7 @@ struct ExpandAndRemapArgs {
   int64_t max_blocks;
   Divisor block_size;
   int32_t stride_rows;
+  int32_t max_block;            // max_block_id(block_size, stride_rows)
   int32_t seq_offset;
 };
 
@@ -122,12 +123,11 @@ __global__ void __launch_bounds__(kMaxGroups) expand_and_remap_kernel(const Expa
   // indices: every pool and the tail are dropped, the row is all -1, its count 0.
   const bool has_ids = expanded_row && req >= 0 && req < requests;
   const Remap remap{a.block_table + (has_ids ? req * max_blocks : 0), max_blocks, block_size,
-                    stride_rows};
+                    stride_rows, a.max_block};
 
-  // pid < 0 is unused; 4 * pid may wrap to a negative token id, which is dropped too. Whether
-  // a pool is kept depends on its id alone, not on the table entry, so the entry's load is
-  // only issued here (Remap::load) and used after the warp totals: the ballot, the barrier
-  // and the reductions run while it is in flight.
+  // pid < 0 is unused; 4 * pid may wrap to a negative token id, which is dropped too. A pool
+  // whose table entry names no block is dropped as well (SPEC §12), so the ballot waits on
+  // the entry's load; the tail's load is issued before it, the two overlap.
   const int32_t token = wrap_mul(pid, kPool);
   int32_t entry = 0;
   const bool live = has_ids && pid >= 0 && remap.load(token, &entry);
@@ -253,6 +253,7 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
   args.max_blocks = max_blocks;
   args.block_size = Divisor(static_cast<int32_t>(block_size));
   args.stride_rows = static_cast<int32_t>(stride_rows);
+  args.max_block = max_block_id(block_size, stride_rows);
   args.seq_offset = static_cast<int32_t>(seq_offset);
 
   const bool vector = width % kPool == 0 && aligned(args.out, 16);

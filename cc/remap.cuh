@@ -66,6 +66,12 @@ __host__ __device__ __forceinline__ void store_quad(int32_t* row_out, int q, int
   }
 }
 
+// The largest block id whose slots id * stride_rows + [0, block_size) all fit int32 (SPEC
+// §12): an entry outside [0, max_block_id] names no block, and its tokens are dropped.
+inline int32_t max_block_id(int64_t block_size, int64_t stride_rows) {
+  return static_cast<int32_t>((kI32Max - (block_size - 1)) / stride_rows);
+}
+
 // The block-table mapping of one request's tokens. `table` is the request's row; it is
 // only dereferenced for 0 <= block < max_blocks.
 struct Remap {
@@ -73,10 +79,11 @@ struct Remap {
   int64_t max_blocks;
   Divisor block_size;
   int32_t stride_rows;
+  int32_t max_block;  // max_block_id(block_size, stride_rows)
 
   // Physical slot of the first of the 4 tokens first_token .. first_token + 3
   // (first_token % 4 == 0, so all 4 share its block); false when they are dropped
-  // (a negative token id, or a block past the table).
+  // (a negative token id, a block past the table, or an entry that names no block).
   __device__ __forceinline__ bool slot(int32_t first_token, int32_t* out) const {
     int32_t entry;
     if (!load(first_token, &entry)) return false;
@@ -84,15 +91,16 @@ struct Remap {
     return true;
   }
 
-  // slot() in two halves, for a caller with work to overlap with the block-table load: load()
-  // issues it (false, and no load, where slot() drops the tokens) and place() makes the slot
-  // of the loaded entry. Whatever runs between them hides the load's latency.
+  // slot() in two halves: load() reads the entry (false where slot() drops the tokens: no
+  // load for a token outside the table, the loaded entry for one that names no block) and
+  // place() makes the slot of the loaded entry.
   __device__ __forceinline__ bool load(int32_t first_token, int32_t* entry) const {
     if (first_token < 0) return false;
     const int32_t block = block_size.div(first_token);
     if (block >= max_blocks) return false;
     *entry = __ldg(table + block);
-    return true;
+    // One unsigned compare: a negative entry is above max_block as uint32.
+    return static_cast<uint32_t>(*entry) <= static_cast<uint32_t>(max_block);
   }
   __device__ __forceinline__ int32_t place(int32_t entry, int32_t first_token) const {
     return wrap_add(wrap_mul(entry, stride_rows), block_size.mod(first_token));

@@ -204,6 +204,7 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   s.counts = counts->typed_data();
   s.block_size = Divisor(static_cast<int32_t>(block_size));
   s.stride_rows = static_cast<int32_t>(stride_rows);
+  s.max_block = max_block_id(block_size, stride_rows);
   s.width = static_cast<int32_t>(width);
   s.vector = width % kPool == 0 && aligned(s.out, 16);
   return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,

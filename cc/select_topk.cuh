@@ -31,9 +31,10 @@ namespace cg = cooperative_groups;
 // tokens remapped through the request's block table (SPEC §7: expand_and_remap with
 // seq_offset 1, compact), one quad at the pool's rank; the tail quad after the selected
 // pools, then -1 quads to the row's width. A pool's slots are kept or dropped as a whole
-// (block_size % 4 == 0), and the dropped ones (blocks past the table) are the row's largest
-// tokens (the ids ascend with the rank; the tail is above every pool), so a pool written at
-// its rank is already the compacted layout.
+// (block_size % 4 == 0), and the ones dropped for a block past the table are the row's
+// largest tokens (the ids ascend with the rank; the tail is above every pool), so a pool
+// written at its rank is already the compacted layout. A pool dropped for an entry that names
+// no block (SPEC §12) leaves a -1 quad inside the row; close_holes moves the kept ones down.
 struct SlotArgs {
   const int32_t* req_ids;      // s32 [rows]
   const int32_t* block_table;  // s32 [requests, max_blocks]
@@ -42,6 +43,7 @@ struct SlotArgs {
   int64_t requests, max_blocks;
   Divisor block_size;
   int32_t stride_rows, width;
+  int32_t max_block;           // max_block_id(block_size, stride_rows)
   bool vector;                 // width % 4 == 0 and 16-byte aligned rows: one store a quad
 };
 
@@ -87,12 +89,13 @@ struct RowOut {
   int32_t r;
   int32_t req;      // select_slots: the row's block-table row, -1 where the request has none
   uint32_t* valid;  // counts the kept selected pools where the table may drop some, else null
+  mutable bool dropped = false;  // this thread wrote a -1 quad for a selected pool
 
   __device__ __forceinline__ bool slots() const { return a.slots.out != nullptr; }
   __device__ __forceinline__ Remap remap() const {
     const SlotArgs& s = a.slots;
     return Remap{s.block_table + (req >= 0 ? req * s.max_blocks : 0), s.max_blocks,
-                 s.block_size, s.stride_rows};
+                 s.block_size, s.stride_rows, s.max_block};
   }
   __device__ __forceinline__ void quad(int q, int4 v) const {
     const SlotArgs& s = a.slots;
@@ -110,6 +113,7 @@ struct RowOut {
     const bool live = req >= 0 && remap().slot(wrap_mul(id, kPool), &first);
     quad(at, live ? run4(first) : none4());
     if (valid != nullptr && live) atomicAdd(valid, 1u);
+    dropped |= !live;
   }
 };
 
@@ -119,7 +123,7 @@ __device__ __forceinline__ RowOut row_out(const TopkArgs& a, int r) {
     req = __ldg(a.slots.req_ids + r);
     if (req >= a.slots.requests) req = -1;
   }
-  return RowOut{a, r, req < 0 ? -1 : req, nullptr};
+  return RowOut{a, r, req < 0 ? -1 : req, nullptr, false};
 }
 
 // Row r's tail quad (its incomplete pool: positions + 1 tokens) into `quad`; its kept slots.
@@ -158,6 +162,39 @@ __device__ __forceinline__ void finish_count(const TopkArgs& a, int r, const Row
     int4 tail;
     const int32_t tail_slots = row_tail(a, r, o, &tail);
     a.slots.counts[r] = kPool * static_cast<int32_t>(*o.valid) + tail_slots;
+  }
+}
+
+// select_slots, by every thread of the CTA that wrote row r's `selected` pools (the same
+// branch in all): where a pool was dropped, its -1 quad may lie between kept ones (an entry
+// that names no block, SPEC §12); the kept quads move down over the holes in rank order (a
+// pool quad is run4 of its first slot: the first column says it), then the tail quad and
+// -1 quads, and the count is the kept slots'. Rows without a dropped pool pass one barrier.
+// `cluster`: the CTAs of a cluster wrote the quads, after whose last barrier this reads them
+// (their drops are not known here, so the row is always read).
+template <int kThreads>
+__device__ __forceinline__ void close_holes(const TopkArgs& a, int r, const RowOut& o,
+                                            int32_t selected, TopkShared& sh,
+                                            bool cluster = false) {
+  // also orders the quads' stores before the reads
+  if (!__syncthreads_or(o.dropped || cluster)) return;
+  const int32_t* row = a.slots.out + static_cast<int64_t>(r) * a.slots.width;
+  int32_t kept = 0;
+  for (int32_t base = 0; base < selected; base += kThreads) {
+    const int32_t q = base + static_cast<int32_t>(threadIdx.x);
+    const int32_t first = q < selected ? row[kPool * q] : -1;
+    const Scan scan = block_scan<kThreads>(first >= 0 ? 1u : 0u, sh.warp_sums);
+    __syncthreads();  // this round's quads are read before any moves (destinations <= sources)
+    if (first >= 0) o.quad(kept + static_cast<int32_t>(scan.incl) - 1, run4(first));
+    kept += static_cast<int32_t>(scan.total);
+  }
+  for (int32_t q = kept + 1 + static_cast<int32_t>(threadIdx.x); q <= selected; q += kThreads)
+    o.quad(q, none4());
+  if (threadIdx.x == 0) {
+    int4 tail;
+    const int32_t tail_slots = row_tail(a, r, o, &tail);
+    o.quad(kept, tail);
+    a.slots.counts[r] = kPool * kept + tail_slots;
   }
 }
 
@@ -508,7 +545,8 @@ __device__ __forceinline__ int64_t slots_kept(const TopkArgs& a, const RowOut& o
 // row writes before its wait. select_slots' rows get their tail and -1 quads here too.
 template <int kThreads>
 __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, RowOut& out,
-                                                   bool writes, uint32_t* valid) {
+                                                   bool writes, TopkShared& sh) {
+  uint32_t* const valid = &sh.valid;
   if (!a.early_rows) pdl_wait();
   const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
   if (writes && out.slots()) {
@@ -526,6 +564,7 @@ __device__ __forceinline__ int32_t pools_to_select(const TopkArgs& a, int r, Row
           a.out[static_cast<int64_t>(r) * a.k + i] = i < n ? i : -1;
       else
         for (int32_t i = threadIdx.x; i < n; i += kThreads) out.put(i, i);
+      if (out.slots()) close_holes<kThreads>(a, r, out, n, sh);
     }
     if (a.early_rows) pdl_wait();  // a grid must not finish before its own wait
     pdl_launch_dependents();
@@ -541,10 +580,11 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   __shared__ TopkShared sh;
   const int r = blockIdx.x;
   RowOut out = row_out(a, r);
-  const int32_t n = pools_to_select<kThreads>(a, r, out, true, &sh.valid);
+  const int32_t n = pools_to_select<kThreads>(a, r, out, true, sh);
   if (n < 0) return;
   topk_row<kThreads, kPer>(a, r, n, out, sh);
   finish_count(a, r, out);
+  if (out.slots()) close_holes<kThreads>(a, r, out, a.k, sh);
   pdl_launch_dependents();
 }
 
@@ -573,7 +613,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const int r = blockIdx.x / kParts;
   const int32_t k = a.k;
   RowOut out = row_out(a, r);
-  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, &sh.valid);
+  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, sh);
   if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
 
   // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
@@ -663,7 +703,10 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
         mine.valid = cluster.map_shared_rank(&sh.valid, 0);
       radix_select_emit<kThreads>(key, [&](int i) { return first + i; }, lo, hi, k, mine, sh,
                                   ClusterScope<kParts>{&part_gt, &part_eq});
-      if (part == 0) finish_count(a, r, out);
+      if (part == 0) {
+        finish_count(a, r, out);
+        if (out.slots()) close_holes<kThreads>(a, r, out, k, sh, true);
+      }
       pdl_launch_dependents();
       return;
     }
@@ -674,6 +717,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     else if constexpr (kOneCta)
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     finish_count(a, r, out);
+    if (out.slots()) close_holes<kThreads>(a, r, out, k, sh);
   }
   pdl_launch_dependents();
 }

@@ -128,6 +128,10 @@ def _variants():
   out.append(("select_slots parts, bad block ids", functools.partial(
       glm5_jax.select_slots, k=512, max_pools=8192, block_size=128, width=2053, stride_rows=160),
       lambda rng: holes(slots_wide_args(rng), rng), None, True))
+  out.append(("select_slots cluster, bad block ids", functools.partial(
+      glm5_jax.select_slots, k=512, max_pools=50688, block_size=128, width=2053,
+      stride_rows=160), lambda rng: holes(slots_wide_args(rng, rows=2, pools=50688), rng),
+      None, True))
   out.append(("expand_and_remap bad block ids", remap.fn,
               lambda rng: holes(remap.make(rng), rng), None, True))
   return out
