@@ -603,6 +603,16 @@ def bits(x):
   return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
+def bits_any_nan(x):
+  """bits() with every NaN one pattern (the dtype's largest code): a NaN's sign and
+  payload are the hardware's (docs/semantics.md §12.8); -0 and every other value are
+  still told apart."""
+  a = np.asarray(x)
+  b = bits(a).copy()
+  b[np.isnan(a.astype(np.float32))] = np.iinfo(b.dtype).max
+  return b
+
+
 def assert_same_bits(got, want, names, label):
   """Each output of `got` bit-equal (same shape and dtype) to the same output of `want`."""
   for g, w, name in zip(got, want, names, strict=True):

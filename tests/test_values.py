@@ -4,6 +4,7 @@ through indexer_stage, indexer_prefill and a decode loop equal the reference and
 write outside what their good rows own. The GPU form (kernels on, guard pages, under
 compute-sanitizer memcheck) is test_fuzz_gpu and this file's __main__."""
 import dataclasses
+import functools
 import re
 import sys
 import warnings
@@ -320,6 +321,18 @@ def _stage_cases(seed, count, vary=True):
     yield fuzz(rng, args, CONFIG, cells=int(rng.integers(1, 4)))
 
 
+def on_cpu(fuzzer):
+  """A fuzzer that compares the stage with its reference bit for bit, run on the CPU: only
+  there are both the reference's lowering (on a GPU the kernels meet SPEC D2's rules, which
+  run_gpu_fuzz, their GPU form, checks)."""
+  @functools.wraps(fuzzer)
+  def run(*args, **kwargs):
+    with jax.default_device(jax.devices("cpu")[0]):
+      return fuzzer(*args, **kwargs)
+  return run
+
+
+@on_cpu
 def run_stage_fuzz(seed, count, vary=True):
   for args in _stage_cases(seed, count, vary):
     got = STEP(*args, config=CONFIG)
@@ -327,6 +340,7 @@ def run_stage_fuzz(seed, count, vary=True):
     check_step(args, got, want, CONFIG)
 
 
+@on_cpu
 def run_decode_fuzz(seed, steps):
   """A decode loop: every step advances each request by next_n and fuzzes its batch; the
   stage's caches carry over and stay equal to the reference's."""
@@ -344,6 +358,7 @@ def run_decode_fuzz(seed, steps):
     batch = synthetic.decode_batch(pos, cache, batch.page_table, batch.block_table)
 
 
+@on_cpu
 def run_prefill_fuzz(seed, count):
   from glm5_jax import synthetic
   rng = np.random.default_rng(seed)
@@ -412,7 +427,8 @@ def run_gpu_fuzz(seed, count):
     ref_out, ref_new = STEP(*jax.device_put(args, cpu), config=CONFIG, use_reference=True)
     np.testing.assert_array_equal(np.asarray(out.slots), np.asarray(ref_out.slots))
     np.testing.assert_array_equal(np.asarray(out.counts), np.asarray(ref_out.counts))
-    np.testing.assert_array_equal(oracle.bits(new.tail), oracle.bits(ref_new.tail))
+    np.testing.assert_array_equal(oracle.bits_any_nan(new.tail),
+                                  oracle.bits_any_nan(ref_new.tail))
     tokens = capacity(cache, batch, CONFIG)
     pos = np.asarray(batch.positions)
     own_slots, own_rows = owned(cache, batch, np.where(pos < tokens, pos, -1))
@@ -426,11 +442,13 @@ def run_gpu_fuzz(seed, count):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("contexts, next_n", [([30000, 60000], 1), ([8000] * 16, 1),
-                                              ([100, 3000, 20000, 5], 2), ([1500] * 3, 1)])
+                                              ([100, 3000, 20000, 5], 2), ([1500] * 3, 1),
+                                              ([202752, 150000], 1)])
 def test_select_slots_kernel_closes_holes(contexts, next_n):
   """select_slots' kernel on block tables with entries that name no block inside the
-  selection (the causal fill, the one-CTA top-k and the cluster top-k): bit-equal to
-  select_pools' kernel then the reference remap, whose compaction closes the holes."""
+  selection (the causal fill, the one-CTA top-k, the cluster top-k and, past 32,768 pools,
+  the 8-CTA cluster): bit-equal to select_pools' kernel then the reference remap, whose
+  compaction closes the holes."""
   from test_select_gpu import _select_inputs
   rng = np.random.default_rng(sum(contexts) + next_n)
   args, max_pools = _select_inputs(rng, contexts, next_n)
@@ -442,7 +460,7 @@ def test_select_slots_kernel_closes_holes(contexts, next_n):
   table = jnp.asarray(table, jnp.int32)
   params = dict(k=512, max_pools=max_pools, block_size=128, width=2176,
                 routing=glm5_jax.Routing(kernels=True))
-  assert glm5_jax.logits.select_slots_kernel_chosen(*args, table, **params)
+  assert glm5_jax.plan.chooses_kernel(glm5_jax.select_slots, *args, table, **params)
   slots, counts = jax.jit(lambda *a: glm5_jax.select_slots(*a, **params))(*args, table)
   ids, _ = jax.jit(lambda *a: glm5_jax.select_pools(
       *a, k=512, max_pools=max_pools, routing=params["routing"]))(*args)
@@ -452,6 +470,18 @@ def test_select_slots_kernel_closes_holes(contexts, next_n):
   np.testing.assert_array_equal(np.asarray(slots), want[0])
   np.testing.assert_array_equal(np.asarray(counts), want[1])
   assert np.any(want[1] < np.minimum(4 * 512 + 3, pos + 1)), "no hole was selected"
+
+
+def test_bits_any_nan_tells_everything_but_nan_patterns_apart():
+  """The tail check of run_gpu_fuzz: CUDA's and the CPU's NaN patterns compare equal; -0
+  against +0, one bf16 ulp, and NaN against inf do not."""
+  want = np.array([0xFFC0, 0x0000, 0x3F80, 0x7F80], np.uint16).view(jnp.bfloat16)
+  same = np.array([0x7FFF, 0x0000, 0x3F80, 0x7F80], np.uint16).view(jnp.bfloat16)
+  np.testing.assert_array_equal(oracle.bits_any_nan(same), oracle.bits_any_nan(want))
+  for wrong in ([0x7FFF, 0x8000, 0x3F80, 0x7F80], [0x7FFF, 0x0000, 0x3F81, 0x7F80],
+                [0x7F80, 0x0000, 0x3F80, 0x7F80], [0x7FFF, 0x0000, 0x3F80, 0x7FC0]):
+    got = np.array(wrong, np.uint16).view(jnp.bfloat16)
+    assert np.any(oracle.bits_any_nan(got) != oracle.bits_any_nan(want)), wrong
 
 
 @pytest.mark.gpu
