@@ -2,6 +2,7 @@
 registrations when it is built; the package's boundaries (what it imports, what its wheel
 holds)."""
 import ast
+import importlib
 import pathlib
 import subprocess
 import sys
@@ -112,3 +113,74 @@ def test_oracles_are_not_in_the_wheel():
     texts += (ROOT / folder).rglob("*.py")
   for path in texts:
     assert not any(o in path.read_text() for o in old), f"{path} names the old place"
+
+
+def glm5_names(path):
+  """The glm5_jax names a Python file reads, with their lines: what it imports from the
+  package, and the attribute chains it reads off those names (`glm5_jax.plan.chooses_kernel`;
+  `plan.topk_chunks` after `from glm5_jax import plan`), function-level ones too."""
+  tree = ast.parse(path.read_text(), str(path))
+  bound = {}                                     # local name -> the glm5_jax name it holds
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "glm5_jax":
+          bound[alias.asname or "glm5_jax"] = alias.name if alias.asname else "glm5_jax"
+    elif isinstance(node, ast.ImportFrom) and not node.level and (
+        (node.module or "").split(".")[0] == "glm5_jax"):
+      for alias in node.names:
+        bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+  out = {(name, 0) for name in bound.values()}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+      attrs, base = [], node
+      while isinstance(base, ast.Attribute):
+        attrs.append(base.attr)
+        base = base.value
+      if isinstance(base, ast.Name) and base.id in bound:
+        out.add((".".join([bound[base.id], *reversed(attrs)]), node.lineno))
+  return out
+
+
+def missing(name):
+  """Whether the dotted glm5_jax name resolves (attributes, or submodules not yet imported);
+  the built CUDA module counts as present."""
+  obj = importlib.import_module("glm5_jax")
+  parts = name.split(".")
+  for i, part in enumerate(parts[1:], 2):
+    if part == "_glm5_cuda":
+      return False
+    if not hasattr(obj, part):
+      try:
+        obj = importlib.import_module(".".join(parts[:i]))
+        continue
+      except ImportError:
+        return True
+    obj = getattr(obj, part)
+  return False
+
+
+def test_every_glm5_jax_name_outside_the_package_exists():
+  """Tests, bench, scripts and examples read only names the package has. The GPU tests run
+  on no CPU runner: a name they read that a refactor removed would fail only on a GPU."""
+  gone = sorted((str(path.relative_to(ROOT)), line, name)
+                for folder in ("tests", "glm5_testing", "bench", "scripts", "examples")
+                for path in sorted((ROOT / folder).rglob("*.py"))
+                for name, line in glm5_names(path) if missing(name))
+  assert not gone, gone
+
+
+def test_glm5_names_reports_a_removed_name(tmp_path):
+  """The check above sees a removed function read through the package, a submodule alias
+  and a function-level import."""
+  path = tmp_path / "gpu_test.py"
+  path.write_text("import glm5_jax\nfrom glm5_jax import plan\n"
+                  "def f():\n  from glm5_jax.logits import select_slots\n"
+                  "  from glm5_jax.plan import gone_helper\n"
+                  "  return glm5_jax.logits.select_slots_kernel_chosen, plan.topk_chunks, "
+                  "plan.removed_rule, select_slots\n")
+  names = glm5_names(path)
+  assert {n for n, _ in names if missing(n)} == {
+    "glm5_jax.plan.gone_helper", "glm5_jax.logits.select_slots_kernel_chosen",
+    "glm5_jax.plan.removed_rule"}
+  assert ("glm5_jax.plan.topk_chunks", 6) in names and not missing("glm5_jax.plan.topk_chunks")
