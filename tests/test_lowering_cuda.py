@@ -373,7 +373,8 @@ def test_slots_attributes(scale_format, stride_rows, want):
 @pytest.mark.parametrize("rows,width,calls", [
     (16, 50688, 1), (17, 50688, 2),          # GLM-5's window: the cluster up to 16 rows
     (4096, 32768, 1), (64, 32769, 2),        # one CTA's width at any rows, chunks past it
-    (1, 262144, 1), (1, 262145, 2)])         # 1M tokens in one call, chunks past it
+    (1, 262144, 1), (1, 262145, 2),          # 1M tokens in one call, chunks past it
+    (8192, 2048, 1), (8192, 262144, 2)])     # the most rows the select kernels take
 def test_pool_topk_lowering_follows_the_chunks(rows, width, calls, monkeypatch):
   """pool_topk lowers to one kernel call where plan.topk_chunks holds the row whole, else to
   the chunks' call and the candidates' (two); never an XLA sort."""
@@ -386,6 +387,33 @@ def test_pool_topk_lowering_follows_the_chunks(rows, width, calls, monkeypatch):
   assert "stablehlo.sort" not in text
   reference = functools.partial(glm5_jax.pool_topk, k=512, routing=Routing(kernels=False))
   assert "stablehlo.sort" in cuda_module(reference, args)   # what a fallback would show
+
+
+@pytest.mark.parametrize("rows,max_pools,want", [
+    (16, 50688, ["glm5_select_slots"]),      # the cluster, one call
+    (8192, 2048, ["glm5_select_slots"]),     # the most rows, one CTA a row
+    (8192, 50688, ["glm5_mqa_logits", "glm5_pool_topk", "glm5_pool_topk",
+                   "glm5_expand_and_remap"]),
+    (8192, 262144, ["glm5_mqa_logits", "glm5_pool_topk", "glm5_pool_topk",
+                    "glm5_expand_and_remap"])])
+def test_select_slots_lowering_at_the_most_rows(rows, max_pools, want, monkeypatch):
+  """The stage's select op at its default routing up to LOGITS_MAX_ROWS rows and 1M tokens
+  (avals only: the 8,192 x 262,144 logits are never allocated): kernels, never a sort."""
+  monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
+  requests, blocks = 64, max_pools * 4 // 64 + 1
+  args = (jax.ShapeDtypeStruct((rows, 64, 128), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((rows, 64), jnp.float32),
+          jax.ShapeDtypeStruct((requests * max_pools // 64 + 1, 64, 132), jnp.uint8),
+          jax.ShapeDtypeStruct((requests, max_pools // 64), jnp.int32),
+          jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+          jax.ShapeDtypeStruct((requests, blocks), jnp.int32))
+  fn = functools.partial(glm5_jax.select_slots, k=512, max_pools=max_pools, block_size=64,
+                         width=2176)
+  text = cuda_module(fn, args)
+  assert glm5_calls(text) == want
+  assert "stablehlo.sort" not in text
+  reference = cuda_module(functools.partial(fn, routing=Routing(kernels=False)), args)
+  assert "stablehlo.sort" in reference                         # what a fallback would show
 
 
 @pytest.mark.parametrize("routing,max_pools,want", [
