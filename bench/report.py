@@ -67,8 +67,13 @@ def stage_table(rows):
   # Rows from before the stage group chained its layers and steps (bench/stage.py's _step).
   unchained = {r["shape"] for r in rows if r["op"] == "stage" and r["variant"] == KERNEL
                and "chained" not in r.get("notes", "")}
+  # Kernel rows measured on a path the routing no longer takes at their shape: the row's
+  # "superseded" says which; a run on today's path replaces the row and drops the mark.
+  superseded = {r["shape"]: r["superseded"] for r in rows if r["op"] == "stage"
+                and r["variant"] == KERNEL and r.get("superseded")}
   if not st:
     return []
+  mark = lambda sh: (" †" if sh in unchained else "") + (" ‡" if sh in superseded else "")
   shapes = list(dict.fromkeys(sh for sh, _ in st))
   # "M=<m>,ctx=<c>" rows make the grid; "M=<m>,next_n=<n>,ctx=<c>" (MTP) rows a list below.
   mtp = [sh for sh in shapes if "next_n=" in sh]
@@ -90,22 +95,22 @@ def stage_table(rows):
     cells = []
     for m in ms:
       k, ref = st.get((f"{m},{ctx}", KERNEL)), st.get((f"{m},{ctx}", REFERENCE))
-      mark = " †" if f"{m},{ctx}" in unchained else ""
-      cells.append(f"{_fmt(k)} / {_fmt(ref)} ({_ratio(ref, k)}){mark}")
+      cells.append(f"{_fmt(k)} / {_fmt(ref)} ({_ratio(ref, k)}){mark(f'{m},{ctx}')}")
     out.append(f"| {ctx.split('=')[1]} | " + " | ".join(cells) + " |")
   if mtp:
     out += ["", "| MTP rows: requests x next_n | context | kernels / reference |", "|---|---|---|"]
     for sh in mtp:
       m, n, ctx = (int(part.split("=")[1]) for part in sh.split(","))
       k, ref = st.get((sh, KERNEL)), st.get((sh, REFERENCE))
-      mark = " †" if sh in unchained else ""
       out.append(f"| {m // n} x {n} (M={m}) | {ctx} | {_fmt(k)} / {_fmt(ref)} "
-                 f"({_ratio(ref, k)}){mark} |")
+                 f"({_ratio(ref, k)}){mark(sh)} |")
   if unchained:
     out += ["", "† layers and steps independent (measured before the stage group chained "
             "them): XLA's dot merger batched one layer's GEMMs over the steps of a run, so "
             "both columns read low (docs/performance.md, Method); the other cells "
             "chain each layer to the output before it, as a model runs."]
+  if superseded:
+    out += ["", "‡ " + " ".join(dict.fromkeys(superseded.values()))]
   return out + [""]
 
 
@@ -197,7 +202,7 @@ def routing(rows):
     spec = Op.registry[op]
     note = spec.kernel_default_note
     default = (f"{spec.otherwise} by default ({spec.kernel_off})" if spec.kernel_off else
-               f"kernel by default at {note}, {spec.otherwise} elsewhere" if note else
+               f"kernel by default at {note}; elsewhere {spec.otherwise}" if note else
                "kernel by default")
     vs_ref, vs_triton = slower(REFERENCE), slower(TRITON)
     with_ref = sum(1 for _, ref, _ in pairs if ref)

@@ -163,7 +163,7 @@ class Op:
     self.kernel_default = kernel_default or (lambda *avals, **params: True)
     self.kernel_default_note = kernel_default_note
     self.kernel_params = kernel_params or (lambda *avals, **params: {})
-    self.otherwise = otherwise or "reference"
+    self.otherwise = otherwise or "the reference"
     if split is not None and any(g is not None and g not in SPLIT_GROUPS
                                  for g in split.operands + split.results):
       raise ValueError(f"glm5_jax: op {name!r} split groups must be in {SPLIT_GROUPS}")

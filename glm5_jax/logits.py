@@ -118,8 +118,8 @@ _topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
            kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
            kernel_limits=f"P <= {TOPK_MAX_POOLS} a call up to {TOPK_CLUSTER_MAX_ROWS} rows, "
                          f"{TOPK_CTA_POOLS} past them (wider rows: over chunks)",
-           otherwise=f"the reference; P > {TOPK_MAX_POOLS}: the kernel over chunks of the row, "
-                     "then over the chunks' candidates (plan.topk_chunks)",
+           otherwise="the kernel over chunks of the row, then over the chunks' candidates, "
+                     "where plan.topk_chunks cuts the row; else the reference",
            split=Split(("rows", "rows"), ("rows",)))
 
 
@@ -218,8 +218,8 @@ def _localize_select(index, q_fp8, w_out, kv_cache, page_table, req_ids, *rest):
 _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
 _SELECT_LIMITS = (f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (by default {TOPK_CTA_POOLS} "
                   f"past {TOPK_CLUSTER_MAX_ROWS} rows; wider: over chunks)")
-_SELECT_OTHERWISE = (f"the reference; max_pools > {TOPK_MAX_POOLS}: mqa_logits, then pool_topk "
-                     "over chunks (plan.topk_chunks)")
+_SELECT_OTHERWISE = ("mqa_logits, then pool_topk over chunks{} where plan.topk_chunks cuts the "
+                     "row; else the reference")
 
 
 def _without_next_n(reference):
@@ -233,7 +233,7 @@ _select = Op(
     rows=((0, 0, None, None, 0, 0), (0, 0)), kernel="glm5_select_pools",
     attributes=dict(ue8m0=np.bool_, next_n=np.int64), attribute_values=_ue8m0,
     kernel_supports=_select_kernel_supports, **select_kernel_default(),
-    kernel_limits=_SELECT_LIMITS, otherwise=_SELECT_OTHERWISE,
+    kernel_limits=_SELECT_LIMITS, otherwise=_SELECT_OTHERWISE.format(""),
     split=Split(_SELECT_OPERANDS, ("rows", "rows"), _localize_select))
 
 
@@ -311,7 +311,7 @@ _slots = Op(
                     next_n=np.int64),
     attribute_values=_select.attribute_values, kernel_supports=_select.kernel_supports,
     **select_kernel_default(), kernel_limits=_select.kernel_limits,
-    otherwise=f"{_SELECT_OTHERWISE}, then expand_and_remap",
+    otherwise=_SELECT_OTHERWISE.format(", then expand_and_remap"),
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))
 
 

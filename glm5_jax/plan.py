@@ -134,8 +134,8 @@ def select_kernel_default() -> dict:
   return dict(
       kernel_default=lambda q, *rest, k, max_pools, **params:
           topk_chunks(max_pools, k, q.shape[0]).chunks == 1,
-      kernel_default_note=f"rows of more than {TOPK_CTA_POOLS} pools up to "
-                          f"{TOPK_CLUSTER_MAX_ROWS} rows (topk_chunks)")
+      kernel_default_note=f"max_pools <= {TOPK_CTA_POOLS}, or <= {TOPK_MAX_POOLS} at up to "
+                          f"{TOPK_CLUSTER_MAX_ROWS} rows (topk_chunks: one chunk)")
 
 
 class TacticKind(enum.Enum):

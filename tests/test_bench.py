@@ -475,3 +475,21 @@ def test_stage_table_lists_mtp_rows_below_the_grid():
       "| 1024 | 15.00 / 60.00 (4.00×) |"]
   assert "| 16 x 4 (M=64) | 32768 | 40.00 / 600 (15.00×) |" in lines
   assert not any(line.startswith("| 4 |") or "next_n=4 |" in line for line in lines)
+
+
+def test_stage_table_marks_rows_of_a_superseded_path():
+  """A kernel row whose "superseded" field says the routing now takes another path at its
+  shape is marked ‡ with that reason below the table; the others are not."""
+  from bench.report import stage_table
+  def row(shape, variant, us, **extra):
+    return dict(op="stage", shape=shape, variant=variant, device_us=us, layers=11,
+                notes="11 layers; layers and steps chained", **extra)
+  why = "measured on the chunked top-k; the cluster runs these shapes now."
+  rows = [row("M=1,ctx=1024", "kernel", 15.0), row("M=1,ctx=1024", "reference", 60.0),
+          row("M=1,ctx=202752", "kernel", 35.0, superseded=why),
+          row("M=1,ctx=202752", "reference", 219.0)]
+  lines = stage_table(rows)
+  assert "| 202752 | 35.00 / 219 (6.26×) ‡ |" in lines
+  assert "| 1024 | 15.00 / 60.00 (4.00×) |" in lines
+  assert f"‡ {why}" in lines
+  assert not any("‡" in line for line in stage_table(rows[:2]))

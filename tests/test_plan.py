@@ -14,6 +14,7 @@ import glm5_jax
 from glm5_jax import IndexerConfig, Routing, indexer, plan, update
 from glm5_jax._primitive import Op
 from glm5_jax.info import plan_report, stage_args
+from glm5_jax.limits import TOPK_CTA_POOLS, TOPK_MAX_POOLS
 from glm5_jax.plan import SelectPath, TacticKind, UpdatePath
 from glm5_jax.stage import stage_plan
 
@@ -128,7 +129,11 @@ def test_select_defaults_follow_the_chunks(op, rows, pools, want):
   spec = Op.registry[op]
   assert bool(spec.kernel_default(_first(rows), k=512, max_pools=pools)) is want
   assert (plan.topk_chunks(pools, 512, rows).chunks == 1) is want
-  assert "topk_chunks" in spec.kernel_default_note
+  # The note (README, BENCHMARKS.md, glm5_jax.info) names the three limits of that rule.
+  note = spec.kernel_default_note
+  assert "topk_chunks" in note and all(f" {n} " in f" {note} ".replace(",", " ") for n in (
+      TOPK_CTA_POOLS, TOPK_MAX_POOLS, plan.TOPK_CLUSTER_MAX_ROWS)), note
+  assert spec.otherwise.startswith("mqa_logits, then pool_topk over chunks")
 
 
 @pytest.mark.parametrize("rows,k,gemv,want", [
