@@ -198,6 +198,15 @@ __device__ __forceinline__ void close_holes(const TopkArgs& a, int r, const RowO
   }
 }
 
+// The end of row r's top-k (a.k pools selected) in the CTA that wrote it: its count, and
+// for select_slots the holes closed (close_holes; `cluster` as there).
+template <int kThreads>
+__device__ __forceinline__ void finish_row(const TopkArgs& a, int r, const RowOut& o,
+                                           TopkShared& sh, bool cluster = false) {
+  finish_count(a, r, o);
+  if (o.slots()) close_holes<kThreads>(a, r, o, a.k, sh, cluster);
+}
+
 // Gathering the keys left after the bound pays where it cuts the keys per thread at least
 // 4-fold (launch_topk's 1024-thread shapes: 8-32 keys per thread become 2).
 template <int kThreads, int kPer>
@@ -583,8 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   const int32_t n = pools_to_select<kThreads>(a, r, out, true, sh);
   if (n < 0) return;
   topk_row<kThreads, kPer>(a, r, n, out, sh);
-  finish_count(a, r, out);
-  if (out.slots()) close_holes<kThreads>(a, r, out, a.k, sh);
+  finish_row<kThreads>(a, r, out, sh);
   pdl_launch_dependents();
 }
 
@@ -704,8 +712,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
       radix_select_emit<kThreads>(key, [&](int i) { return first + i; }, lo, hi, k, mine, sh,
                                   ClusterScope<kParts>{&part_gt, &part_eq});
       if (part == 0) {
-        finish_count(a, r, out);
-        if (out.slots()) close_holes<kThreads>(a, r, out, k, sh, true);
+        finish_row<kThreads>(a, r, out, sh, true);
       }
       pdl_launch_dependents();
       return;
@@ -716,8 +723,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
       select_gathered<kThreads>(total, lo, hi, k, out, sh);
     else if constexpr (kOneCta)
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
-    finish_count(a, r, out);
-    if (out.slots()) close_holes<kThreads>(a, r, out, k, sh);
+    finish_row<kThreads>(a, r, out, sh);
   }
   pdl_launch_dependents();
 }
