@@ -87,7 +87,7 @@ struct ExpandAndRemapArgs {
   int64_t max_blocks;
   Divisor block_size;
   int32_t stride_rows;
-  int32_t max_block;            // max_block_id(block_size, stride_rows)
+  int32_t max_block;            // the max_block attribute (Remap::max_block)
   int32_t seq_offset;
 };
 
@@ -214,8 +214,8 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
                               ffi::BufferR2<ffi::S32> block_table,
                               ffi::ResultBufferR2<ffi::S32> out,
                               ffi::ResultBufferR1<ffi::S32> counts, int64_t block_size,
-                              int64_t stride_rows, int64_t seq_offset, bool compact,
-                              bool pdl) {
+                              int64_t stride_rows, int64_t max_block, int64_t seq_offset,
+                              bool compact, bool pdl) {
   const Check check{targets::glm5_expand_and_remap};
   const int64_t expanded = pool_ids.dimensions()[0], groups = pool_ids.dimensions()[1];
   const int64_t rows = req_ids.dimensions()[0];
@@ -232,7 +232,7 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
                       "kernel needs G % " + std::to_string(kWarp) + " == 0 and " +
                       std::to_string(kMinGroups) + " <= G <= " + std::to_string(kMaxGroups));
   if (ffi::Error err = check_remap(check, requests, max_blocks, block_size, stride_rows,
-                                   groups, width);
+                                   max_block, groups, width);
       err.failure())
     return err;
   if (!fits_i32(seq_offset)) return check.fail("seq_offset does not fit int32");
@@ -253,7 +253,7 @@ ffi::Error ExpandAndRemapImpl(cudaStream_t stream, ffi::BufferR2<ffi::S32> pool_
   args.max_blocks = max_blocks;
   args.block_size = Divisor(static_cast<int32_t>(block_size));
   args.stride_rows = static_cast<int32_t>(stride_rows);
-  args.max_block = max_block_id(block_size, stride_rows);
+  args.max_block = static_cast<int32_t>(max_block);
   args.seq_offset = static_cast<int32_t>(seq_offset);
 
   const bool vector = width % kPool == 0 && aligned(args.out, 16);
@@ -291,6 +291,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5ExpandAndRemap, glm5::ExpandAndRemapImpl,
                                   .Ret<ffi::BufferR1<ffi::S32>>()     // counts
                                   .Attr<int64_t>("block_size")        // block_size
                                   .Attr<int64_t>("stride_rows")       // stride_rows
+                                  .Attr<int64_t>("max_block")         // max_block
                                   .Attr<int64_t>("seq_offset")        // seq_offset
                                   .Attr<bool>("compact")              // compact
                                   .Attr<bool>("pdl"),

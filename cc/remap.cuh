@@ -66,12 +66,6 @@ __host__ __device__ __forceinline__ void store_quad(int32_t* row_out, int q, int
   }
 }
 
-// The largest block id whose slots id * stride_rows + [0, block_size) all fit int32 (SPEC
-// §12): an entry outside [0, max_block_id] names no block, and its tokens are dropped.
-inline int32_t max_block_id(int64_t block_size, int64_t stride_rows) {
-  return static_cast<int32_t>((kI32Max - (block_size - 1)) / stride_rows);
-}
-
 // The block-table mapping of one request's tokens. `table` is the request's row; it is
 // only dereferenced for 0 <= block < max_blocks.
 struct Remap {
@@ -79,7 +73,7 @@ struct Remap {
   int64_t max_blocks;
   Divisor block_size;
   int32_t stride_rows;
-  int32_t max_block;  // max_block_id(block_size, stride_rows)
+  int32_t max_block;  // the largest entry that names a block (the max_block attribute)
 
   // Physical slot of the first of the 4 tokens first_token .. first_token + 3
   // (first_token % 4 == 0, so all 4 share its block); false when they are dropped
@@ -108,10 +102,13 @@ struct Remap {
 };
 
 // The handlers' checks of a remap (expand_and_remap, select_slots) of G = `groups` pool
-// ids a row into rows of `width` slots (the ops check the same at trace time).
+// ids a row into rows of `width` slots (the ops check the same at trace time). max_block,
+// the largest entry that names a block, is the ops' (max_block_id in
+// glm5_jax/reference/expand.py, SPEC §12); here only what the kernels rely on: the slots of
+// an entry in [0, max_block] fit int32.
 inline ffi::Error check_remap(const Check& check, int64_t requests, int64_t max_blocks,
-                              int64_t block_size, int64_t stride_rows, int64_t groups,
-                              int64_t width) {
+                              int64_t block_size, int64_t stride_rows, int64_t max_block,
+                              int64_t groups, int64_t width) {
   if (width < groups * kPool + kPool - 1) return check.fail("out width < 4 * G + 3");
   if (width > kI32Max - kPool) return check.fail("width too large");
   if (requests <= 0 || max_blocks <= 0) return check.fail("block_table is empty");
@@ -119,6 +116,8 @@ inline ffi::Error check_remap(const Check& check, int64_t requests, int64_t max_
     return check.fail("block_size must be a positive multiple of 4 (int32)");
   if (stride_rows <= 0 || stride_rows > kI32Max)
     return check.fail("stride_rows must be in [1, 2^31)");
+  if (max_block < 0 || max_block > kI32Max || max_block * stride_rows + block_size - 1 > kI32Max)
+    return check.fail("max_block must name slots that fit int32");
   return ffi::Error::Success();
 }
 

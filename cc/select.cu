@@ -186,7 +186,8 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
                            ffi::ResultBufferR2<ffi::S32> slots,
                            ffi::ResultBufferR1<ffi::S32> counts,
                            ffi::ResultBufferR2<ffi::F32> logits, int64_t k, int64_t block_size,
-                           int64_t stride_rows, int64_t next_n, bool ue8m0, bool pdl) {
+                           int64_t stride_rows, int64_t max_block, int64_t next_n, bool ue8m0,
+                           bool pdl) {
   const Check check{targets::glm5_select_slots};
   const int64_t rows = logits->dimensions()[0], width = slots->dimensions()[1];
   if (slots->dimensions()[0] != rows || counts->dimensions()[0] != rows)
@@ -194,8 +195,8 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   SlotArgs s{};
   s.requests = block_table.dimensions()[0];
   s.max_blocks = block_table.dimensions()[1];
-  if (ffi::Error err = check_remap(check, s.requests, s.max_blocks, block_size, stride_rows, k,
-                                   width);
+  if (ffi::Error err = check_remap(check, s.requests, s.max_blocks, block_size, stride_rows,
+                                   max_block, k, width);
       err.failure())
     return err;
   s.req_ids = req_ids.typed_data();
@@ -204,7 +205,7 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   s.counts = counts->typed_data();
   s.block_size = Divisor(static_cast<int32_t>(block_size));
   s.stride_rows = static_cast<int32_t>(stride_rows);
-  s.max_block = max_block_id(block_size, stride_rows);
+  s.max_block = static_cast<int32_t>(max_block);
   s.width = static_cast<int32_t>(width);
   s.vector = width % kPool == 0 && aligned(s.out, 16);
   return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,
@@ -266,6 +267,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Glm5SelectSlots, glm5::SelectSlotsImpl,
                                   .Attr<int64_t>("k")               // k
                                   .Attr<int64_t>("block_size")      // block_size
                                   .Attr<int64_t>("stride_rows")     // stride_rows
+                                  .Attr<int64_t>("max_block")       // max_block
                                   .Attr<int64_t>("next_n")          // next_n
                                   .Attr<bool>("ue8m0")              // ue8m0
                                   .Attr<bool>("pdl"),               // pdl

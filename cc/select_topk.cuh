@@ -43,7 +43,7 @@ struct SlotArgs {
   int64_t requests, max_blocks;
   Divisor block_size;
   int32_t stride_rows, width;
-  int32_t max_block;           // max_block_id(block_size, stride_rows)
+  int32_t max_block;           // the max_block attribute (Remap::max_block)
   bool vector;                 // width % 4 == 0 and 16-byte aligned rows: one store a quad
 };
 

@@ -7,7 +7,7 @@ from . import reference as ref
 from ._checks import expect, fail
 from ._primitive import Op, Routing, Split, local_ids
 from .limits import REMAP_GROUPS, WARP
-from .reference.expand import expand_width, remap_stride
+from .reference.expand import expand_width, max_block_id, remap_stride
 from .reference.numerics import POOL
 
 I32 = np.int32
@@ -61,6 +61,12 @@ def check_remap(op, groups, block_table, *, block_size, width, stride_rows, seq_
   expand_width(op, groups, width)
 
 
+def remap_attribute_values(*avals, block_size, stride_rows, **params):
+  """The remap's derived attribute: max_block, the largest block-table entry that names a
+  block (SPEC §12), computed here once for the kernels (expand_and_remap, select_slots)."""
+  return dict(max_block=max_block_id(block_size, stride_rows))
+
+
 def _remap_shapes(pool_ids, positions, req_ids, block_table, *, block_size, width,
                   stride_rows, seq_offset, compact):
   op = "expand_and_remap"
@@ -82,9 +88,9 @@ def _remap_kernel_supports(pool_ids, positions, req_ids, block_table, **params):
 
 _remap = Op("expand_and_remap", ref.expand_and_remap, _remap_shapes,
             rows=((0, 0, 0, None), (0, 0)), kernel="glm5_expand_and_remap",
-            attributes=dict(block_size=np.int64, stride_rows=np.int64, seq_offset=np.int64,
-                            compact=np.bool_),
-            kernel_supports=_remap_kernel_supports,
+            attributes=dict(block_size=np.int64, stride_rows=np.int64, max_block=np.int64,
+                            seq_offset=np.int64, compact=np.bool_),
+            attribute_values=remap_attribute_values, kernel_supports=_remap_kernel_supports,
             kernel_limits="G % {} == 0, {} <= G <= {}".format(WARP, *REMAP_GROUPS),
             # The block table's values are the slots' blocks, not memory this op reads:
             # they pass through as they are (global where the table holds global ids).

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from . import reference as ref
 from ._checks import check_cache, check_scale_format, expect, fail
 from ._primitive import Op, Routing, Split, local_ids
-from .expand import check_remap, expand_and_remap
+from .expand import check_remap, expand_and_remap, remap_attribute_values
 from .limits import (
   LOGITS_HEADS,
   LOGITS_ITEM_POOLS,
@@ -308,8 +308,10 @@ _slots = Op(
     "select_slots", _without_next_n(ref.select_slots), _slots_shapes,
     rows=((0, 0, None, None, 0, 0, None), (0, 0, 0)), kernel="glm5_select_slots",
     attributes=dict(ue8m0=np.bool_, k=np.int64, block_size=np.int64, stride_rows=np.int64,
-                    next_n=np.int64),
-    attribute_values=_select.attribute_values, kernel_supports=_select.kernel_supports,
+                    max_block=np.int64, next_n=np.int64),
+    attribute_values=lambda *avals, **params: {**_select.attribute_values(*avals, **params),
+                                               **remap_attribute_values(*avals, **params)},
+    kernel_supports=_select.kernel_supports,
     **select_kernel_default(), kernel_limits=_select.kernel_limits,
     otherwise=_SELECT_OTHERWISE.format(", then expand_and_remap"),
     split=Split(_SELECT_OPERANDS + ("requests",), ("rows", "rows", "rows"), _localize_select))

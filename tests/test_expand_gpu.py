@@ -271,3 +271,27 @@ def test_kernels_run_inside_a_command_buffer(tmp_path):
                                                np.arange(128, dtype=np.int32).reshape(2, 64),
                                                block_size=64, width=2176)[1])[1]
   assert out.split() == [str(want_count), "-1"]
+
+
+@pytest.mark.parametrize("max_block,error", [(134217727, None), (134217728, "max_block"),
+                                             (-1, "max_block")])
+def test_remap_handler_checks_max_block(max_block, error):
+  """max_block is computed once in Python (remap_attribute_values) and only checked by the
+  handler: slots of an entry in [0, max_block] must fit int32 ((2^31 - 16) // 16 at
+  block_size 16 is the largest; one more, or a negative one, is refused by name). A direct
+  call of the target with the largest runs and equals the op."""
+  G, W = 32, 4 * 32 + 3
+  pool_ids = i32(np.arange(2 * G).reshape(2, G))
+  positions, req_ids, table = i32([200, 9]), i32([0, 1]), i32([[3, 4, 5, 6], [7, 8, 9, 10]])
+  out_types = (jax.ShapeDtypeStruct((2, W), np.int32), jax.ShapeDtypeStruct((2,), np.int32))
+  call = jax.ffi.ffi_call("glm5_expand_and_remap", out_types)
+  run = lambda: jax.block_until_ready(call(
+      pool_ids, positions, req_ids, table, block_size=np.int64(16), stride_rows=np.int64(16),
+      max_block=np.int64(max_block), seq_offset=np.int64(1), compact=True, pdl=False))
+  if error is not None:
+    with pytest.raises(Exception, match=f"glm5_expand_and_remap.*{error}"):
+      run()
+    return
+  want = glm5_jax.expand_and_remap(pool_ids, positions, req_ids, table, block_size=16, width=W)
+  for got, ref_out in zip(run(), want):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref_out))

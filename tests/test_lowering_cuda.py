@@ -336,16 +336,22 @@ def test_kpool_scale_attributes(op, scale_format, round_scale, ue8m0, monkeypatc
       "pdl": ("true", None)}
 
 
+# max_block (SPEC §12): the largest entry e with e * stride_rows + block_size - 1 <= 2^31 - 1
+# at block_size 16, by hand: (2^31 - 16) // 16 and // 48.
+MAX_BLOCK = {16: 134217727, 48: 44739242}
+
+
 @pytest.mark.parametrize("compact,stride_rows,want", [(True, None, 16), (False, 48, 48)])
 def test_remap_attributes(compact, stride_rows, want):
   """expand_and_remap's params reach its kernel as i64 (stride_rows None = block_size)
-  and a bool."""
+  and a bool; max_block, the largest entry that names a block, computed once in Python."""
   case = CASES["expand_and_remap"]
   fn = functools.partial(case.fn, compact=compact, stride_rows=stride_rows, seq_offset=3,
                          routing=Routing(kernels=True))
   attrs = call_attributes(cuda_module(fn, case.make(np.random.default_rng(0))),
                           "glm5_expand_and_remap")
   assert attrs == {"block_size": ("16", "i64"), "stride_rows": (str(want), "i64"),
+                   "max_block": (str(MAX_BLOCK[want]), "i64"),
                    "seq_offset": ("3", "i64"), "compact": (str(compact).lower(), None),
                    "pdl": ("true", None)}
 
@@ -354,9 +360,9 @@ def test_remap_attributes(compact, stride_rows, want):
                                                             ("ue8m0", 48, 48)])
 def test_slots_attributes(scale_format, stride_rows, want):
   """select_slots' params reach its one kernel as i64 (stride_rows None = block_size), the
-  scale format as the bool ue8m0 and the next_n hint as i64 (1: rows scored one by one);
-  width and max_pools only in the result types. No expand_and_remap call: the top-k writes
-  the slots."""
+  scale format as the bool ue8m0, the next_n hint as i64 (1: rows scored one by one) and
+  max_block as expand_and_remap's; width and max_pools only in the result types. No
+  expand_and_remap call: the top-k writes the slots."""
   case = CASES["select_slots"]
   fn = functools.partial(case.fn, stride_rows=stride_rows, scale_format=scale_format,
                          routing=Routing(kernels=True))
@@ -364,6 +370,7 @@ def test_slots_attributes(scale_format, stride_rows, want):
   assert glm5_calls(text) == ["glm5_select_slots"]
   assert call_attributes(text, "glm5_select_slots") == {
       "k": ("5", "i64"), "block_size": ("16", "i64"), "stride_rows": (str(want), "i64"),
+      "max_block": (str(MAX_BLOCK[want]), "i64"),
       "ue8m0": (str(scale_format == "ue8m0").lower(), None), "pdl": ("true", None),
       "next_n": ("1", "i64")}
   call = text[text.index("stablehlo.custom_call @glm5_select_slots"):].split("\n")[0]
