@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "common.h"
 #include "constants.h"
@@ -606,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
 // CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
 // one CTA's registers, every CTA the cluster's radix select on its own keys
 // (radix_select_emit in a ClusterScope).
-template <int kParts, int kPer>
+template <int kParts, int kPer, bool kGather = true>
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
   constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
@@ -698,12 +699,13 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     }
   }
   // 3. The kept keys into CTA 0, in id order.
-  const bool gathered = total <= kTopkCandidates;  // the same in every CTA
+  const bool gathered = kGather && total <= kTopkCandidates;  // the same in every CTA
   if (gathered)
     gather_keys<kPer>(key, first, offset + kept.incl - own,
                       cluster.map_shared_rank(sh.cand_key, 0),
                       cluster.map_shared_rank(sh.cand_id, 0));
-  cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  if constexpr (kGather)
+    cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
   if constexpr (!kOneCta) {
     if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
       RowOut mine = out;
@@ -736,6 +738,12 @@ cudaError_t launch_topk_as(cudaStream_t stream, bool pdl, const TopkArgs& args) 
 
 template <int kParts, int kPer>
 cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  if constexpr (kParts * kPer > kTopkMaxKeys)  // EXPERIMENT: the cluster's radix select
+    if (std::getenv("GLM5_EXPERIMENT_CLUSTER_SELECT") != nullptr)
+      return launch_cluster(pool_topk_parts_kernel<kParts, kPer, false>,
+                            dim3(static_cast<unsigned>(args.rows) * kParts),
+                            dim3(kTopkMaxThreads), 0, stream, pdl,
+                            static_cast<unsigned>(kParts), args);
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
