@@ -16,7 +16,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
+#include "bulk.cuh"
+#include "cluster.cuh"
 #include "common.h"
 #include "constants.h"
 #include "remap.cuh"
@@ -447,6 +450,21 @@ __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t
     }
 }
 
+// gather_keys into CTA 0 by st.async (key_dst, id_dst: shared::cluster addresses there),
+// each word counted on CTA 0's mbarrier `bar`.
+template <int kPer>
+__device__ __forceinline__ void gather_keys_async(const uint32_t (&key)[kPer], int32_t first,
+                                                  uint32_t at, uint32_t key_dst,
+                                                  uint32_t id_dst, uint32_t bar) {
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    if (key[i] != 0u) {
+      cluster::store4_async(key_dst + 4 * at, key[i], bar);
+      cluster::store4_async(id_dst + 4 * at, static_cast<uint32_t>(first + i), bar);
+      ++at;
+    }
+}
+
 // Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (thread t
 // takes a contiguous run of them, so the ids still ascend with (thread, key)); lo and hi:
 // their smallest and largest. hist[0] is zero and a barrier separates that from here.
@@ -606,20 +624,41 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
 // CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
 // one CTA's registers, every CTA the cluster's radix select on its own keys
 // (radix_select_emit in a ClusterScope).
-template <int kParts, int kPer>
+template <int kParts, int kPer, bool kAsync = true>
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
   constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
   constexpr bool kOneCta = kRowPer <= kTopkMaxKeys;
-  static_assert(kPer % 4 == 0 && kPer <= kTopkMaxKeys);
+  static_assert(kPer % 4 == 0 && kPer <= kTopkMaxKeys && kParts <= kWarp);
   __shared__ TopkShared sh;
   // Read by the cluster: each CTA's bound, kept keys, their range; its selected counts.
   __shared__ uint32_t part_bound, part_count, part_lo, part_hi, part_gt, part_eq;
+  // kAsync: every CTA's bound ([0]) and {count, lo, hi} ([1]) pushed into each CTA's
+  // exchange by st.async, counted on its mbarriers (bounds, counts; CTA 0's third counts
+  // the gathered keys): no cluster-scope release (cluster.cuh) and no peer reads.
+  __shared__ __align__(16) uint32_t xchg[2][kParts][4];
+  __shared__ __align__(8) uint64_t xbar[3];
+  // The mbarriers' shared addresses where used (held in registers, they spilled).
+  const auto bar_bound = [&] { return bulk::smem_address(&xbar[0]); };
+  const auto bar_count = [&] { return bulk::smem_address(&xbar[1]); };
+  const auto bar_keys = [&] { return bulk::smem_address(&xbar[2]); };
   const cg::cluster_group cluster = cg::this_cluster();
   const int part = static_cast<int>(cluster.block_rank());
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x / kParts;
   const int32_t k = a.k;
+  if constexpr (kAsync) {
+    // Before any load: nothing of this thread is in flight for the init fence to wait on.
+    if (threadIdx.x == 0) {
+      bulk::init(bar_bound());
+      bulk::init(bar_count());
+      bulk::init(bar_keys());
+      bulk::arrive_expect(bar_bound(), kParts * 16);
+      bulk::arrive_expect(bar_count(), kParts * 16);
+      bulk::fence_init();
+    }
+    cluster::arrive_relaxed();  // waited on before the first push
+  }
   RowOut out = row_out(a, r);
   const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, sh);
   if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
@@ -647,15 +686,28 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const uint32_t v = warp_bound(hi, c, warp < mine);
   if (lane == 0) sh.warp_bound[warp] = v;
   __syncthreads();
+  if constexpr (kAsync) cluster::wait();  // every CTA's mbarriers are initialised
   if (warp == 0) {  // b: the j-th largest v (no bound where c > 32; neutral where j = 0)
     const uint32_t b = c > kWarp ? 0u
                        : j == 0  ? 0xffffffffu
                                  : warp_nth_largest(lane < kWarps ? sh.warp_bound[lane] : 0u, j);
-    if (lane == 0) part_bound = b;
+    if constexpr (kAsync) {
+      if (lane < kParts)  // lane q pushes b to CTA q
+        cluster::store16_async(
+            cluster::peer_address(bulk::smem_address(&xchg[0][part][0]), lane),
+            make_uint4(b, 0u, 0u, 0u), cluster::peer_address(bar_bound(), lane));
+    } else if (lane == 0) {
+      part_bound = b;
+    }
   }
-  cluster.sync();  // 1: the parts' bounds
   uint32_t bound = 0xffffffffu;
-  for (int q = 0; q < kParts; ++q) bound = min(bound, *cluster.map_shared_rank(&part_bound, q));
+  if constexpr (kAsync) {
+    bulk::wait(bar_bound(), 0);  // 1: the parts' bounds
+    for (int q = 0; q < kParts; ++q) bound = min(bound, xchg[0][q][0]);
+  } else {
+    cluster.sync();  // 1: the parts' bounds
+    for (int q = 0; q < kParts; ++q) bound = min(bound, *cluster.map_shared_rank(&part_bound, q));
+  }
 
   // 2. The kept keys (>= the bound): their count, smallest and largest, per CTA.
   uint32_t own = 0, lo = 0xffffffffu;
@@ -678,32 +730,60 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     static_assert(kWarps == kWarp);
     lo = __reduce_min_sync(0xffffffffu, sh.warp_lo[lane]);
     hi = __reduce_max_sync(0xffffffffu, sh.warp_hi[lane]);
-    if (lane == 0) {
+    if constexpr (kAsync) {
+      if (lane < kParts)  // lane q pushes them to CTA q
+        cluster::store16_async(
+            cluster::peer_address(bulk::smem_address(&xchg[1][part][0]), lane),
+            make_uint4(kept.total, lo, hi, 0u), cluster::peer_address(bar_count(), lane));
+    } else if (lane == 0) {
       part_count = kept.total;
       part_lo = lo;
       part_hi = hi;
     }
   }
-  cluster.sync();  // 2: the parts' counts
   uint32_t offset = 0, total = 0;
-  for (int q = 0; q < kParts; ++q) {
-    const uint32_t c = *cluster.map_shared_rank(&part_count, q);
-    offset += q < part ? c : 0u;
-    total += c;
-  }
-  if (part == 0 || !kOneCta) {
+  if constexpr (kAsync) {
+    bulk::wait(bar_count(), 0);  // 2: the parts' counts
     for (int q = 0; q < kParts; ++q) {
-      lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
-      hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
+      const uint32_t c = xchg[1][q][0];
+      offset += q < part ? c : 0u;
+      total += c;
+      lo = min(lo, xchg[1][q][1]);
+      hi = max(hi, xchg[1][q][2]);
+    }
+  } else {
+    cluster.sync();  // 2: the parts' counts
+    for (int q = 0; q < kParts; ++q) {
+      const uint32_t c = *cluster.map_shared_rank(&part_count, q);
+      offset += q < part ? c : 0u;
+      total += c;
+    }
+    if (part == 0 || !kOneCta) {
+      for (int q = 0; q < kParts; ++q) {
+        lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
+        hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
+      }
     }
   }
   // 3. The kept keys into CTA 0, in id order.
   const bool gathered = total <= kTopkCandidates;  // the same in every CTA
-  if (gathered)
-    gather_keys<kPer>(key, first, offset + kept.incl - own,
-                      cluster.map_shared_rank(sh.cand_key, 0),
-                      cluster.map_shared_rank(sh.cand_id, 0));
-  cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  if constexpr (kAsync) {
+    // No barrier after: CTA 0 waits for the keys' bytes; no CTA reads a peer's shared
+    // memory from here (the cluster's radix select below has its own barriers).
+    if (gathered) {
+      if (part == 0 && threadIdx.x == 0) bulk::arrive_expect(bar_keys(), 8 * total);
+      gather_keys_async<kPer>(key, first, offset + kept.incl - own,
+                              cluster::peer_address(bulk::smem_address(sh.cand_key), 0),
+                              cluster::peer_address(bulk::smem_address(sh.cand_id), 0),
+                              cluster::peer_address(bar_keys(), 0));
+    }
+  } else {
+    if (gathered)
+      gather_keys<kPer>(key, first, offset + kept.incl - own,
+                        cluster.map_shared_rank(sh.cand_key, 0),
+                        cluster.map_shared_rank(sh.cand_id, 0));
+    cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  }
   if constexpr (!kOneCta) {
     if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
       RowOut mine = out;
@@ -719,10 +799,12 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     }
   }
   if (part == 0) {
-    if (gathered)
+    if (gathered) {
+      if constexpr (kAsync) bulk::wait(bar_keys(), 0);  // 3: the kept keys are in CTA 0
       select_gathered<kThreads>(total, lo, hi, k, out, sh);
-    else if constexpr (kOneCta)
+    } else if constexpr (kOneCta) {
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
+    }
     finish_row<kThreads>(a, r, out, sh);
   }
   pdl_launch_dependents();
@@ -736,6 +818,11 @@ cudaError_t launch_topk_as(cudaStream_t stream, bool pdl, const TopkArgs& args) 
 
 template <int kParts, int kPer>
 cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  if (std::getenv("GLM5_EXPERIMENT_TOPK_CLUSTER_SYNC") != nullptr)  // EXPERIMENT: A/B
+    return launch_cluster(pool_topk_parts_kernel<kParts, kPer, false>,
+                          dim3(static_cast<unsigned>(args.rows) * kParts),
+                          dim3(kTopkMaxThreads), 0, stream, pdl,
+                          static_cast<unsigned>(kParts), args);
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
