@@ -39,6 +39,42 @@ constexpr int kTopkClusterBoundWarps = 16;          // J of the bound in a clust
 constexpr int kTopkDigitBits = 11;                   // radix digits: at most 3 per row
 constexpr int kTopkBins = 1 << kTopkDigitBits;
 
+struct Scan {
+  uint32_t incl, total;
+};
+
+// The barrier of a whole CTA (block_scan's default).
+struct CtaSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
+// Inclusive prefix sum over the kThreads threads that call it (the CTA's first ones: all of
+// it, or a part with its own barrier `sync`) in thread order, and their total. warp_sums is
+// written here: the caller puts a barrier between this call and the next one.
+template <int kThreads, typename Sync = CtaSync>
+__device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums,
+                                           const Sync& sync = Sync()) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  uint32_t incl = v;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += o;
+  }
+  if (lane == kWarp - 1) warp_sums[warp] = incl;
+  sync();
+  // The warps' totals scanned across the lanes of every warp (no second barrier).
+  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
+  uint32_t across = total;
+#pragma unroll
+  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
+    if (lane >= d) across += o;
+  }
+  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
+  return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
+}
+
 // Pools of a row: pool_lens[r], or (positions[r] + 1) / 4 (0 for pads) without the int32
 // overflow of pos + 1; at most `width` (the logits width).
 __device__ __forceinline__ int32_t row_pools(const int32_t* lens, bool from_positions, int r,

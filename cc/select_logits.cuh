@@ -47,35 +47,6 @@ __device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int32_t n) {
   return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
 }
 
-// Inclusive prefix sum over the CTA's threads in thread order, and the CTA's total.
-// warp_sums is written here: the caller puts a barrier between this call and the next one.
-struct Scan {
-  uint32_t incl, total;
-};
-
-template <int kThreads>
-__device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  uint32_t incl = v;
-#pragma unroll
-  for (int d = 1; d < kWarp; d <<= 1) {
-    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += o;
-  }
-  if (lane == kWarp - 1) warp_sums[warp] = incl;
-  __syncthreads();
-  // The warps' totals scanned across the lanes of every warp (no second barrier).
-  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
-  uint32_t across = total;
-#pragma unroll
-  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
-    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
-    if (lane >= d) across += o;
-  }
-  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
-  return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
-}
-
 // The per-row tables of a logits CTA in shared memory: the exclusive prefix of work items
 // first_item[0..rows], then each row's pool count and page-table row (its request). They are
 // read once, together, before the scan: the page lookups behind them then wait on one

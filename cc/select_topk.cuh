@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bulk.cuh"
 #include "common.h"
 #include "constants.h"
 #include "remap.cuh"
@@ -68,13 +69,13 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 // The top-k kernel's shared memory.
 struct TopkShared {
-  uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
+  alignas(16) uint32_t hist[2][kTopkBins];  // double-buffered: one barrier less per digit
   uint32_t warp_sums[kTopkMaxThreads / kWarp];
   uint32_t warp_lo[kTopkMaxThreads / kWarp], warp_hi[kTopkMaxThreads / kWarp];
   uint32_t warp_bound[kTopkMaxThreads / kWarp];
   uint32_t digit, above, count;
   uint32_t valid;  // select_slots: the selected pools the block table keeps (RowOut::valid)
-  uint32_t cand_key[kTopkCandidates];  // the keys kept after the bound, gathered in id order
+  alignas(16) uint32_t cand_key[kTopkCandidates];  // the keys kept after the bound, in id order
   int32_t cand_id[kTopkCandidates];
 };
 
@@ -209,24 +210,56 @@ __device__ __forceinline__ void finish_row(const TopkArgs& a, int r, const RowOu
 template <int kThreads, int kPer>
 constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 
-// Where radix_select_emit's keys live. CtaScope: one CTA's. ClusterScope
+// Where radix_select_emit's keys live. CtaScope: one CTA's, or those of the threads of a
+// part of it that `Sync` synchronises (PartSync). ClusterScope
 // (select_topk_cluster.cuh): every CTA of a cluster runs it on its own keys (a row wider
 // than one CTA's registers): a digit's histogram is the sum of the CTAs' (each thread reads
 // its bins in every CTA's shared memory after a cluster barrier, so every CTA finds the same
 // digits), a CTA's ids come after the lower CTAs' (their counts, after one more barrier),
 // and a last barrier keeps every CTA's shared memory alive until no CTA reads it. A CTA
 // clears a histogram only after the next digit's barrier, which every reader of it has
-// passed.
+// passed. sync(): the barrier of the threads that run the select in one CTA.
+template <typename Sync = CtaSync>
 struct CtaScope {
-  __device__ __forceinline__ void histograms_ready() const { __syncthreads(); }
+  __device__ __forceinline__ void histograms_ready() const { Sync()(); }
   __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const { return h[i]; }
   __device__ __forceinline__ void add_lower_counts(uint32_t, uint32_t&, uint32_t&) const {}
   __device__ __forceinline__ void done() const {}
+  __device__ __forceinline__ void sync() const { Sync()(); }
 };
 
+// The barrier of the CTA's first kThreads threads (whole warps) on hardware barrier 1: a
+// step that part of the CTA runs while the rest waits at the CTA barrier after it.
+template <int kThreads>
+struct PartSync {
+  static_assert(kThreads % kWarp == 0 && kThreads < kTopkMaxThreads);
+  __device__ __forceinline__ void operator()() const { bulk::named_sync(1, kThreads); }
+};
 
-// Radix select of the k-th largest of the CTA's keys (a ClusterScope: the cluster's), then
-// the selected ids written to `out` in ascending id order. key[i] (0: no key) has id
+// The selection radix_threshold finds: the keys whose bits from `shift` up exceed `top`,
+// then the first `remaining` (by id) of those equal to it.
+struct Threshold {
+  uint32_t top;
+  int shift;
+  uint32_t remaining;
+};
+
+// Zeroes a histogram by the kThreads threads, 16 bytes a store (between digits; the first
+// clear, beside the row's loads, stays one word a store: there the vectors cost registers).
+template <int kThreads>
+__device__ __forceinline__ void clear_bins(uint32_t (&h)[kTopkBins]) {
+  constexpr int kVectors = kTopkBins / 4;
+#pragma unroll
+  for (int j = 0; j < (kVectors + kThreads - 1) / kThreads; ++j) {
+    const int i = j * kThreads + static_cast<int>(threadIdx.x);
+    if (kVectors % kThreads == 0 || i < kVectors)
+      reinterpret_cast<uint4*>(h)[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Radix select of the k-th largest of the CTA's keys (a ClusterScope: the cluster's):
+// radix_threshold finds the selection, emit_selected writes its ids in ascending id order,
+// radix_select_emit does both into `out`. key[i] (0: no key) has id
 // id_of(i), and the ids ascend with (thread, i) across the CTA (with (CTA, thread, i) across
 // the cluster); lo and hi are the smallest and largest nonzero keys of them all, and at
 // least k keys are nonzero. hist[0] is zero and a barrier separates that from here.
@@ -248,11 +281,10 @@ struct CtaScope {
 // equal to the prefix is selected, or at shift 0 (ties at the k-th key, taken by ascending
 // id). Shared-memory atomics only count; the order of the output is fixed by one prefix sum
 // of per-thread counts.
-template <int kThreads, int kSlots, typename IdOf, typename Scope = CtaScope>
-__device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf id_of,
-                                                  uint32_t lo, uint32_t hi, int32_t k,
-                                                  const RowOut& out, TopkShared& sh,
-                                                  const Scope& scope = Scope()) {
+template <int kThreads, int kSlots, typename Scope>
+__device__ __forceinline__ Threshold radix_threshold(uint32_t (&key)[kSlots], uint32_t lo,
+                                                     uint32_t hi, int32_t k, TopkShared& sh,
+                                                     const Scope& scope) {
   constexpr int kBinsPerThread = kTopkBins / kThreads;
   static_assert(kBinsPerThread >= 1 && kTopkBins % kThreads == 0);
 #pragma unroll
@@ -280,7 +312,7 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
     uint32_t mine[kBinsPerThread], sum = 0;
 #pragma unroll
     for (int b = 0; b < kBinsPerThread; ++b) sum += mine[b] = scope.bin(h, first_bin + b);
-    const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums).incl;
+    const uint32_t incl = block_scan<kThreads>(sum, sh.warp_sums, [&] { scope.sync(); }).incl;
     uint32_t above = incl - sum;
     if (above < remaining && remaining <= incl) {
 #pragma unroll
@@ -294,42 +326,55 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
         above += mine[b];
       }
     }
-    for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[buffer ^ 1][i] = 0;
-    __syncthreads();
+    clear_bins<kThreads>(sh.hist[buffer ^ 1]);
+    scope.sync();
     prefix |= sh.digit << shift;
     remaining -= sh.above;
     bits = shift;
     if (sh.count == remaining) break;  // every key equal to the prefix is selected
     buffer ^= 1;
   }
+  return {prefix >> shift, shift, remaining};
+}
 
-  // Emit: keys above the prefix, and the first `remaining` keys equal to it, in id order
-  // (counts packed: above in the high half, equal in the low; each <= kTopkCtaPools: one
-  // CTA's keys), after the lower CTAs' in a cluster.
-  const uint32_t top = prefix >> shift;
+// Emits the selection `t` of the keys in ascending id order: put(at, i) for key[i] at rank
+// `at` (counts packed: above in the high half, equal in the low; each <= kTopkCtaPools: one
+// CTA's keys), after the lower CTAs' in a cluster.
+template <int kThreads, int kSlots, typename Put, typename Scope>
+__device__ __forceinline__ void emit_selected(const uint32_t (&key)[kSlots], const Threshold& t,
+                                              TopkShared& sh, const Scope& scope, Put put) {
   uint32_t gt = 0, eq = 0;
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
     if (key[i] == 0u) continue;
-    gt += (key[i] >> shift) > top;
-    eq += (key[i] >> shift) == top;
+    gt += (key[i] >> t.shift) > t.top;
+    eq += (key[i] >> t.shift) == t.top;
   }
   const uint32_t packed = (gt << 16) | eq;
-  const Scan scan = block_scan<kThreads>(packed, sh.warp_sums);
+  const Scan scan = block_scan<kThreads>(packed, sh.warp_sums, [&] { scope.sync(); });
   const uint32_t before = scan.incl - packed;
   uint32_t gt_before = before >> 16, eq_before = before & 0xffffu;
   scope.add_lower_counts(scan.total, gt_before, eq_before);
-  uint32_t take = eq_before >= remaining ? 0u : min(remaining - eq_before, eq);
-  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, remaining));
+  uint32_t take = eq_before >= t.remaining ? 0u : min(t.remaining - eq_before, eq);
+  int32_t at = static_cast<int32_t>(gt_before + min(eq_before, t.remaining));
 #pragma unroll
   for (int i = 0; i < kSlots; ++i) {
     if (key[i] == 0u) continue;
-    const uint32_t d = key[i] >> shift;
-    if (d > top || (d == top && take > 0u)) {
-      if (d == top) --take;
-      out.put(at++, id_of(i));
+    const uint32_t d = key[i] >> t.shift;
+    if (d > t.top || (d == t.top && take > 0u)) {
+      if (d == t.top) --take;
+      put(at++, i);
     }
   }
+}
+
+template <int kThreads, int kSlots, typename IdOf, typename Scope = CtaScope<>>
+__device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf id_of,
+                                                  uint32_t lo, uint32_t hi, int32_t k,
+                                                  const RowOut& out, TopkShared& sh,
+                                                  const Scope& scope = Scope()) {
+  const Threshold t = radix_threshold<kThreads>(key, lo, hi, k, sh, scope);
+  emit_selected<kThreads>(key, t, sh, scope, [&](int32_t at, int i) { out.put(at, id_of(i)); });
   scope.done();
 }
 
@@ -417,25 +462,43 @@ __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t
     }
 }
 
-// Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (thread t
-// takes a contiguous run of them, so the ids still ascend with (thread, key)); lo and hi:
-// their smallest and largest. hist[0] is zero and a barrier separates that from here.
+// The threads of a CTA that select among its gathered keys, 8 a thread (two 16-byte
+// loads): fewer warps pass each digit's barriers and scans than the CTA's 32; the rest wait
+// at the CTA barrier after them.
+constexpr int kGatheredThreads = kTopkCandidates / 8;
+
+// Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (their ids
+// ascend with the position); lo and hi: their smallest and largest. hist[0] is zero and a
+// CTA barrier separates that from here. The first kGatheredThreads threads take 8
+// positions each and write the selected ids by rank over the keys (each read by then);
+// after a CTA barrier every thread writes ranks to `out`, one at a time.
 template <int kThreads>
 __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uint32_t hi,
                                                 int32_t k, const RowOut& out,
                                                 TopkShared& sh) {
-  constexpr int kCandidatePer = kTopkCandidates / kThreads;
-  const uint32_t per = (total + kThreads - 1) / kThreads;  // <= kCandidatePer
-  uint32_t ckey[kCandidatePer];
-  int32_t cid[kCandidatePer];
+  constexpr int kPer = kTopkCandidates / kGatheredThreads;
+  static_assert(kThreads > kGatheredThreads && kThreads % kGatheredThreads == 0 && kPer == 8);
+  uint32_t* const ranked = sh.cand_key;  // the selected ids by rank (k <= total)
+  if (threadIdx.x < kGatheredThreads) {
+    const uint32_t first = threadIdx.x * kPer;
+    uint32_t key[kPer];
 #pragma unroll
-  for (int j = 0; j < kCandidatePer; ++j) {
-    const uint32_t c = threadIdx.x * per + j;
-    const bool in = j < per && c < total;
-    ckey[j] = in ? sh.cand_key[c] : 0u;
-    cid[j] = in ? sh.cand_id[c] : -1;
+    for (int j = 0; j < kPer; j += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sh.cand_key + first + j);
+      key[j] = first + j < total ? v.x : 0u;
+      key[j + 1] = first + j + 1 < total ? v.y : 0u;
+      key[j + 2] = first + j + 2 < total ? v.z : 0u;
+      key[j + 3] = first + j + 3 < total ? v.w : 0u;
+    }
+    const CtaScope<PartSync<kGatheredThreads>> scope;
+    const Threshold t = radix_threshold<kGatheredThreads>(key, lo, hi, k, sh, scope);
+    emit_selected<kGatheredThreads>(key, t, sh, scope, [&](int32_t at, int j) {
+      ranked[at] = static_cast<uint32_t>(sh.cand_id[first + j]);
+    });
   }
-  radix_select_emit<kThreads>(ckey, [&](int i) { return cid[i]; }, lo, hi, k, out, sh);
+  __syncthreads();
+  for (int32_t at = threadIdx.x; at < k; at += kThreads)
+    out.put(at, static_cast<int32_t>(ranked[at]));
 }
 
 // The top-k of row r (n > k pools) by one CTA. Thread t holds the keys of pools

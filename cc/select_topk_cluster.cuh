@@ -47,6 +47,7 @@ struct ClusterScope {
     }
   }
   __device__ __forceinline__ void done() const { cg::this_cluster().sync(); }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
 };
 
 // gather_keys into CTA 0 by st.async (key_dst, id_dst: shared::cluster addresses there),

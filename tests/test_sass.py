@@ -153,3 +153,18 @@ def test_topk_cluster_exchanges_without_fences(functions):
     else:
       assert sum("MEMBAR.ALL.GPU" in x for x in instructions) <= 3, name
     assert any("STAS" in x for x in instructions), f"{name}: no st.async to the cluster"
+
+
+def test_topk_gathered_select_runs_on_eight_warps(functions):
+  """The 1024-thread top-k kernels select among their gathered keys (select_gathered in
+  cc/select_topk.cuh) on their first 8 warps, synchronised by hardware barrier 1 over 256
+  threads, while the other 24 wait at the CTA barrier: fewer warps pass each digit's
+  barriers and scans. The 512-thread kernels never gather, so they have no such barrier."""
+  part = re.compile(r"^BAR\.SYNC\S* 0x1, 0x100\b")
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"pool_topk_(?:parts_)?kernelILi\d+ELi\d+E", name)}
+  wide = [name for name in kernels
+          if "parts_kernel" in name or re.search(r"pool_topk_kernelILi1024E", name)]
+  assert len(wide) >= 12 and len(kernels) - len(wide) == 2, sorted(kernels)
+  for name, instructions in kernels.items():
+    assert any(part.search(x) for x in instructions) == (name in wide), name
