@@ -469,7 +469,7 @@ constexpr int kGatheredThreads = kTopkCandidates / 8;
 
 // Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (their ids
 // ascend with the position); lo and hi: their smallest and largest. hist[0] is zero and a
-// CTA barrier separates that from here. The first kGatheredThreads threads take 8
+// CTA barrier separates that from here. The first kGatheredThreads threads take kPer
 // positions each and write the selected ids by rank over the keys (each read by then);
 // after a CTA barrier every thread writes ranks to `out`, one at a time.
 template <int kThreads>
@@ -477,7 +477,8 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
                                                 int32_t k, const RowOut& out,
                                                 TopkShared& sh) {
   constexpr int kPer = kTopkCandidates / kGatheredThreads;
-  static_assert(kThreads > kGatheredThreads && kThreads % kGatheredThreads == 0 && kPer == 8);
+  static_assert(kThreads > kGatheredThreads && kThreads % kGatheredThreads == 0);
+  static_assert(kPer % 4 == 0, "16-byte loads of the gathered keys");
   uint32_t* const ranked = sh.cand_key;  // the selected ids by rank (k <= total)
   if (threadIdx.x < kGatheredThreads) {
     const uint32_t first = threadIdx.x * kPer;

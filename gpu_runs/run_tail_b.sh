@@ -2,24 +2,25 @@
 # Next GPU session, calls 2 and 3 (after run_tail_a.sh on the same warm machine; rebuilds
 # if it is fresh): `bash gpu_runs/run_tail_b.sh stage`, then `... ops`. The A/B/C,
 # twice, alternating: main (verified), async (st.async exchanges), lean (async + the
-# gathered select on 8 warps); for stage also lean with GLM5_EXPERIMENT_TOPK_CLUSTER_SYNC=1
-# (old exchanges + new tail) once.
-# Expected (H100, µs per layer, M=1): stage 202,752 main ~31.8 -> async ~30.5 -> lean ~29,
-# 1M 53 -> ~50; ops: pool_topk at 8192 / 32768 pools lean <= main at every row count;
-# select_slots one row of 50,688 below main's 20.7; nothing slower than noise (~3%).
+# gathered select on 8 warps), lean512 (16 warps). main -> async is the exchanges' effect,
+# async -> lean / lean512 the tail's.
+# Expected (H100, µs per layer, M=1): stage 202,752 main ~31.8 -> async ~30.5; the tail
+# (lean, lean512) 0 to 1.5 µs less again: its warps issue and wait less, but its code (run
+# cold, once a launch) grows 1.4x / 1.15x (static reach after the keys' wait, SASS), and
+# ncu put half of the tail on instruction fetch, so this A/B decides. Ops: pool_topk at
+# 8192 / 32768 pools, select_slots at 50,688: lean <= main; nothing slower than noise.
 set -uo pipefail
 what=${1:-stage}
 start=$(date +%s); mkdir -p /tmp/rb; trap 'tar -C /tmp -czf $OUT/tail_$what.tgz rb' EXIT
 source gpu_runs/tail_trees.sh || exit 1
 D=${DEADLINE:-560}
 el() { echo "$(( $(date +%s) - start )) s"; }
-b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 80 ] && l=80; [ $l -lt 30 ] && { echo "$t $n skipped"; return; }
+b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 70 ] && l=70; [ $l -lt 30 ] && { echo "$t $n skipped"; return; }
   intree $t timeout $l python3 -m bench --out /tmp/rb/${n}_$t.json --md /tmp/rb/${n}_$t.md --plot '' --budget-s $(( l - 30 )) --skip-variants reference "kernel, PDL off" "$@" > /tmp/rb/${n}_$t.log 2>&1
   echo "$t $n rc $? at $(el)"; grep -E "^\| (M=|rows=)" /tmp/rb/${n}_$t.md | head -9; }
-for rep in 1 2; do for t in main async lean; do
+for rep in 1 2; do for t in main async lean lean512; do
   case $what in
     stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
     ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64;;
   esac
 done; done
-[ $what = stage ] && GLM5_EXPERIMENT_TOPK_CLUSTER_SYNC=1 b lean stage_sync --groups stage --stage-contexts 202752,1048576 --stage-rows 1
