@@ -9,6 +9,8 @@
 # cold, once a launch) grows 1.4x / 1.15x (static reach after the keys' wait, SASS), and
 # ncu put half of the tail on instruction fetch, so this A/B decides. Ops: pool_topk at
 # 8192 / 32768 pools, select_slots at 50,688: lean <= main; nothing slower than noise.
+# Rows 64 against 65 at 8,192 and 32,768 pools: 2-CTA clusters (topk_parts) against one CTA
+# a row, both one wave: if one CTA a row is faster per row, topk_parts should not split there.
 set -uo pipefail
 what=${1:-stage}
 start=$(date +%s); mkdir -p /tmp/rb; trap 'tar -C /tmp -czf $OUT/tail_$what.tgz rb' EXIT
@@ -21,6 +23,6 @@ b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 70 ] && 
 for rep in 1 2; do for t in main async lean lean512; do
   case $what in
     stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
-    ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64;;
+    ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65;;
   esac
 done; done
