@@ -283,7 +283,8 @@ int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 6
 // topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
 template <int kRowPer>
 cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
+  int parts = std::min(topk_parts(args.rows), kRowPer / 4);
+  if (std::getenv("GLM5_EXPERIMENT_TOPK_ONE_CTA") != nullptr) parts = 1;  // EXPERIMENT: A/B
   if constexpr (kRowPer / 4 >= 8)
     if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
   if constexpr (kRowPer / 4 >= 4)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Next GPU session, calls 2 and 3 (after run_tail_a.sh on the same warm machine; rebuilds
-# if it is fresh): `bash gpu_runs/run_tail_b.sh stage`, then `... ops`. The A/B/C,
+# Next GPU session, calls 2-4 (after run_tail_a.sh on the same warm machine; rebuilds if
+# it is fresh): `bash gpu_runs/run_tail_b.sh stage`, then `... ops`, then `... parts`. The A/B/C,
 # twice, alternating: main (verified), async (st.async exchanges), lean (async + the
 # gathered select on 8 warps), lean512 (16 warps). main -> async is the exchanges' effect,
 # async -> lean / lean512 the tail's.
@@ -10,7 +10,9 @@
 # ncu put half of the tail on instruction fetch, so this A/B decides. Ops: pool_topk at
 # 8192 / 32768 pools, select_slots at 50,688: lean <= main; nothing slower than noise.
 # Rows 64 against 65 at 8,192 and 32,768 pools: 2-CTA clusters (topk_parts) against one CTA
-# a row, both one wave: if one CTA a row is faster per row, topk_parts should not split there.
+# a row, both one wave: if one CTA a row is faster per row, topk_parts should not split there;
+# and lean with GLM5_EXPERIMENT_TOPK_ONE_CTA=1 (one CTA a row at any rows up to 32,768
+# pools) against lean as is, at 1 / 16 / 64 rows of 8,192 / 16,384 / 32,768 pools.
 set -uo pipefail
 what=${1:-stage}
 start=$(date +%s); mkdir -p /tmp/rb; trap 'tar -C /tmp -czf $OUT/tail_$what.tgz rb' EXIT
@@ -20,9 +22,15 @@ el() { echo "$(( $(date +%s) - start )) s"; }
 b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 70 ] && l=70; [ $l -lt 30 ] && { echo "$t $n skipped"; return; }
   intree $t timeout $l python3 -m bench --out /tmp/rb/${n}_$t.json --md /tmp/rb/${n}_$t.md --plot '' --budget-s $(( l - 30 )) --skip-variants reference "kernel, PDL off" "$@" > /tmp/rb/${n}_$t.log 2>&1
   echo "$t $n rc $? at $(el)"; grep -E "^\| (M=|rows=)" /tmp/rb/${n}_$t.md | head -9; }
-for rep in 1 2; do for t in main async lean lean512; do
-  case $what in
-    stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
-    ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65;;
-  esac
-done; done
+for rep in 1 2; do
+  for t in main async lean lean512; do
+    case $what in
+      stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
+      ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65;;
+    esac
+  done
+  if [ $what = parts ]; then
+    GLM5_EXPERIMENT_TOPK_ONE_CTA=1 b lean one$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
+    b lean split$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
+  fi
+done
