@@ -55,6 +55,7 @@ struct TopkArgs {
   // Select path: rows that keep every pool do not read the logits, so they write their
   // ids before waiting for the logits kernel (whose own wait already covered `lens`).
   bool early_rows;
+  bool no_lookup = false;  // EXPERIMENT (GLM5_EXPERIMENT_TOPK_NO_LOOKUP): select_gathered's A/B
 };
 
 // Order-preserving key: larger float -> larger key. NaN ranks as -inf, -0 and subnormals
@@ -101,17 +102,25 @@ struct RowOut {
     if (s.vector) store_quad<true>(row, q, s.width, v);
     else store_quad<false>(row, q, s.width, v);
   }
+  // select_slots: pool `id`'s first slot, or -1 where the table drops it (slots are >= 0).
+  __device__ __forceinline__ int32_t slot_of(int32_t id) const {
+    int32_t first = 0;
+    return req >= 0 && remap().slot(wrap_mul(id, kPool), &first) ? first : -1;
+  }
+  // select_slots: the pool at rank `at` has the first slot `slot` (slot_of).
+  __device__ __forceinline__ void put_slot(int32_t at, int32_t slot) const {
+    const bool live = slot >= 0;
+    quad(at, live ? run4(slot) : none4());
+    if (valid != nullptr && live) atomicAdd(valid, 1u);
+    dropped |= !live;
+  }
   // The pool at rank `at` of the selection is `id`.
   __device__ __forceinline__ void put(int32_t at, int32_t id) const {
     if (!slots()) {
       a.out[static_cast<int64_t>(r) * a.k + at] = id;
       return;
     }
-    int32_t first = 0;
-    const bool live = req >= 0 && remap().slot(wrap_mul(id, kPool), &first);
-    quad(at, live ? run4(first) : none4());
-    if (valid != nullptr && live) atomicAdd(valid, 1u);
-    dropped |= !live;
+    put_slot(at, slot_of(id));
   }
 };
 
@@ -463,15 +472,18 @@ __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t
 }
 
 // The threads of a CTA that select among its gathered keys, 8 a thread (two 16-byte
-// loads): fewer warps pass each digit's barriers and scans than the CTA's 32; the rest wait
-// at the CTA barrier after them.
+// loads): fewer warps pass each digit's barriers and scans than the CTA's 32. The others
+// look up the candidates' slots meanwhile (select_slots), then wait at the CTA barrier.
 constexpr int kGatheredThreads = kTopkCandidates / 8;
 
 // Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (their ids
 // ascend with the position); lo and hi: their smallest and largest. hist[0] is zero and a
 // CTA barrier separates that from here. The first kGatheredThreads threads take kPer
 // positions each and write the selected ids by rank over the keys (each read by then);
-// after a CTA barrier every thread writes ranks to `out`, one at a time.
+// after a CTA barrier every thread writes ranks to `out`, one at a time. For select_slots
+// the other threads first replace each candidate's id by its slot (RowOut::slot_of), so
+// that no block-table load waits after the select; hardware barrier 2 (every thread) hands
+// them to the emission.
 template <int kThreads>
 __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uint32_t hi,
                                                 int32_t k, const RowOut& out,
@@ -479,7 +491,8 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
   constexpr int kPer = kTopkCandidates / kGatheredThreads;
   static_assert(kThreads > kGatheredThreads && kThreads % kGatheredThreads == 0);
   static_assert(kPer % 4 == 0, "16-byte loads of the gathered keys");
-  uint32_t* const ranked = sh.cand_key;  // the selected ids by rank (k <= total)
+  uint32_t* const ranked = sh.cand_key;  // the selected ids (slots) by rank (k <= total)
+  const bool slots = out.slots() && !out.a.no_lookup;
   if (threadIdx.x < kGatheredThreads) {
     const uint32_t first = threadIdx.x * kPer;
     uint32_t key[kPer];
@@ -493,13 +506,22 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
     }
     const CtaScope<PartSync<kGatheredThreads>> scope;
     const Threshold t = radix_threshold<kGatheredThreads>(key, lo, hi, k, sh, scope);
+    if (slots) bulk::named_sync(2, kThreads);  // the candidates' slots are in cand_id
     emit_selected<kGatheredThreads>(key, t, sh, scope, [&](int32_t at, int j) {
       ranked[at] = static_cast<uint32_t>(sh.cand_id[first + j]);
     });
+  } else if (slots) {
+    for (int32_t c = threadIdx.x - kGatheredThreads; c < static_cast<int32_t>(total);
+         c += kThreads - kGatheredThreads)
+      sh.cand_id[c] = out.slot_of(sh.cand_id[c]);
+    bulk::named_sync(2, kThreads);
   }
   __syncthreads();
-  for (int32_t at = threadIdx.x; at < k; at += kThreads)
-    out.put(at, static_cast<int32_t>(ranked[at]));
+  for (int32_t at = threadIdx.x; at < k; at += kThreads) {
+    const int32_t v = static_cast<int32_t>(ranked[at]);
+    if (slots) out.put_slot(at, v);
+    else out.put(at, v);  // pool ids, or (no_lookup) slots looked up here
+  }
 }
 
 // The top-k of row r (n > k pools) by one CTA. Thread t holds the keys of pools

@@ -302,8 +302,10 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
 // thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
 // chunks of one CTA's width: their clusters would take several waves of the SMs).
-cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& given) {
   constexpr int kParts = kTopkClusterParts;
+  TopkArgs args = given;  // EXPERIMENT: A/B of the slot lookups beside the select
+  args.no_lookup = std::getenv("GLM5_EXPERIMENT_TOPK_NO_LOOKUP") != nullptr;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);

@@ -3,12 +3,14 @@
 # it is fresh): `bash gpu_runs/run_tail_b.sh stage`, then `... ops`, then `... parts`. The A/B/C,
 # twice, alternating: main (verified), async (st.async exchanges), lean (async + the
 # gathered select on 8 warps), lean512 (16 warps). main -> async is the exchanges' effect,
-# async -> lean / lean512 the tail's.
+# async -> lean / lean512 the tail's; lean with GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 (the slots
+# looked up after the select, as before) the idle warps' lookups'.
 # Expected (H100, µs per layer, M=1): stage 202,752 main ~31.8 -> async ~30.5; the tail
 # (lean, lean512) 0 to 1.5 µs less again: its warps issue and wait less, but its code (run
 # cold, once a launch) grows 1.4x / 1.15x (static reach after the keys' wait, SASS), and
 # ncu put half of the tail on instruction fetch, so this A/B decides. Ops: pool_topk at
-# 8192 / 32768 pools, select_slots at 50,688: lean <= main; nothing slower than noise.
+# 8192 / 32768 pools, select_slots at 50,688: lean <= main; nothing slower than noise. The
+# lookups beside the select: 0.2-0.4 µs a layer (one L2 round trip less after the select).
 # Rows 64 against 65 at 8,192 and 32,768 pools: 2-CTA clusters (topk_parts) against one CTA
 # a row, both one wave: if one CTA a row is faster per row, topk_parts should not split there;
 # and lean with GLM5_EXPERIMENT_TOPK_ONE_CTA=1 (one CTA a row at any rows up to 32,768
@@ -25,7 +27,8 @@ b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 70 ] && 
 for rep in 1 2; do
   for t in main async lean lean512; do
     case $what in
-      stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
+      stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1
+        [ $t = lean ] && GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 b lean stage_nolookup$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
       ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65;;
     esac
   done

@@ -158,9 +158,12 @@ def test_topk_cluster_exchanges_without_fences(functions):
 def test_topk_gathered_select_runs_on_eight_warps(functions):
   """The 1024-thread top-k kernels select among their gathered keys (select_gathered in
   cc/select_topk.cuh) on their first 8 warps, synchronised by hardware barrier 1 over 256
-  threads, while the other 24 wait at the CTA barrier: fewer warps pass each digit's
-  barriers and scans. The 512-thread kernels never gather, so they have no such barrier."""
+  threads, while the other 24 look up the candidates' slots (select_slots) and hand them
+  over on hardware barrier 2 (all 1024 threads): fewer warps pass each digit's barriers
+  and scans, and no block-table load waits after the select. The 512-thread kernels never
+  gather, so they have neither barrier."""
   part = re.compile(r"^BAR\.SYNC\S* 0x1, 0x100\b")
+  lookups = re.compile(r"^BAR\.SYNC\S* 0x2, 0x400\b")
   kernels = {name: ins for name, ins in functions.items()
              if re.search(r"pool_topk_(?:parts_)?kernelILi\d+ELi\d+E", name)}
   wide = [name for name in kernels
@@ -168,3 +171,4 @@ def test_topk_gathered_select_runs_on_eight_warps(functions):
   assert len(wide) >= 12 and len(kernels) - len(wide) == 2, sorted(kernels)
   for name, instructions in kernels.items():
     assert any(part.search(x) for x in instructions) == (name in wide), name
+    assert any(lookups.search(x) for x in instructions) == (name in wide), name
