@@ -477,13 +477,14 @@ __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t
 constexpr int kGatheredThreads = kTopkCandidates / 8;
 
 // Radix select among the `total` <= kTopkCandidates gathered keys in sh.cand_* (their ids
-// ascend with the position); lo and hi: their smallest and largest. hist[0] is zero and a
-// CTA barrier separates that from here. The first kGatheredThreads threads take kPer
-// positions each and write the selected ids by rank over the keys (each read by then);
-// after a CTA barrier every thread writes ranks to `out`, one at a time. For select_slots
-// the other threads first replace each candidate's id by its slot (RowOut::slot_of), so
-// that no block-table load waits after the select; hardware barrier 2 (every thread) hands
-// them to the emission.
+// ascend with the position); lo and hi: their smallest and largest; hist[0] is zero. Its
+// first CTA barrier orders the keys this CTA wrote, and every thread's earlier reads of
+// warp_sums (the part's scans rewrite it), before the select. The first kGatheredThreads
+// threads take kPer positions each and write the selected ids by rank over the keys (each
+// read by then); after a CTA barrier every thread writes ranks to `out`, one at a time.
+// For select_slots the other threads first replace each candidate's id by its slot
+// (RowOut::slot_of), so that no block-table load waits after the select; hardware barrier
+// 2 (every thread) hands them to the emission.
 template <int kThreads>
 __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uint32_t hi,
                                                 int32_t k, const RowOut& out,
@@ -493,6 +494,7 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
   static_assert(kPer % 4 == 0, "16-byte loads of the gathered keys");
   uint32_t* const ranked = sh.cand_key;  // the selected ids (slots) by rank (k <= total)
   const bool slots = out.slots() && !out.a.no_lookup;
+  __syncthreads();
   if (threadIdx.x < kGatheredThreads) {
     const uint32_t first = threadIdx.x * kPer;
     uint32_t key[kPer];
@@ -584,8 +586,7 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, co
     const Scan kept = block_scan<kThreads>(own, sh.warp_sums);
     if (kept.total <= kTopkCandidates) {  // the same branch in every thread
       gather_keys<kPer>(key, base, kept.incl - own, sh.cand_key, sh.cand_id);
-      __syncthreads();
-      select_gathered<kThreads>(kept.total, lo, hi, k, out, sh);
+      select_gathered<kThreads>(kept.total, lo, hi, k, out, sh);  // its first barrier orders them
       return;
     }
   }
