@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Next GPU session, calls 2-4 (after run_tail_a.sh on the same warm machine; rebuilds if
-# it is fresh): `bash gpu_runs/run_tail_b.sh stage`, then `... ops`, then `... parts`. The A/B/C,
-# twice, alternating: main (verified), async (st.async exchanges), lean (async + the
+# Next GPU session, calls 2-5 (after run_tail_a.sh on the same warm machine; rebuilds if
+# it is fresh): `bash gpu_runs/run_tail_b.sh stage`, then `... stage2`, `... ops`, `... parts`.
+# The A/B/C, twice, alternating: main (verified), async (st.async exchanges), lean (async + the
 # gathered select on 8 warps), lean512 (16 warps). main -> async is the exchanges' effect,
 # async -> lean / lean512 the tail's; lean with GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 (the slots
 # looked up after the select, as before) the idle warps' lookups'.
@@ -21,19 +21,19 @@ start=$(date +%s); mkdir -p /tmp/rb; trap 'tar -C /tmp -czf $OUT/tail_$what.tgz 
 source gpu_runs/tail_trees.sh || exit 1
 D=${DEADLINE:-560}
 el() { echo "$(( $(date +%s) - start )) s"; }
-b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 70 ] && l=70; [ $l -lt 30 ] && { echo "$t $n skipped"; return; }
+b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 65 ] && l=65; [ $l -lt 30 ] && { echo "$t $n skipped"; return; }
   intree $t timeout $l python3 -m bench --out /tmp/rb/${n}_$t.json --md /tmp/rb/${n}_$t.md --plot '' --budget-s $(( l - 30 )) --skip-variants reference "kernel, PDL off" "$@" > /tmp/rb/${n}_$t.log 2>&1
   echo "$t $n rc $? at $(el)"; grep -E "^\| (M=|rows=)" /tmp/rb/${n}_$t.md | head -9; }
+S="--groups stage --stage-contexts 202752,1048576 --stage-rows 1"
 for rep in 1 2; do
-  for t in main async lean lean512; do
-    case $what in
-      stage) b $t stage$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1
-        [ $t = lean ] && GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 b lean stage_nolookup$rep --groups stage --stage-contexts 202752,1048576 --stage-rows 1;;
-      ops) b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65;;
-    esac
-  done
-  if [ $what = parts ]; then
-    GLM5_EXPERIMENT_TOPK_ONE_CTA=1 b lean one$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
-    b lean split$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
-  fi
+  case $what in
+    stage) for t in main async lean; do b $t stage$rep $S; done;;
+    stage2) b lean stage2_$rep $S; GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 b lean nolookup$rep $S
+            b lean512 stage2_$rep $S;;
+    ops) for t in main async lean lean512; do
+           b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65
+         done;;
+    parts) GLM5_EXPERIMENT_TOPK_ONE_CTA=1 b lean one$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
+           b lean split$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64;;
+  esac
 done
