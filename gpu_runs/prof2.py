@@ -8,7 +8,8 @@ from bench import kernel_times
 from bench.sizes import sizes_for
 
 ops, pools, rows = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
-s = dataclasses.replace(sizes_for(False, False), select_pools=tuple(int(p) for p in pools.split(",")),
+s = dataclasses.replace(sizes_for(False, False),
+                        select_pools=tuple(int(p) for p in pools.split(",")),
                         select_rows=tuple(int(r) for r in rows.split(",")))
 for _ in range(2):
   kernel_times.run(s, tuple(ops))
