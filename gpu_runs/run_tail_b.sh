@@ -27,13 +27,13 @@ b() { t=$1; n=$2; shift 2; l=$(( D - ($(date +%s) - start) )); [ $l -gt 65 ] && 
 S="--groups stage --stage-contexts 202752,1048576 --stage-rows 1"
 for rep in 1 2; do
   case $what in
-    stage) for t in main async lean; do b $t stage$rep $S; done;;
-    stage2) b lean stage2_$rep $S; GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 b lean nolookup$rep $S
-            b lean512 stage2_$rep $S;;
+    stage) for t in main async lean; do b $t stage_r$rep $S; done;;
+    stage2) b lean stage2_r$rep $S; GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 b lean nolookup_r$rep $S
+            b lean512 stage2_r$rep $S;;
     ops) for t in main async lean lean512; do
-           b $t ops$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65
+           b $t ops_r$rep --groups ops --ops pool_topk,select_slots --select-pools 8192,32768,50688 --select-rows 1,64,65
          done;;
-    parts) GLM5_EXPERIMENT_TOPK_ONE_CTA=1 b lean one$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
-           b lean split$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64;;
+    parts) GLM5_EXPERIMENT_TOPK_ONE_CTA=1 b lean one_r$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64
+           b lean split_r$rep --groups ops --ops pool_topk --select-pools 8192,16384,32768 --select-rows 1,16,64;;
   esac
 done
