@@ -6,6 +6,7 @@
 # Before the call, here: git archive --format=tar -o gpu_runs/trees/main.tar main; likewise
 # gpu_runs/trees/async.tar from topk-async-exchange (gpu_runs is git-ignored; carry it).
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=8
+grep -q "^constexpr int kGatheredThreads" cc/select_topk.cuh || { echo "tail_trees: check out topk-lean-tail first"; return 1; }
 python3 -m pip uninstall -y -q glm5_jax > /dev/null 2>&1
 mkdir -p /tmp/t
 build_tree() {  # name source-dir
