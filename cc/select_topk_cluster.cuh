@@ -60,7 +60,7 @@ struct ClusterScope {
 // CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
 // one CTA's registers, every CTA the cluster's radix select on its own keys
 // (radix_select_emit in a ClusterScope).
-template <int kParts, int kPer, bool kAsync = true>
+template <int kParts, int kPer, bool kAsync = true, bool kLookup = true>  // EXPERIMENT: A/Bs
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
   constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   if (part == 0) {
     if (gathered) {
       if constexpr (kAsync) bulk::wait(bar_keys(), 0);  // 3: the kept keys are in CTA 0
-      select_gathered<kThreads>(total, lo, hi, k, out, sh);
+      select_gathered<kThreads, kLookup>(total, lo, hi, k, out, sh);
     } else if constexpr (kOneCta) {
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     }
@@ -265,6 +265,19 @@ cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& arg
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
+}
+
+// EXPERIMENT: rows past one CTA's registers; GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 runs their
+// kernel without the slot lookups beside the select (select_gathered's kLookup), for an A/B
+// that leaves the kLookup kernels' SASS as it lands.
+template <int kParts, int kPer>
+cudaError_t launch_topk_rows(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  if (std::getenv("GLM5_EXPERIMENT_TOPK_NO_LOOKUP") != nullptr)
+    return launch_cluster(pool_topk_parts_kernel<kParts, kPer, true, false>,
+                          dim3(static_cast<unsigned>(args.rows) * kParts),
+                          dim3(kTopkMaxThreads), 0, stream, pdl,
+                          static_cast<unsigned>(kParts), args);
+  return launch_topk_parts<kParts, kPer>(stream, pdl, args);
 }
 
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
@@ -296,18 +309,16 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
 // thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
 // chunks of one CTA's width: their clusters would take several waves of the SMs).
-cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& given) {
+cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
-  TopkArgs args = given;  // EXPERIMENT: A/B of the slot lookups beside the select
-  args.no_lookup = std::getenv("GLM5_EXPERIMENT_TOPK_NO_LOOKUP") != nullptr;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
-  if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<kParts, 8>(stream, pdl, args);
-  if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
-  return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 2 * kTopkCtaPools) return launch_topk_rows<kParts, 8>(stream, pdl, args);
+  if (args.width <= 4 * kTopkCtaPools) return launch_topk_rows<kParts, 16>(stream, pdl, args);
+  return launch_topk_rows<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 
 }  // namespace
