@@ -484,7 +484,7 @@ constexpr int kGatheredThreads = kTopkCandidates / 8;
 // For select_slots the other threads first replace each candidate's id by its slot
 // (RowOut::slot_of), so that no block-table load waits after the select; hardware barrier
 // 2 (every thread) hands them to the emission.
-template <int kThreads, bool kLookup = true>  // EXPERIMENT: kLookup false for an A/B
+template <int kThreads>
 __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uint32_t hi,
                                                 int32_t k, const RowOut& out,
                                                 TopkShared& sh) {
@@ -492,7 +492,7 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
   static_assert(kThreads > kGatheredThreads && kThreads % kGatheredThreads == 0);
   static_assert(kPer % 4 == 0, "16-byte loads of the gathered keys");
   uint32_t* const ranked = sh.cand_key;  // the selected ids (slots) by rank (k <= total)
-  const bool slots = kLookup && out.slots();
+  const bool slots = out.slots();
   __syncthreads();
   if (threadIdx.x < kGatheredThreads) {
     const uint32_t first = threadIdx.x * kPer;
@@ -521,7 +521,7 @@ __device__ __forceinline__ void select_gathered(uint32_t total, uint32_t lo, uin
   for (int32_t at = threadIdx.x; at < k; at += kThreads) {
     const int32_t v = static_cast<int32_t>(ranked[at]);
     if (slots) out.put_slot(at, v);
-    else out.put(at, v);  // pool ids (or, !kLookup, slots looked up here)
+    else out.put(at, v);  // pool ids
   }
 }
 

@@ -7,7 +7,6 @@
 #include <cooperative_groups.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "bulk.cuh"
 #include "cluster.cuh"
@@ -55,23 +54,26 @@ struct ClusterScope {
 // [q * span, (q + 1) * span), span = ceil(n / kParts) rounded up to 4, kPer keys per thread
 // at most. The cluster shares one candidate bound (the minimum of the CTAs'), then every CTA
 // writes its kept keys, in id order, into CTA 0's shared memory at its offset (the sum of
-// the lower CTAs' counts), and CTA 0 alone runs the radix select among them. Three cluster
-// barriers in all. Where more than kTopkCandidates keys are kept (ties, adversarial rows),
+// the lower CTAs' counts), and CTA 0 alone runs the radix select among them. The bounds,
+// the counts and the keys are pushed into the CTAs' shared memory by st.async, each
+// completed on an mbarrier of the receiving CTA: no cluster barrier after the first (a
+// relaxed one: every CTA's mbarriers are initialised), no cluster-scope fence
+// (cluster.cuh). Where more than kTopkCandidates keys are kept (ties, adversarial rows),
 // CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
 // one CTA's registers, every CTA the cluster's radix select on its own keys
 // (radix_select_emit in a ClusterScope).
-template <int kParts, int kPer, bool kAsync = true, bool kLookup = true>  // EXPERIMENT: A/Bs
+template <int kParts, int kPer>
 __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
   constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
   constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
   constexpr bool kOneCta = kRowPer <= kTopkMaxKeys;
   static_assert(kPer % 4 == 0 && kPer <= kTopkMaxKeys && kParts <= kWarp);
   __shared__ TopkShared sh;
-  // Read by the cluster: each CTA's bound, kept keys, their range; its selected counts.
-  __shared__ uint32_t part_bound, part_count, part_lo, part_hi, part_gt, part_eq;
-  // kAsync: every CTA's bound ([0]) and {count, lo, hi} ([1]) pushed into each CTA's
-  // exchange by st.async, counted on its mbarriers (bounds, counts; CTA 0's third counts
-  // the gathered keys): no cluster-scope release (cluster.cuh) and no peer reads.
+  // Read by the cluster's radix select (ClusterScope): this CTA's selected counts.
+  __shared__ uint32_t part_gt, part_eq;
+  // Every CTA's bound ([0]) and {count, lo, hi} ([1]) pushed into each CTA's exchange by
+  // st.async, counted on its mbarriers (bounds, counts; CTA 0's third counts the gathered
+  // keys).
   __shared__ __align__(16) uint32_t xchg[2][kParts][4];
   __shared__ __align__(8) uint64_t xbar[3];
   // The mbarriers' shared addresses where used (held in registers, they spilled).
@@ -83,18 +85,16 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int r = blockIdx.x / kParts;
   const int32_t k = a.k;
-  if constexpr (kAsync) {
-    // Before any load: nothing of this thread is in flight for the init fence to wait on.
-    if (threadIdx.x == 0) {
-      bulk::init(bar_bound());
-      bulk::init(bar_count());
-      bulk::init(bar_keys());
-      bulk::arrive_expect(bar_bound(), kParts * 16);
-      bulk::arrive_expect(bar_count(), kParts * 16);
-      bulk::fence_init();
-    }
-    cluster::arrive_relaxed();  // waited on before the first push
+  // Before any load: nothing of this thread is in flight for the init fence to wait on.
+  if (threadIdx.x == 0) {
+    bulk::init(bar_bound());
+    bulk::init(bar_count());
+    bulk::init(bar_keys());
+    bulk::arrive_expect(bar_bound(), kParts * 16);
+    bulk::arrive_expect(bar_count(), kParts * 16);
+    bulk::fence_init();
   }
+  cluster::arrive_relaxed();  // waited on before the first push
   RowOut out = row_out(a, r);
   const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, sh);
   if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
@@ -122,28 +122,18 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   const uint32_t v = warp_bound(hi, c, warp < mine);
   if (lane == 0) sh.warp_bound[warp] = v;
   __syncthreads();
-  if constexpr (kAsync) cluster::wait();  // every CTA's mbarriers are initialised
+  cluster::wait();  // every CTA's mbarriers are initialised
   if (warp == 0) {  // b: the j-th largest v (no bound where c > 32; neutral where j = 0)
     const uint32_t b = c > kWarp ? 0u
                        : j == 0  ? 0xffffffffu
                                  : warp_nth_largest(lane < kWarps ? sh.warp_bound[lane] : 0u, j);
-    if constexpr (kAsync) {
-      if (lane < kParts)  // lane q pushes b to CTA q
-        cluster::store16_async(
-            cluster::peer_address(bulk::smem_address(&xchg[0][part][0]), lane),
-            make_uint4(b, 0u, 0u, 0u), cluster::peer_address(bar_bound(), lane));
-    } else if (lane == 0) {
-      part_bound = b;
-    }
+    if (lane < kParts)  // lane q pushes b to CTA q
+      cluster::store16_async(cluster::peer_address(bulk::smem_address(&xchg[0][part][0]), lane),
+                             make_uint4(b, 0u, 0u, 0u), cluster::peer_address(bar_bound(), lane));
   }
   uint32_t bound = 0xffffffffu;
-  if constexpr (kAsync) {
-    bulk::wait(bar_bound(), 0);  // 1: the parts' bounds
-    for (int q = 0; q < kParts; ++q) bound = min(bound, xchg[0][q][0]);
-  } else {
-    cluster.sync();  // 1: the parts' bounds
-    for (int q = 0; q < kParts; ++q) bound = min(bound, *cluster.map_shared_rank(&part_bound, q));
-  }
+  bulk::wait(bar_bound(), 0);  // 1: the parts' bounds
+  for (int q = 0; q < kParts; ++q) bound = min(bound, xchg[0][q][0]);
 
   // 2. The kept keys (>= the bound): their count, smallest and largest, per CTA.
   uint32_t own = 0, lo = 0xffffffffu;
@@ -166,68 +156,35 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
     static_assert(kWarps == kWarp);
     lo = __reduce_min_sync(0xffffffffu, sh.warp_lo[lane]);
     hi = __reduce_max_sync(0xffffffffu, sh.warp_hi[lane]);
-    if constexpr (kAsync) {
-      if (lane < kParts)  // lane q pushes them to CTA q
-        cluster::store16_async(
-            cluster::peer_address(bulk::smem_address(&xchg[1][part][0]), lane),
-            make_uint4(kept.total, lo, hi, 0u), cluster::peer_address(bar_count(), lane));
-    } else if (lane == 0) {
-      part_count = kept.total;
-      part_lo = lo;
-      part_hi = hi;
-    }
+    if (lane < kParts)  // lane q pushes them to CTA q
+      cluster::store16_async(cluster::peer_address(bulk::smem_address(&xchg[1][part][0]), lane),
+                             make_uint4(kept.total, lo, hi, 0u),
+                             cluster::peer_address(bar_count(), lane));
   }
   uint32_t offset = 0, total = 0;
-  if constexpr (kAsync) {
-    bulk::wait(bar_count(), 0);  // 2: the parts' counts
-    for (int q = 0; q < kParts; ++q) {
-      const uint32_t c = xchg[1][q][0];
-      offset += q < part ? c : 0u;
-      total += c;
-      lo = min(lo, xchg[1][q][1]);
-      hi = max(hi, xchg[1][q][2]);
-    }
-  } else {
-    cluster.sync();  // 2: the parts' counts
-    for (int q = 0; q < kParts; ++q) {
-      const uint32_t c = *cluster.map_shared_rank(&part_count, q);
-      offset += q < part ? c : 0u;
-      total += c;
-    }
-    if (part == 0 || !kOneCta) {
-      for (int q = 0; q < kParts; ++q) {
-        lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
-        hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
-      }
-    }
+  bulk::wait(bar_count(), 0);  // 2: the parts' counts
+  for (int q = 0; q < kParts; ++q) {
+    const uint32_t c = xchg[1][q][0];
+    offset += q < part ? c : 0u;
+    total += c;
+    lo = min(lo, xchg[1][q][1]);
+    hi = max(hi, xchg[1][q][2]);
   }
   // 3. The kept keys into CTA 0, in id order.
   const bool gathered = total <= kTopkCandidates;  // the same in every CTA
-  if constexpr (kAsync) {
-    // No barrier after: CTA 0 waits for the keys' bytes; no CTA reads a peer's shared
-    // memory from here (the cluster's radix select below has its own barriers).
-    if (gathered) {
-      if (part == 0 && threadIdx.x == 0) bulk::arrive_expect(bar_keys(), 8 * total);
-      // Into CTA 0 by st.async, each word counted on its mbarrier.
-      const uint32_t key_dst = cluster::peer_address(bulk::smem_address(sh.cand_key), 0);
-      const uint32_t id_dst = cluster::peer_address(bulk::smem_address(sh.cand_id), 0);
-      const uint32_t bar = cluster::peer_address(bar_keys(), 0);
-      gather_keys<kPer>(key, first, offset + kept.incl - own,
-                        [&](uint32_t at, uint32_t v, int32_t id) {
-                          cluster::store4_async(key_dst + 4 * at, v, bar);
-                          cluster::store4_async(id_dst + 4 * at, static_cast<uint32_t>(id), bar);
-                        });
-    }
-  } else {
-    if (gathered)
-      gather_keys<kPer>(key, first, offset + kept.incl - own,
-                        [key_dst = cluster.map_shared_rank(sh.cand_key, 0),
-                         id_dst = cluster.map_shared_rank(sh.cand_id, 0)](
-                            uint32_t at, uint32_t v, int32_t id) {
-                          key_dst[at] = v;
-                          id_dst[at] = id;
-                        });
-    cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
+  // No barrier after: CTA 0 waits for the keys' bytes; no CTA reads a peer's shared memory
+  // from here (the cluster's radix select below has its own barriers).
+  if (gathered) {
+    if (part == 0 && threadIdx.x == 0) bulk::arrive_expect(bar_keys(), 8 * total);
+    // Into CTA 0 by st.async, each word counted on its mbarrier.
+    const uint32_t key_dst = cluster::peer_address(bulk::smem_address(sh.cand_key), 0);
+    const uint32_t id_dst = cluster::peer_address(bulk::smem_address(sh.cand_id), 0);
+    const uint32_t bar = cluster::peer_address(bar_keys(), 0);
+    gather_keys<kPer>(key, first, offset + kept.incl - own,
+                      [&](uint32_t at, uint32_t v, int32_t id) {
+                        cluster::store4_async(key_dst + 4 * at, v, bar);
+                        cluster::store4_async(id_dst + 4 * at, static_cast<uint32_t>(id), bar);
+                      });
   }
   if constexpr (!kOneCta) {
     if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
@@ -245,8 +202,8 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   }
   if (part == 0) {
     if (gathered) {
-      if constexpr (kAsync) bulk::wait(bar_keys(), 0);  // 3: the kept keys are in CTA 0
-      select_gathered<kThreads, kLookup>(total, lo, hi, k, out, sh);
+      bulk::wait(bar_keys(), 0);  // 3: the kept keys are in CTA 0
+      select_gathered<kThreads>(total, lo, hi, k, out, sh);
     } else if constexpr (kOneCta) {
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     }
@@ -257,27 +214,9 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
 
 template <int kParts, int kPer>
 cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  if (std::getenv("GLM5_EXPERIMENT_TOPK_CLUSTER_SYNC") != nullptr)  // EXPERIMENT: A/B
-    return launch_cluster(pool_topk_parts_kernel<kParts, kPer, false>,
-                          dim3(static_cast<unsigned>(args.rows) * kParts),
-                          dim3(kTopkMaxThreads), 0, stream, pdl,
-                          static_cast<unsigned>(kParts), args);
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
-}
-
-// EXPERIMENT: rows past one CTA's registers; GLM5_EXPERIMENT_TOPK_NO_LOOKUP=1 runs their
-// kernel without the slot lookups beside the select (select_gathered's kLookup), for an A/B
-// that leaves the kLookup kernels' SASS as it lands.
-template <int kParts, int kPer>
-cudaError_t launch_topk_rows(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  if (std::getenv("GLM5_EXPERIMENT_TOPK_NO_LOOKUP") != nullptr)
-    return launch_cluster(pool_topk_parts_kernel<kParts, kPer, true, false>,
-                          dim3(static_cast<unsigned>(args.rows) * kParts),
-                          dim3(kTopkMaxThreads), 0, stream, pdl,
-                          static_cast<unsigned>(kParts), args);
-  return launch_topk_parts<kParts, kPer>(stream, pdl, args);
 }
 
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
@@ -290,8 +229,7 @@ int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 6
 // topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
 template <int kRowPer>
 cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  int parts = std::min(topk_parts(args.rows), kRowPer / 4);
-  if (std::getenv("GLM5_EXPERIMENT_TOPK_ONE_CTA") != nullptr) parts = 1;  // EXPERIMENT: A/B
+  const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
   if constexpr (kRowPer / 4 >= 8)
     if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
   if constexpr (kRowPer / 4 >= 4)
@@ -316,9 +254,9 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
-  if (args.width <= 2 * kTopkCtaPools) return launch_topk_rows<kParts, 8>(stream, pdl, args);
-  if (args.width <= 4 * kTopkCtaPools) return launch_topk_rows<kParts, 16>(stream, pdl, args);
-  return launch_topk_rows<kParts, kTopkMaxKeys>(stream, pdl, args);
+  if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<kParts, 8>(stream, pdl, args);
+  if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
+  return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 
 }  // namespace

@@ -144,7 +144,7 @@ def test_topk_cluster_exchanges_without_fences(functions):
   but the three barriers of the cluster's radix select (histograms, lower counts, done),
   the fallback for rows that keep more than kTopkCandidates keys."""
   kernels = {name: ins for name, ins in functions.items()
-             if re.search(r"pool_topk_parts_kernelILi\d+ELi\d+ELb1E", name)}
+             if re.search(r"pool_topk_parts_kernelILi\d+ELi\d+EE", name)}
   assert len(kernels) >= 9, sorted(functions)
   for name, instructions in kernels.items():
     parts, per = map(int, re.search(r"pool_topk_parts_kernelILi(\d+)ELi(\d+)E", name).groups())
@@ -171,6 +171,4 @@ def test_topk_gathered_select_runs_on_eight_warps(functions):
   assert len(wide) >= 12 and len(kernels) - len(wide) == 2, sorted(kernels)
   for name, instructions in kernels.items():
     assert any(part.search(x) for x in instructions) == (name in wide), name
-    # EXPERIMENT: the parts kernels' kLookup = false instantiations (an A/B) have no lookups
-    looks_up = name in wide and not re.search(r"parts_kernelILi\d+ELi\d+ELb[01]ELb0E", name)
-    assert any(lookups.search(x) for x in instructions) == looks_up, name
+    assert any(lookups.search(x) for x in instructions) == (name in wide), name
