@@ -89,6 +89,13 @@ def _variants():
     return jnp.asarray(logits), cases.i32([width, width, 20001][:rows])
   out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
               topk_parts_args, None, True))
+  # Past 64 rows of 8,192 pools one CTA of 1024 threads holds a row: its kept keys gathered
+  # in its own shared memory, then selected on 8 warps (select_gathered).
+  def topk_rows_args(rng, rows=66, width=8192):
+    logits = rng.standard_normal((rows, width)).astype(np.float32)
+    return jnp.asarray(logits), cases.i32(rng.integers(width // 2, width + 9, rows))
+  out.append(("pool_topk one CTA", functools.partial(glm5_jax.pool_topk, k=512),
+              topk_rows_args, None, True))
   # Rows past one CTA (262,144 and 50,688 pools): the cluster holds the row; equal logits
   # keep every key, so every CTA runs the cluster's radix select (histograms and counts read
   # across the cluster's shared memory).
