@@ -52,5 +52,20 @@ __device__ __forceinline__ void store16_async(uint32_t dst, float4 v, uint32_t b
       : "memory");
 }
 
+// The same for four 32-bit words.
+__device__ __forceinline__ void store16_async(uint32_t dst, uint4 v, uint32_t bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+      : "memory");
+}
+
+// 4 bytes into peer shared memory at `dst` (4-byte aligned), counted as 4 bytes on `bar`.
+__device__ __forceinline__ void store4_async(uint32_t dst, uint32_t v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(dst),
+               "r"(v), "r"(bar)
+               : "memory");
+}
+
 }  // namespace cluster
 }  // namespace glm5

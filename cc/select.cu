@@ -10,8 +10,8 @@
 //                      instead of its id (op select_slots, what indexer_stage runs: no
 //                      expand_and_remap launch).
 //
-// The kernels are in select_logits.cuh and select_topk.cuh, their shared device code in
-// select.cuh: one translation unit.
+// The kernels are in select_logits.cuh, select_topk.cuh and select_topk_cluster.cuh, their
+// shared device code in select.cuh: one translation unit.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -23,7 +23,7 @@
 #include "remap.cuh"
 #include "select.cuh"
 #include "select_logits.cuh"
-#include "select_topk.cuh"
+#include "select_topk_cluster.cuh"
 
 namespace glm5 {
 namespace {

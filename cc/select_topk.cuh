@@ -1,5 +1,6 @@
-// The select path's top-k kernels (SPEC §5c) and their launch: pool_topk_kernel and
-// pool_topk_parts_kernel, for glm5_pool_topk, glm5_select_pools and glm5_select_slots
+// The select path's top-k (SPEC §5c): pool_topk_kernel, one CTA per row, and the device
+// code the cluster kernel shares with it (select_topk_cluster.cuh: pool_topk_parts_kernel
+// and the launch), for glm5_pool_topk, glm5_select_pools and glm5_select_slots
 // (cc/select.cu).
 //
 // Top-k: one CTA per row (512 or 1024 threads by the logits width), or a cluster of 2-8
@@ -12,8 +13,6 @@
 // threshold by ascending id). No atomic decides an order; shared-memory atomics only count.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -24,8 +23,6 @@
 
 namespace glm5 {
 namespace {
-
-namespace cg = cooperative_groups;
 
 // select_slots: the top-k writes a selected pool's slots instead of its id, the pool's four
 // tokens remapped through the request's block table (SPEC §7: expand_and_remap with
@@ -212,13 +209,14 @@ __device__ __forceinline__ void finish_row(const TopkArgs& a, int r, const RowOu
 template <int kThreads, int kPer>
 constexpr bool kCompact = kPer >= 4 * (kTopkCandidates / kThreads);
 
-// Where radix_select_emit's keys live. CtaScope: one CTA's. ClusterScope: every CTA of a
-// cluster runs it on its own keys (a row wider than one CTA's registers): a digit's
-// histogram is the sum of the CTAs' (each thread reads its bins in every CTA's shared
-// memory after a cluster barrier, so every CTA finds the same digits), a CTA's ids come
-// after the lower CTAs' (their counts, after one more barrier), and a last barrier keeps
-// every CTA's shared memory alive until no CTA reads it. A CTA clears a histogram only
-// after the next digit's barrier, which every reader of it has passed.
+// Where radix_select_emit's keys live. CtaScope: one CTA's. ClusterScope
+// (select_topk_cluster.cuh): every CTA of a cluster runs it on its own keys (a row wider
+// than one CTA's registers): a digit's histogram is the sum of the CTAs' (each thread reads
+// its bins in every CTA's shared memory after a cluster barrier, so every CTA finds the same
+// digits), a CTA's ids come after the lower CTAs' (their counts, after one more barrier),
+// and a last barrier keeps every CTA's shared memory alive until no CTA reads it. A CTA
+// clears a histogram only after the next digit's barrier, which every reader of it has
+// passed.
 struct CtaScope {
   __device__ __forceinline__ void histograms_ready() const { __syncthreads(); }
   __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const { return h[i]; }
@@ -226,34 +224,6 @@ struct CtaScope {
   __device__ __forceinline__ void done() const {}
 };
 
-template <int kParts>
-struct ClusterScope {
-  uint32_t* part_gt;  // this CTA's selected counts (above, equal), read by the higher CTAs
-  uint32_t* part_eq;
-
-  __device__ __forceinline__ void histograms_ready() const { cg::this_cluster().sync(); }
-  __device__ __forceinline__ uint32_t bin(uint32_t* h, int i) const {
-    uint32_t sum = 0;
-#pragma unroll
-    for (int q = 0; q < kParts; ++q) sum += cg::this_cluster().map_shared_rank(h, q)[i];
-    return sum;
-  }
-  // total: this CTA's packed counts (above << 16 | equal: at most kTopkCtaPools each).
-  __device__ __forceinline__ void add_lower_counts(uint32_t total, uint32_t& gt,
-                                                   uint32_t& eq) const {
-    const cg::cluster_group cluster = cg::this_cluster();
-    if (threadIdx.x == 0) {
-      *part_gt = total >> 16;
-      *part_eq = total & 0xffffu;
-    }
-    cluster.sync();
-    for (int q = 0; q < static_cast<int>(cluster.block_rank()); ++q) {
-      gt += *cluster.map_shared_rank(part_gt, q);
-      eq += *cluster.map_shared_rank(part_eq, q);
-    }
-  }
-  __device__ __forceinline__ void done() const { cg::this_cluster().sync(); }
-};
 
 // Radix select of the k-th largest of the CTA's keys (a ClusterScope: the cluster's), then
 // the selected ids written to `out` in ascending id order. key[i] (0: no key) has id
@@ -596,189 +566,10 @@ __global__ void __launch_bounds__(kThreads, 1) pool_topk_kernel(TopkArgs a) {
   pdl_launch_dependents();
 }
 
-// kParts CTAs of kTopkMaxThreads per row, a thread-block cluster (few rows of many pools:
-// one CTA would walk the row alone on one SM). CTA q of the cluster holds pools
-// [q * span, (q + 1) * span), span = ceil(n / kParts) rounded up to 4, kPer keys per thread
-// at most. The cluster shares one candidate bound (the minimum of the CTAs'), then every CTA
-// writes its kept keys, in id order, into CTA 0's shared memory at its offset (the sum of
-// the lower CTAs' counts), and CTA 0 alone runs the radix select among them. Three cluster
-// barriers in all. Where more than kTopkCandidates keys are kept (ties, adversarial rows),
-// CTA 0 runs the one-CTA path (topk_row) on the whole row instead, or, for a row wider than
-// one CTA's registers, every CTA the cluster's radix select on its own keys
-// (radix_select_emit in a ClusterScope).
-template <int kParts, int kPer>
-__global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(TopkArgs a) {
-  constexpr int kThreads = kTopkMaxThreads, kWarps = kThreads / kWarp;
-  constexpr int kRowPer = kParts * kPer;  // the whole row in one CTA, where it fits
-  constexpr bool kOneCta = kRowPer <= kTopkMaxKeys;
-  static_assert(kPer % 4 == 0 && kPer <= kTopkMaxKeys);
-  __shared__ TopkShared sh;
-  // Read by the cluster: each CTA's bound, kept keys, their range; its selected counts.
-  __shared__ uint32_t part_bound, part_count, part_lo, part_hi, part_gt, part_eq;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int part = static_cast<int>(cluster.block_rank());
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int r = blockIdx.x / kParts;
-  const int32_t k = a.k;
-  RowOut out = row_out(a, r);
-  const int32_t n = pools_to_select<kThreads>(a, r, out, part == 0, sh);
-  if (n < 0) return;  // the whole cluster returns here: no cluster barrier was passed
-
-  // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
-  const int32_t span = ((n + kParts - 1) / kParts + 3) / 4 * 4;
-  const int32_t chunk = min(kPer, (span + kThreads - 1) / kThreads);
-  const int32_t first = part * span + threadIdx.x * chunk;
-  const int32_t end = min(n, (part + 1) * span);
-  const float* row = a.logits + static_cast<int64_t>(r) * a.width;
-  uint32_t key[kPer];
-  load_keys<kPer>(row, first, chunk, end, chunk % 4 == 0 && a.width % 4 == 0, key);
-  for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
-  int sum_j = 0, mine = 0;  // the offered warps of the cluster; this CTA's full warps
-  for (int q = 0; q < kParts; ++q) {
-    const int32_t keys = min(max(n - q * span, 0), span);
-    const int f = (keys + chunk - 1) / chunk / kWarp;
-    sum_j += min(f, kTopkClusterBoundWarps);
-    if (q == part) mine = f;
-  }
-  const int c = bound_c(k, sum_j), j = min(mine, kTopkClusterBoundWarps);
-  uint32_t hi = 0u;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) hi = max(hi, key[i]);
-  const uint32_t v = warp_bound(hi, c, warp < mine);
-  if (lane == 0) sh.warp_bound[warp] = v;
-  __syncthreads();
-  if (warp == 0) {  // b: the j-th largest v (no bound where c > 32; neutral where j = 0)
-    const uint32_t b = c > kWarp ? 0u
-                       : j == 0  ? 0xffffffffu
-                                 : warp_nth_largest(lane < kWarps ? sh.warp_bound[lane] : 0u, j);
-    if (lane == 0) part_bound = b;
-  }
-  cluster.sync();  // 1: the parts' bounds
-  uint32_t bound = 0xffffffffu;
-  for (int q = 0; q < kParts; ++q) bound = min(bound, *cluster.map_shared_rank(&part_bound, q));
-
-  // 2. The kept keys (>= the bound): their count, smallest and largest, per CTA.
-  uint32_t own = 0, lo = 0xffffffffu;
-  hi = 0u;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    if (key[i] < bound) key[i] = 0u;
-    own += key[i] != 0u;
-    if (key[i] != 0u) lo = min(lo, key[i]);
-    hi = max(hi, key[i]);
-  }
-  lo = __reduce_min_sync(0xffffffffu, lo);
-  hi = __reduce_max_sync(0xffffffffu, hi);
-  if (lane == 0) {
-    sh.warp_lo[warp] = lo;
-    sh.warp_hi[warp] = hi;
-  }
-  const Scan kept = block_scan<kThreads>(own, sh.warp_sums);  // its barrier orders warp_lo/hi
-  if (warp == 0) {  // lane w takes warp w's values, as topk_row combines them
-    static_assert(kWarps == kWarp);
-    lo = __reduce_min_sync(0xffffffffu, sh.warp_lo[lane]);
-    hi = __reduce_max_sync(0xffffffffu, sh.warp_hi[lane]);
-    if (lane == 0) {
-      part_count = kept.total;
-      part_lo = lo;
-      part_hi = hi;
-    }
-  }
-  cluster.sync();  // 2: the parts' counts
-  uint32_t offset = 0, total = 0;
-  for (int q = 0; q < kParts; ++q) {
-    const uint32_t c = *cluster.map_shared_rank(&part_count, q);
-    offset += q < part ? c : 0u;
-    total += c;
-  }
-  if (part == 0 || !kOneCta) {
-    for (int q = 0; q < kParts; ++q) {
-      lo = min(lo, *cluster.map_shared_rank(&part_lo, q));
-      hi = max(hi, *cluster.map_shared_rank(&part_hi, q));
-    }
-  }
-  // 3. The kept keys into CTA 0, in id order.
-  const bool gathered = total <= kTopkCandidates;  // the same in every CTA
-  if (gathered)
-    gather_keys<kPer>(key, first, offset + kept.incl - own,
-                      cluster.map_shared_rank(sh.cand_key, 0),
-                      cluster.map_shared_rank(sh.cand_id, 0));
-  cluster.sync();  // 3: the keys are in CTA 0; no CTA reads another's shared memory after it
-  if constexpr (!kOneCta) {
-    if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
-      RowOut mine = out;
-      if (part != 0 && out.slots() && slots_kept(a, out, n) < 0)
-        mine.valid = cluster.map_shared_rank(&sh.valid, 0);
-      radix_select_emit<kThreads>(key, [&](int i) { return first + i; }, lo, hi, k, mine, sh,
-                                  ClusterScope<kParts>{&part_gt, &part_eq});
-      if (part == 0) {
-        finish_row<kThreads>(a, r, out, sh, true);
-      }
-      pdl_launch_dependents();
-      return;
-    }
-  }
-  if (part == 0) {
-    if (gathered)
-      select_gathered<kThreads>(total, lo, hi, k, out, sh);
-    else if constexpr (kOneCta)
-      topk_row<kThreads, kRowPer>(a, r, n, out, sh);
-    finish_row<kThreads>(a, r, out, sh);
-  }
-  pdl_launch_dependents();
-}
-
 template <int kThreads, int kPer>
 cudaError_t launch_topk_as(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   return launch(pool_topk_kernel<kThreads, kPer>, dim3(static_cast<unsigned>(args.rows)),
                 dim3(kThreads), 0, stream, pdl, args);
-}
-
-template <int kParts, int kPer>
-cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
-                        dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
-                        0, stream, pdl, static_cast<unsigned>(kParts), args);
-}
-
-// CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
-// the GPU idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
-// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1: the split is faster
-// at the widest rows (ncu) and no slower at narrower ones.
-int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1; }
-
-// The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
-// topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
-template <int kRowPer>
-cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
-  if constexpr (kRowPer / 4 >= 8)
-    if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
-  if constexpr (kRowPer / 4 >= 4)
-    if (parts == 4) return launch_topk_parts<4, kRowPer / 4>(stream, pdl, args);
-  if (parts == 2) return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
-  return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
-}
-
-// Threads and keys per thread from the logits width (a static shape): at least 16 warps
-// (k = 512 then has its candidate bound: c = 32 maxima per warp), more keys per thread
-// past 4 and 8 (one and two 16-byte loads), 32 at most (the 64 registers of a thread at
-// 1024 threads per CTA). Narrower CTAs at the 2048 and 4096 widths are slower (ncu): below
-// 16 warps there is no bound, and the key loops of the fewer threads are longer than what
-// the fewer warps save at the barriers.
-// Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
-// thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
-// chunks of one CTA's width: their clusters would take several waves of the SMs).
-cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  constexpr int kParts = kTopkClusterParts;
-  if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
-  if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
-  if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
-  if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
-  if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
-  if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<kParts, 8>(stream, pdl, args);
-  if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
-  return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 
 }  // namespace

@@ -135,3 +135,21 @@ def test_wgmma_kernels_hand_over_sums_without_fences(functions, kernel, sent):
     assert any(x.startswith("HGMMA") for x in instructions), name
     assert any("STAS" in x for x in instructions), f"{name}: no st.async of {sent}"
     assert not [x for x in instructions if "MEMBAR" in x], name
+
+
+def test_topk_cluster_exchanges_without_fences(functions):
+  """The wide top-k's cluster (pool_topk_parts_kernel) hands its bounds, counts and the
+  kept keys to CTA 0 by st.async onto mbarriers: no MEMBAR where a row fits one CTA's
+  registers (its fallback is CTA 0's own top-k), and where it does not, no GPU-scope one
+  but the three barriers of the cluster's radix select (histograms, lower counts, done),
+  the fallback for rows that keep more than kTopkCandidates keys."""
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"pool_topk_parts_kernelILi\d+ELi\d+EE", name)}
+  assert len(kernels) >= 9, sorted(functions)
+  for name, instructions in kernels.items():
+    parts, per = map(int, re.search(r"pool_topk_parts_kernelILi(\d+)ELi(\d+)E", name).groups())
+    if parts * per <= 32:
+      assert not [x for x in instructions if "MEMBAR" in x], name
+    else:
+      assert sum("MEMBAR.ALL.GPU" in x for x in instructions) <= 3, name
+    assert any("STAS" in x for x in instructions), f"{name}: no st.async to the cluster"
