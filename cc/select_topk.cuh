@@ -402,18 +402,18 @@ __device__ __forceinline__ int bound_c(int32_t k, int sum_j) {
   return sum_j > 0 ? (k + sum_j - 1) / sum_j : kWarp + 1;
 }
 
-// Writes the thread's nonzero keys (key[i] of pool first + i) and their ids into
-// `key_dst`/`id_dst` (shared memory, maybe another CTA's) from position `at`, the thread's
-// exclusive prefix of kept keys: in (thread, key) order, so the ids ascend.
-template <int kPer>
+// Hands the thread's nonzero keys (key[i] of pool first + i) with their ids to
+// put(position, key, id), from position `at`, the thread's exclusive prefix of kept keys: in
+// (thread, key) order, so the ids ascend. put stores them, in this CTA's shared memory or,
+// by st.async, in CTA 0's (the cluster's gather).
+template <int kPer, typename Put>
 __device__ __forceinline__ void gather_keys(const uint32_t (&key)[kPer], int32_t first,
-                                            uint32_t at, uint32_t* key_dst, int32_t* id_dst) {
+                                            uint32_t at, Put put) {
 #pragma unroll
   for (int i = 0; i < kPer; ++i)
     if (key[i] != 0u) {
-      key_dst[at] = key[i];
-      id_dst[at] = first + i;
-      ++at;
+      put(at, key[i], first + i);
+      ++at;  // after the call: in its argument the SASS grows
     }
 }
 
@@ -497,7 +497,10 @@ __device__ __forceinline__ void topk_row(const TopkArgs& a, int r, int32_t n, co
     for (int i = 0; i < kPer; ++i) own += key[i] != 0u;
     const Scan kept = block_scan<kThreads>(own, sh.warp_sums);
     if (kept.total <= kTopkCandidates) {  // the same branch in every thread
-      gather_keys<kPer>(key, base, kept.incl - own, sh.cand_key, sh.cand_id);
+      gather_keys<kPer>(key, base, kept.incl - own, [&](uint32_t at, uint32_t v, int32_t id) {
+        sh.cand_key[at] = v;
+        sh.cand_id[at] = id;
+      });
       __syncthreads();
       select_gathered<kThreads>(kept.total, lo, hi, k, out, sh);
       return;

@@ -48,21 +48,6 @@ struct ClusterScope {
   __device__ __forceinline__ void done() const { cg::this_cluster().sync(); }
 };
 
-// gather_keys into CTA 0 by st.async (key_dst, id_dst: shared::cluster addresses there),
-// each word counted on CTA 0's mbarrier `bar`.
-template <int kPer>
-__device__ __forceinline__ void gather_keys_async(const uint32_t (&key)[kPer], int32_t first,
-                                                  uint32_t at, uint32_t key_dst,
-                                                  uint32_t id_dst, uint32_t bar) {
-#pragma unroll
-  for (int i = 0; i < kPer; ++i)
-    if (key[i] != 0u) {
-      cluster::store4_async(key_dst + 4 * at, key[i], bar);
-      cluster::store4_async(id_dst + 4 * at, static_cast<uint32_t>(first + i), bar);
-      ++at;
-    }
-}
-
 // kParts CTAs of kTopkMaxThreads per row, a thread-block cluster (few rows of many pools:
 // one CTA would walk the row alone on one SM). CTA q of the cluster holds pools
 // [q * span, (q + 1) * span), span = ceil(n / kParts) rounded up to 4, kPer keys per thread
@@ -190,10 +175,14 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
   // from here (the cluster's radix select below has its own barriers).
   if (gathered) {
     if (part == 0 && threadIdx.x == 0) bulk::arrive_expect(bar_keys(), 8 * total);
-    gather_keys_async<kPer>(key, first, offset + kept.incl - own,
-                            cluster::peer_address(bulk::smem_address(sh.cand_key), 0),
-                            cluster::peer_address(bulk::smem_address(sh.cand_id), 0),
-                            cluster::peer_address(bar_keys(), 0));
+    const uint32_t key_dst = cluster::peer_address(bulk::smem_address(sh.cand_key), 0);
+    const uint32_t id_dst = cluster::peer_address(bulk::smem_address(sh.cand_id), 0);
+    const uint32_t bar = cluster::peer_address(bar_keys(), 0);
+    gather_keys<kPer>(key, first, offset + kept.incl - own,
+                      [&](uint32_t at, uint32_t v, int32_t id) {
+                        cluster::store4_async(key_dst + 4 * at, v, bar);
+                        cluster::store4_async(id_dst + 4 * at, static_cast<uint32_t>(id), bar);
+                      });
   }
   if constexpr (!kOneCta) {
     if (!gathered) {  // the same branch in every CTA; CTA 0 counts every CTA's kept slots
