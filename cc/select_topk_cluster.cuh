@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "bulk.cuh"
 #include "cluster.cuh"
@@ -212,6 +213,11 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
 
 template <int kParts, int kPer>
 cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  if constexpr (kParts > 8) {  // past the portable cluster size: allowed once per kernel
+    static const cudaError_t allowed = cudaFuncSetAttribute(
+        pool_topk_parts_kernel<kParts, kPer>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (allowed != cudaSuccess) return allowed;
+  }
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
@@ -245,8 +251,30 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
 // thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
 // chunks of one CTA's width: their clusters would take several waves of the SMs).
+// EXPERIMENT: GLM5_EXPERIMENT_TOPK_WIDE_PARTS=4|16 runs rows past one CTA's registers on
+// clusters of 4 or 16 CTAs (16: non-portable) instead of 8, for an A/B in one build.
+int experiment_wide_parts() {
+  static const int parts = [] {
+    const char* v = std::getenv("GLM5_EXPERIMENT_TOPK_WIDE_PARTS");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return parts;
+}
+
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
+  if (args.width > kTopkCtaPools) {
+    const int parts = experiment_wide_parts();
+    if (parts == 16) {
+      if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<16, 4>(stream, pdl, args);
+      if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<16, 8>(stream, pdl, args);
+      return launch_topk_parts<16, 16>(stream, pdl, args);
+    }
+    if (parts == 4 && args.width <= 2 * kTopkCtaPools)
+      return launch_topk_parts<4, kTopkMaxKeys / 2>(stream, pdl, args);
+    if (parts == 4 && args.width <= 4 * kTopkCtaPools)
+      return launch_topk_parts<4, kTopkMaxKeys>(stream, pdl, args);
+  }
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
