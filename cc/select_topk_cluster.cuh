@@ -251,8 +251,8 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
 // thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
 // chunks of one CTA's width: their clusters would take several waves of the SMs).
-// EXPERIMENT: GLM5_EXPERIMENT_TOPK_WIDE_PARTS=4|16 runs rows past one CTA's registers on
-// clusters of 4 or 16 CTAs (16: non-portable) instead of 8, for an A/B in one build.
+// EXPERIMENT: GLM5_EXPERIMENT_TOPK_WIDE_PARTS=2|4|16 runs rows past one CTA's registers on
+// clusters of 2, 4 or 16 CTAs (16: non-portable) instead of 8, for an A/B in one build.
 int experiment_wide_parts() {
   static const int parts = [] {
     const char* v = std::getenv("GLM5_EXPERIMENT_TOPK_WIDE_PARTS");
@@ -270,6 +270,8 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
       if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<16, 8>(stream, pdl, args);
       return launch_topk_parts<16, 16>(stream, pdl, args);
     }
+    if (parts == 2 && args.width <= 2 * kTopkCtaPools)
+      return launch_topk_parts<2, kTopkMaxKeys>(stream, pdl, args);
     if (parts == 4 && args.width <= 2 * kTopkCtaPools)
       return launch_topk_parts<4, kTopkMaxKeys / 2>(stream, pdl, args);
     if (parts == 4 && args.width <= 4 * kTopkCtaPools)
