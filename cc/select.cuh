@@ -27,6 +27,10 @@ constexpr int kTopkMaxKeys = 32;
 constexpr int kTopkCtaPools = limits::kTopkCtaPools;
 static_assert(kTopkMaxThreads * kTopkMaxKeys == kTopkCtaPools, "a CTA's row fills its registers");
 constexpr int kTopkClusterParts = 8;
+// The widest rows (1M tokens) at up to kTopkWideRows rows: a non-portable cluster of 16
+// (select_topk_cluster.cuh's launch_topk).
+constexpr int kTopkWideParts = 16;
+constexpr int kTopkWideRows = 1;
 constexpr int kTopkMaxPools = limits::kTopkMaxPools;
 static_assert(kTopkClusterParts * kTopkCtaPools == kTopkMaxPools,
               "the widest row fills the registers of a portable cluster");

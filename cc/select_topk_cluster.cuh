@@ -1,5 +1,5 @@
 // The select path's top-k past one CTA per row (SPEC §5c): pool_topk_parts_kernel, a
-// thread-block cluster of 2-8 CTAs per row at few rows of many pools and always past one
+// thread-block cluster of 2-16 CTAs per row at few rows of many pools and always past one
 // CTA's registers (32,768 pools), and the launch of every top-k kernel (launch_topk), for
 // cc/select.cu. The per-row steps it shares with the one-CTA kernel are in select_topk.cuh.
 #pragma once
@@ -212,6 +212,11 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
 
 template <int kParts, int kPer>
 cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  if constexpr (kParts > kTopkClusterParts) {  // a non-portable cluster: allowed once
+    static const cudaError_t allowed = cudaFuncSetAttribute(
+        pool_topk_parts_kernel<kParts, kPer>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (allowed != cudaSuccess) return allowed;
+  }
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
@@ -244,7 +249,12 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // the fewer warps save at the barriers.
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
 // thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
-// chunks of one CTA's width: their clusters would take several waves of the SMs).
+// chunks of one CTA's width: their clusters would take several waves of the SMs), except:
+// - up to kTopkWideRows rows wider than 4 CTAs' registers (1M tokens), kTopkWideParts CTAs
+//   of 16 keys: past 16 keys a thread the CTAs' key loops cost more than the wider cluster's
+//   exchange (at 8 keys they cost less);
+// - at 9-16 rows (topk_parts: 4) of up to 2 CTAs' registers (GLM-5's window), 4 CTAs of 16
+//   keys, as narrower rows there: faster than 8 of 8 (docs/performance.md, section 5).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
@@ -252,8 +262,14 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
-  if (args.width <= 2 * kTopkCtaPools) return launch_topk_parts<kParts, 8>(stream, pdl, args);
+  if (args.width <= 2 * kTopkCtaPools) {
+    if (topk_parts(args.rows) == 4) return launch_topk_parts<4, 16>(stream, pdl, args);
+    return launch_topk_parts<kParts, 8>(stream, pdl, args);
+  }
   if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
+  if (args.rows <= kTopkWideRows)
+    return launch_topk_parts<kTopkWideParts, kTopkMaxPools / kTopkWideParts / kTopkMaxThreads>(
+        stream, pdl, args);
   return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 

@@ -86,7 +86,7 @@ def _variants():
   def topk_parts_args(rng, rows=3, width=32768):
     logits = rng.standard_normal((rows, width)).astype(np.float32)
     logits[1] = 3.0
-    return jnp.asarray(logits), cases.i32([width, width, 20001][:rows])
+    return jnp.asarray(logits), cases.i32(([width, width, 20001] * rows)[:rows])
   out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
               topk_parts_args, None, True))
   # Rows past one CTA (262,144 and 50,688 pools): the cluster holds the row; equal logits
@@ -94,6 +94,11 @@ def _variants():
   # across the cluster's shared memory).
   out.append(("pool_topk cluster", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=2, width=262144), None, True))
+  # One row of 262,144 pools (a cluster of 16, non-portable); 16 rows of 50,688 (4 a row).
+  out.append(("pool_topk cluster of 16", functools.partial(glm5_jax.pool_topk, k=512),
+              functools.partial(topk_parts_args, rows=1, width=262144), None, True))
+  out.append(("pool_topk cluster of 4", functools.partial(glm5_jax.pool_topk, k=512),
+              functools.partial(topk_parts_args, rows=16, width=50688), None, True))
   out.append(("select_slots cluster", functools.partial(
       glm5_jax.select_slots, k=512, max_pools=50688, block_size=128, width=2053,
       stride_rows=160), lambda rng: slots_wide_args(rng, rows=2, pools=50688),
