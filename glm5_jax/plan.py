@@ -104,7 +104,7 @@ class TopkChunks(NamedTuple):
     return self.chunks * self.pools
 
 
-# Rows wider than one CTA holds (TOPK_CTA_POOLS) take the top-k kernel's 8-CTA cluster up to
+# Rows wider than one CTA holds (TOPK_CTA_POOLS) take the top-k kernel's cluster (4-16 CTAs) up to
 # this many rows: their clusters fit one wave of the GPU's SMs. More rows are cut into chunks
 # of one CTA's width, a CTA per chunk row, and a top-k of the chunks' candidates. Decided by the
 # stage bench at 202,752 tokens, M=1/16/64, the cluster against the chunks (docs/performance.md).

@@ -1,5 +1,5 @@
 """Rows wider than one CTA's top-k (32,768 pools) on the GPU: up to limits.TOPK_MAX_POOLS
-(262,144 pools, 1M tokens) pool_topk's kernel holds a row in a cluster of 8 CTAs (its kept
+(262,144 pools, 1M tokens) pool_topk's kernel holds a row in a cluster of 4-16 CTAs (its kept
 keys gathered into one, or, where the bound keeps too many, a radix select over the whole
 cluster); past it the kernel runs over chunks, then over the chunks' candidates
 (plan.topk_chunks). Either way equal to the reference top-k bit for bit on the same logits;
