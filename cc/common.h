@@ -108,10 +108,18 @@ inline bool aligned(const void* p, uintptr_t bytes) {
 // finishes, so it must call pdl_wait() before reading any input. `pdl` is every handler's
 // "pdl" attribute, decided in Python by the routing value: part of the jit cache key, so
 // turning PDL off recompiles instead of reusing an executable built with it. `cluster` > 1 groups
-// `cluster` consecutive CTAs along x into a thread-block cluster (gridDim.x % cluster == 0).
+// `cluster` consecutive CTAs along x into a thread-block cluster (gridDim.x % cluster == 0);
+// past kPortableCluster the kernel is allowed a non-portable one first, at every launch (a
+// function attribute is the current device's, as allow_smem's).
+constexpr unsigned kPortableCluster = 8;  // the cluster size every sm_90 launch takes
 template <typename... Params, typename... Args>
 cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                            cudaStream_t stream, bool pdl, unsigned cluster, Args&&... args) {
+  if (cluster > kPortableCluster)
+    if (cudaError_t err = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        err != cudaSuccess)
+      return err;
   cudaLaunchAttribute attr[2] = {};
   unsigned count = 0;
   if (pdl) {

@@ -18,6 +18,8 @@ namespace glm5 {
 namespace {
 
 namespace cg = cooperative_groups;
+static_assert(kTopkClusterParts == static_cast<int>(kPortableCluster) &&
+              kTopkWideParts > kTopkClusterParts);
 
 template <int kParts>
 struct ClusterScope {
@@ -212,11 +214,6 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
 
 template <int kParts, int kPer>
 cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  if constexpr (kParts > kTopkClusterParts) {  // a non-portable cluster: allowed once
-    static const cudaError_t allowed = cudaFuncSetAttribute(
-        pool_topk_parts_kernel<kParts, kPer>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (allowed != cudaSuccess) return allowed;
-  }
   return launch_cluster(pool_topk_parts_kernel<kParts, kPer>,
                         dim3(static_cast<unsigned>(args.rows) * kParts), dim3(kTopkMaxThreads),
                         0, stream, pdl, static_cast<unsigned>(kParts), args);
