@@ -1,6 +1,7 @@
 // Shared by every kernel family: FFI alias, handler checks and CUDA errors, launch with PDL.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -140,6 +141,42 @@ cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, siz
   config.attrs = attr;
   config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Whether the current device holds one cluster of `cluster` CTAs of kKernel (block threads,
+// no dynamic shared memory) at all: past kPortableCluster a GPC with fewer free SMs (a MIG
+// slice, a smaller part) may not, and its launch would fail. Asked once a device; a failed
+// query is not kept, and answers yes (the launch then reports its own error).
+template <auto kKernel>
+bool cluster_fits(dim3 block, unsigned cluster) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};  // 0: not asked; 1: no; 2: yes
+  int device = 0;
+  if (cluster <= kPortableCluster || cudaGetDevice(&device) != cudaSuccess || device < 0 ||
+      device >= kDevices)
+    return true;
+  if (const int state = known[device].load(std::memory_order_relaxed); state != 0)
+    return state == 2;
+  if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+      cudaSuccess)
+    return true;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster);
+  config.blockDim = block;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it for the next launch's check
+    return true;
+  }
+  known[device].store(clusters > 0 ? 2 : 1, std::memory_order_relaxed);
+  return clusters > 0;
 }
 
 template <typename... Params, typename... Args>

@@ -248,8 +248,9 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
 // chunks of one CTA's width: their clusters would take several waves of the SMs), except:
 // - up to kTopkWideRows rows wider than 4 CTAs' registers (1M tokens), kTopkWideParts CTAs
-//   of 16 keys: past 16 keys a thread the CTAs' key loops cost more than the wider cluster's
-//   exchange (at 8 keys they cost less);
+//   of 16 keys where the device holds such a cluster (cluster_fits): past 16 keys a thread
+//   the CTAs' key loops cost more than the wider cluster's exchange (at 8 keys they cost
+//   less);
 // - at 9-16 rows (topk_parts: 4) of up to 2 CTAs' registers (GLM-5's window), 4 CTAs of 16
 //   keys, as narrower rows there: faster than 8 of 8 (docs/performance.md, section 5).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
@@ -264,9 +265,11 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
     return launch_topk_parts<kParts, 8>(stream, pdl, args);
   }
   if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
-  if (args.rows <= kTopkWideRows)
-    return launch_topk_parts<kTopkWideParts, kTopkMaxPools / kTopkWideParts / kTopkMaxThreads>(
-        stream, pdl, args);
+  constexpr int kWidePer = kTopkMaxPools / kTopkWideParts / kTopkMaxThreads;
+  if (args.rows <= kTopkWideRows &&
+      cluster_fits<pool_topk_parts_kernel<kTopkWideParts, kWidePer>>(dim3(kTopkMaxThreads),
+                                                                     kTopkWideParts))
+    return launch_topk_parts<kTopkWideParts, kWidePer>(stream, pdl, args);
   return launch_topk_parts<kParts, kTopkMaxKeys>(stream, pdl, args);
 }
 
