@@ -145,8 +145,10 @@ cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, siz
 
 // Whether the current device holds one cluster of `cluster` CTAs of kKernel (block threads,
 // no dynamic shared memory) at all: past kPortableCluster a GPC with fewer free SMs (a MIG
-// slice, a smaller part) may not, and its launch would fail. Asked once a device; a failed
-// query is not kept, and answers yes (the launch then reports its own error).
+// slice, a smaller part) may not, and its launch would fail. Asked once a device, in the
+// relaxed capture mode (a handler may run inside a command buffer's stream capture, and the
+// query must not invalidate it); a failed query is not kept, and answers yes (the launch
+// then reports its own error).
 template <auto kKernel>
 bool cluster_fits(dim3 block, unsigned cluster) {
   constexpr int kDevices = 64;
@@ -171,7 +173,11 @@ bool cluster_fits(dim3 block, unsigned cluster) {
   config.attrs = &attr;
   config.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config) != cudaSuccess) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  const cudaError_t asked = cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config);
+  cudaThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
+  if (asked != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it for the next launch's check
     return true;
   }
