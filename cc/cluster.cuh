@@ -62,8 +62,8 @@ __device__ __forceinline__ void store16_async(uint32_t dst, uint4 v, uint32_t ba
 
 // 4 bytes into peer shared memory at `dst` (4-byte aligned), counted as 4 bytes on `bar`.
 __device__ __forceinline__ void store4_async(uint32_t dst, uint32_t v, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(dst),
-               "r"(v), "r"(bar)
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(dst), "r"(v), "r"(bar)
                : "memory");
 }
 
