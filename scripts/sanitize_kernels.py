@@ -83,9 +83,9 @@ def _variants():
                                 holes=True), None, False))
   # pool_topk on a cluster per row (few rows, wide logits): kept keys gathered into the
   # first CTA (normal rows), the one-CTA path there (equal logits: every key kept).
-  def topk_parts_args(rng, rows=3, width=32768):
+  def topk_parts_args(rng, rows=3, width=32768, equal=1):
     logits = rng.standard_normal((rows, width)).astype(np.float32)
-    logits[1] = 3.0
+    logits[equal] = 3.0
     return jnp.asarray(logits), cases.i32(([width, width, 20001] * rows)[:rows])
   out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
               topk_parts_args, None, True))
@@ -94,9 +94,12 @@ def _variants():
   # across the cluster's shared memory).
   out.append(("pool_topk cluster", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=2, width=262144), None, True))
-  # One row of 262,144 pools (a cluster of 16, non-portable); 16 rows of 50,688 (4 a row).
-  out.append(("pool_topk cluster of 16", functools.partial(glm5_jax.pool_topk, k=512),
-              functools.partial(topk_parts_args, rows=1, width=262144), None, True))
+  # One row of 262,144 pools (a cluster of 16, non-portable), its logits normal or all
+  # equal; 16 rows of 50,688 (4 a row).
+  for name, equal in (("", slice(0)), (" equal", 0)):
+    out.append((f"pool_topk cluster of 16{name}", functools.partial(glm5_jax.pool_topk, k=512),
+                functools.partial(topk_parts_args, rows=1, width=262144, equal=equal),
+                None, True))
   out.append(("pool_topk cluster of 4", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=16, width=50688), None, True))
   out.append(("select_slots cluster", functools.partial(

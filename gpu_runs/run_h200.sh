@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# H200 call 1: pool_topk's sanitizer cases (the 16- and 4-CTA clusters included), then the
+# stage table with the reference in the same run (1K-202,752 at M 1/16/64, MTP 16x4 at 32K).
+# Expected: 0 errors / 0 hazards, every case identical; stage on the H200 ~M=1 27 / M=16 58 /
+# M=64 158 at 202,752, MTP 47.6, 1K-128K rows as in BENCHMARKS.json within noise.
+set -uo pipefail
+start=$(date +%s); R=/tmp/rh; mkdir -p $R/r; trap 'tar -C /tmp -czf $OUT/h200.tgz rh' EXIT
+nvidia-smi -L | tee $R/gpu.txt
+source gpu_runs/build.sh || exit 1
+el() { echo "$(( $(date +%s) - start )) s"; }
+D=${DEADLINE:-575}
+lim() { l=$(( D - ($(date +%s) - start) )); [ $l -gt $1 ] && l=$1; echo $l; }
+for tool in memcheck racecheck; do timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py pool_topk > $R/$tool.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/$tool.log | head -1); $(grep -c 'True\]' $R/$tool.log) identical; $(tail -1 $R/$tool.log)) at $(el)"; done
+b() { l=$(lim $2); [ $l -lt 30 ] && { echo "$1 skipped"; return; }; n=$1; timeout $l python3 -m bench --out $R/r/$n.json --md $R/r/$n.md --plot '' --budget-s $(( l - 25 )) "${@:3}" > $R/r/$n.log 2>&1; echo "$n rc $? at $(el)"; grep -E "^\[" $R/r/$n.log | grep -v "^\[   0" | sed 's/(step.*//' ; }
+b mtp 80 --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
+b wide 200 --groups stage --stage-contexts 202752 --stage-rows 16,64
+b table 400 --groups stage --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64
