@@ -79,9 +79,9 @@ MARKER = re.compile(r"cosine")   # the marker kernel: XLA names a lone op's fusi
 KEEP_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 
 
-def sections(contexts, rows, variants):
+def sections(contexts, rows, variants, next_n=1):
   """[(shape, variant)] in the order run() times them."""
-  return [(f"M={m},ctx={ctx}", v) for ctx in contexts for m in rows for v in variants]
+  return [(stage.label(m, ctx, next_n), v) for ctx in contexts for m in rows for v in variants]
 
 
 def _marker():
@@ -92,14 +92,14 @@ def _marker():
 
 
 def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=True,
-        barrier=False):
+        barrier=False, next_n=1):
   """Runs the sections, steps_per_run decode steps in each run; returns [(shape, variant)]
   in the order it timed them (what parse() reads the CSV by: sections())."""
   marker, timed = _marker(), []
   for ctx in contexts:
     for m in rows:
       weights, caches, xs, qrs, batch = stage._state(m, ctx, layers, seed=m * 7 + ctx,
-                                                     steps=steps_per_run)
+                                                     steps=steps_per_run, next_n=next_n)
       steps = {}
       for v in variants:   # every compile (and its autotuning) before the first marker
         config = stage._config(ctx, stage.ROUTINGS[v], stage.UPDATES.get(v))
@@ -119,7 +119,7 @@ def run(sizes, contexts, rows, variants, runs, layers, steps_per_run=1, chained=
           caches, outs = steps[v](caches, weights, xs, qrs, batch)
           jax.block_until_ready(outs)
         marker()
-        timed.append((f"M={m},ctx={ctx}", v))
+        timed.append((stage.label(m, ctx, next_n), v))
       del weights, caches, xs, qrs, batch, steps
   return timed
 
@@ -239,6 +239,8 @@ def main():
   p.add_argument("--rows", default="1,16,64", help="comma-separated M")
   p.add_argument("--variants", default=";".join(VARIANTS),
                  help=f"';'-separated (the names hold commas), of: {'; '.join(VARIANTS)}")
+  p.add_argument("--next-n", type=int, default=1,
+                 help="rows per request (MTP), as the stage group's --stage-next-n")
   p.add_argument("--runs", type=int, default=3, help="timed runs per section")
   p.add_argument("--steps", type=int, default=1,
                  help="decode steps a run (one executable; the stage group runs 16): more "
@@ -265,19 +267,19 @@ def main():
   sizes = sizes_for(False, args.cpu_smoke)
   layers = args.layers or sizes.stage_layers
   contexts, rows = _ints(args.contexts), _ints(args.rows)
-  order = sections(contexts, rows, variants)
+  order = sections(contexts, rows, variants, args.next_n)
   if not (args.parse or args.parse_timeline):
     use_cache(args.cache_dir, min_compile_s=0)
     if not args.timeline:
       run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained,
-          args.chain_barrier)
+          args.chain_barrier, args.next_n)
       return
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level, options.host_tracer_level = 0, 1
     with jax.profiler.trace(args.timeline, create_perfetto_trace=True,
                             profiler_options=options):
       run(sizes, contexts, rows, variants, args.runs, layers, args.steps, args.chained,
-          args.chain_barrier)
+          args.chain_barrier, args.next_n)
   if args.parse:
     table = parse(open(args.parse).read(), order, args.runs, layers, args.steps)
   else:
