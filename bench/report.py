@@ -65,8 +65,9 @@ def stage_table(rows):
   (default routing) vs reference, per context (rows) and M (columns)."""
   st = {(r["shape"], r["variant"]): r.get("device_us") for r in rows if r["op"] == "stage"}
   # Rows from before the stage group chained its layers and steps (bench/stage.py's _step).
-  unchained = {r["shape"] for r in rows if r["op"] == "stage" and r["variant"] == KERNEL
-               and "chained" not in r.get("notes", "")}
+  # A cell is marked where either of its figures is such a row.
+  unchained = {r["shape"] for r in rows if r["op"] == "stage"
+               and r["variant"] in (KERNEL, REFERENCE) and "chained" not in r.get("notes", "")}
   # Kernel rows measured on a path the routing no longer takes at their shape: the row's
   # "superseded" says which; a run on today's path replaces the row and drops the mark.
   superseded = {r["shape"]: r["superseded"] for r in rows if r["op"] == "stage"
@@ -105,10 +106,11 @@ def stage_table(rows):
       out.append(f"| {m // n} x {n} (M={m}) | {ctx} | {_fmt(k)} / {_fmt(ref)} "
                  f"({_ratio(ref, k)}){mark(sh)} |")
   if unchained:
-    out += ["", "† layers and steps independent (measured before the stage group chained "
-            "them): XLA's dot merger batched one layer's GEMMs over the steps of a run, so "
-            "both columns read low (docs/performance.md, Method); the other cells "
-            "chain each layer to the output before it, as a model runs."]
+    out += ["", "† layers and steps independent in the kernels' figure, the reference's or "
+            "both (measured before the stage group chained them): XLA's dot merger batched "
+            "one layer's GEMMs over the steps of a run, so such a figure reads low "
+            "(docs/performance.md, Method); the other cells chain each layer to the output "
+            "before it, as a model runs."]
   if superseded:
     out += ["", "‡ " + " ".join(dict.fromkeys(superseded.values()))]
   return out + [""]
