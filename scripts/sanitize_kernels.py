@@ -110,19 +110,25 @@ def _variants():
   # cluster top-k per row (3 rows of 8192 pools, k 512) whose CTAs write the slots. Its
   # logits exact in fp32 (small-integer fp8, weights in eighths, power-of-two scales): the
   # kernel's equal the reference's, so do the slots.
-  def slots_wide_args(rng, rows=3, pools=8192):
+  def exact_select(rng, rows, tables, pools):
+    """(q, w, kv, page_table) of `rows` rows over `tables` requests of `pools` pools whose
+    logits are exact in fp32."""
     page = cases.LOGITS_PAGE
-    pages = rows * pools // page
+    pages = tables * pools // page
     data = np.asarray(jnp.asarray(rng.integers(-3, 4, (pages, page * 128)),
                                   jnp.float8_e4m3fn)).view(np.uint8)
     scales = np.exp2(rng.integers(-10, -2, (pages, page))).astype(np.float32)
     kv = np.concatenate([data, scales.view(np.uint8).reshape(pages, -1)], 1)
     q = jnp.asarray(rng.integers(-2, 3, (rows, cases.LOGITS_HEADS, 128)), jnp.float8_e4m3fn)
     w = jnp.asarray(rng.integers(-4, 5, (rows, cases.LOGITS_HEADS)) / 8, jnp.float32)
-    positions = cases.i32([4 * pools - 1, 4 * pools - 3000, 1000][:rows])
     return (q, w, jnp.asarray(kv.reshape(pages, page, 132)),
-            cases.i32(rng.permutation(pages).reshape(rows, -1)), cases.i32(np.arange(rows)),
-            positions, cases.i32(rng.integers(0, 10 ** 5, (rows, 3 * pools // 128))))
+            cases.i32(rng.permutation(pages).reshape(tables, -1)))
+
+  def slots_wide_args(rng, rows=3, pools=8192):
+    positions = cases.i32([4 * pools - 1, 4 * pools - 3000, 1000][:rows])
+    return exact_select(rng, rows, rows, pools) + (
+        cases.i32(np.arange(rows)), positions,
+        cases.i32(rng.integers(0, 10 ** 5, (rows, 3 * pools // 128))))
   out.append(("select_slots parts", functools.partial(
       glm5_jax.select_slots, k=512, max_pools=8192, block_size=128, width=2053, stride_rows=160),
       slots_wide_args, None, True))
@@ -130,21 +136,12 @@ def _variants():
   # k among them), each unit's rows scored from one read of a K tile (score_unit's batches),
   # with exact logits as above.
   def mtp_args(rng, next_n, requests=3, pools=4096):
-    page = cases.LOGITS_PAGE
-    pages = requests * pools // page
-    data = np.asarray(jnp.asarray(rng.integers(-3, 4, (pages, page * 128)),
-                                  jnp.float8_e4m3fn)).view(np.uint8)
-    scales = np.exp2(rng.integers(-10, -2, (pages, page))).astype(np.float32)
-    kv = np.concatenate([data, scales.view(np.uint8).reshape(pages, -1)], 1)
     rows = requests * next_n
-    q = jnp.asarray(rng.integers(-2, 3, (rows, cases.LOGITS_HEADS, 128)), jnp.float8_e4m3fn)
-    w = jnp.asarray(rng.integers(-4, 5, (rows, cases.LOGITS_HEADS)) / 8, jnp.float32)
     base = np.repeat([4 * pools - next_n, 4 * pools - 3000, 2500], next_n)[:rows]
     positions = base + np.tile(np.arange(next_n), requests)
     positions[1], positions[next_n + 1] = -1, 4 * 100 - 1
-    return (q, w, jnp.asarray(kv.reshape(pages, page, 132)),
-            cases.i32(rng.permutation(pages).reshape(requests, -1)),
-            cases.i32(np.repeat(np.arange(requests), next_n)), cases.i32(positions))
+    return exact_select(rng, rows, requests, pools) + (
+        cases.i32(np.repeat(np.arange(requests), next_n)), cases.i32(positions))
   for next_n in (4, 3):
     out.append((f"select_pools MTP next_n={next_n}", functools.partial(
         glm5_jax.select_pools, k=512, max_pools=4096, next_n=next_n),

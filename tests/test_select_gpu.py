@@ -481,9 +481,8 @@ MTP_CASES = [
     ([9000, 3000, 12000], 2, "runs", 32, "fp32"),
     ([6000, 7000, 2050], 4, "odd", 32, "fp32"),
     ([6000, 7000, 9000, 4000], 4, "mixed", 32, "ue8m0"),
-    # Units of 3 rows (their own instantiation), and batches that pass the unit's rows: 64
-    # heads score 2 rows a batch (a 3-row unit's second batch has one), and the odd runs
-    # leave units narrower than the hint.
+    # Units of 3 rows, 64 heads at every unit size, and odd runs under hints of 3 and 4
+    # (units narrower than the hint).
     ([7000, 5000, 3000], 3, "runs", 32, "fp32"),
     ([7000, 5000, 3000], 3, "runs", 64, "ue8m0"),
     ([6000, 7000, 2050], 3, "odd", 32, "fp32"),
