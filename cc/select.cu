@@ -74,6 +74,7 @@ LogitsArgs logits_args(ffi::AnyBuffer& q, ffi::BufferR2<ffi::F32>& w_out,
   a.table_width = static_cast<int32_t>(page_table.dimensions()[1]);
   a.pages = static_cast<int32_t>(kv.dimensions()[0]);
   a.page = Divisor::extent(kv.dimensions()[1]);
+  a.whole_items = kv.dimensions()[1] > 0 && kv.dimensions()[1] % kItemPools == 0;
   a.width = static_cast<int32_t>(width);
   a.skip_upto = -1;
   a.group = 1;

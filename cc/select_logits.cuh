@@ -39,6 +39,9 @@ struct LogitsArgs {
   bool from_positions;
   bool fill;                  // write -inf from each row's pool count up to width
   bool ue8m0;                 // scale format: UE8M0 byte (else fp32)
+  // PAGE % kItemPools == 0: an item's 64 pools are consecutive entries of one page, read as
+  // one box and one copy of their scales (else a box and a copy a 16-pool tile).
+  bool whole_items;
 };
 
 // The work items of a row of n pools.
@@ -223,7 +226,9 @@ __device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
 // The K-cache tiles come through a ring of kRingStages stages in shared memory, filled by
 // the TMA: the producer looks up the pages of the next kLookahead items at once, one lane
 // per 16-pool tile, and issues one tensor copy of the tile (2 KB: its 16 entries are
-// contiguous in their page) plus one bulk copy of its 64 scale bytes; the consumers wait
+// contiguous in their page) plus one bulk copy of its 64 scale bytes, or, where every item
+// lies in one page (whole_items), one copy of the item's 8 KB and one of its 256 scale
+// bytes (fewer, larger requests of the same bytes); the consumers wait
 // on the stage's full barrier, score the item and release the stage on its empty barrier.
 // So the loads in flight per SM are the ring's bytes, not what registers can hold (tiles
 // loaded into registers behind a dependent page lookup read the cache more slowly than the
@@ -323,7 +328,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
   if (threadIdx.x == 0) {
     bulk::prefetch_map(&keys_map);
     for (int s = 0; s < kRingStages; ++s) {
-      bulk::init(full + 8 * s, kConsumerWarps);           // one arrival per tile
+      bulk::init(full + 8 * s, a.whole_items ? 1 : kConsumerWarps);  // one per copied box
       bulk::init(empty + 8 * s, kConsumerWarps * kWarp);  // one per consumer thread
     }
     bulk::fence_init();
@@ -349,17 +354,20 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         const int32_t k = round + i - begin;
         const int s = k % kRingStages;
         if (k >= kRingStages) bulk::wait(empty + 8 * s, (k / kRingStages - 1) & 1);
-        if (lane / kConsumerWarps == i) {
-          copied[s * kConsumerWarps + tile] = at.page >= 0;
+        // Whole items: tile 0's lane reads the item (its page holds the other tiles too; a
+        // tile past the row's pools is read and masked by the pool count, not by `copied`).
+        const int tiles = a.whole_items ? kConsumerWarps : 1;
+        if (lane / kConsumerWarps == i && (!a.whole_items || tile == 0)) {
+          for (int c = 0; c < tiles; ++c) copied[s * kConsumerWarps + tile + c] = at.page >= 0;
           const uint32_t bar = full + 8 * s;
-          bulk::arrive_expect(bar, at.page >= 0 ? kTileBytes + kTileScaleBytes : 0);
+          bulk::arrive_expect(bar, at.page >= 0 ? tiles * (kTileBytes + kTileScaleBytes) : 0);
           if (at.page >= 0) {
             bulk::copy_box(base + L::kKeys + (s * kConsumerWarps + tile) * kTileBytes,
                            &keys_map, 0, at.entry, at.page, bar);
             bulk::copy(base + L::kScales + (s * kConsumerWarps + tile) * kTileScaleBytes,
                        a.kv + at.page * page_bytes + static_cast<int64_t>(a.page.d) * kDim +
                            4 * at.entry,
-                       kTileScaleBytes, bar);
+                       tiles * kTileScaleBytes, bar);
           }
         }
       }
@@ -482,14 +490,16 @@ int sm_count() {
 }
 
 // The cache's fp8 bytes as a 3-d tensor (128 bytes of an entry, entries of a page, pages),
-// read in boxes of one 16-entry tile in the 128-byte swizzle (mqa_logits_kernel).
+// read in boxes of one 16-entry tile, or of a whole 64-entry item where PAGE % 64 == 0, in
+// the 128-byte swizzle (mqa_logits_kernel).
 cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
   const auto encode = wgmma::tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {kDim, static_cast<cuuint64_t>(args.page.d),
                               static_cast<cuuint64_t>(args.pages)};
   const cuuint64_t strides[2] = {kDim, static_cast<cuuint64_t>(args.page.d) * kEntryBytes};
-  const cuuint32_t box[3] = {kDim, kWarpPools, 1}, unit[3] = {1, 1, 1};
+  const cuuint32_t rows = args.whole_items ? kItemPools : kWarpPools;
+  const cuuint32_t box[3] = {kDim, rows, 1}, unit[3] = {1, 1, 1};
   const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
                               const_cast<uint8_t*>(args.kv), dims, strides, box, unit,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
