@@ -153,3 +153,36 @@ def test_topk_cluster_exchanges_without_fences(functions):
     else:
       assert sum("MEMBAR.ALL.GPU" in x for x in instructions) <= 3, name
     assert any("STAS" in x for x in instructions), f"{name}: no st.async to the cluster"
+
+
+def _wgmma_runs(instructions):
+  """The number of GMMA instructions between each WARPGROUP.ARRIVE (wgmma.fence) and the
+  WARPGROUP.DEPBAR (wgmma.wait_group) after it."""
+  runs, count = [], None
+  for ins in instructions:
+    op = ins.split()[1] if ins.startswith("@") else ins.split()[0]
+    if op.startswith("WARPGROUP.ARRIVE"):
+      count = 0
+    elif "GMMA" in op and count is not None:
+      count += 1
+    elif op.startswith("WARPGROUP.DEPBAR") and count is not None:
+      runs.append(count)
+      count = None
+  return runs
+
+
+def test_mtp_logits_wait_once_for_a_units_rows(functions):
+  """mqa_logits_kernel<kHeadTiles, kGroup> (cc/select_logits.cuh): a row's score is a chain
+  of kDim / 32 = 4 wgmma; with kGroup > 1 (MTP units, score_unit) the chains of a batch of
+  min(kGroup, 16 / kHeadTiles) rows come between one fence and one wait, so their latencies
+  overlap. No chain may sit on a path of its own: ptxas then serializes every wgmma of the
+  kernel (C7520), which this would see as runs of 1. Two head counts x units of 1-4 rows."""
+  kernels = {}
+  for name, instructions in functions.items():
+    m = re.search(r"mqa_logits_kernelILi(\d+)ELi(\d+)E", name)
+    if m:
+      kernels[int(m.group(1)), int(m.group(2))] = _wgmma_runs(instructions)
+  assert sorted(kernels) == [(t, g) for t in (4, 8) for g in (1, 2, 3, 4)], sorted(kernels)
+  for (tiles, group), runs in kernels.items():
+    batch = min(group, 16 // tiles)
+    assert runs and set(runs) == {4 * batch}, (tiles, group, runs)
