@@ -110,10 +110,9 @@ def _variants():
   # cluster top-k per row (3 rows of 8192 pools, k 512) whose CTAs write the slots. Its
   # logits exact in fp32 (small-integer fp8, weights in eighths, power-of-two scales): the
   # kernel's equal the reference's, so do the slots.
-  def exact_select(rng, rows, tables, pools):
+  def exact_select(rng, rows, tables, pools, page=cases.LOGITS_PAGE):
     """(q, w, kv, page_table) of `rows` rows over `tables` requests of `pools` pools whose
     logits are exact in fp32."""
-    page = cases.LOGITS_PAGE
     pages = tables * pools // page
     data = np.asarray(jnp.asarray(rng.integers(-3, 4, (pages, page * 128)),
                                   jnp.float8_e4m3fn)).view(np.uint8)
@@ -135,17 +134,25 @@ def _variants():
   # MTP units: requests of next_n rows with consecutive positions (a pad and a row that fits
   # k among them), each unit's rows scored from one read of a K tile (score_unit's batches),
   # with exact logits as above.
-  def mtp_args(rng, next_n, requests=3, pools=4096):
+  def mtp_args(rng, next_n, requests=3, pools=4096, page=cases.LOGITS_PAGE):
     rows = requests * next_n
     base = np.repeat([4 * pools - next_n, 4 * pools - 3000, 2500], next_n)[:rows]
     positions = base + np.tile(np.arange(next_n), requests)
     positions[1], positions[next_n + 1] = -1, 4 * 100 - 1
-    return exact_select(rng, rows, requests, pools) + (
-        cases.i32(np.repeat(np.arange(requests), next_n)), cases.i32(positions))
-  for next_n in (4, 3):
-    out.append((f"select_pools MTP next_n={next_n}", functools.partial(
+    q, w, kv, table = exact_select(rng, rows, requests, pools, page)
+    if page % 64 == 0:   # whole items: a missing page and one past the cache (SPEC D4)
+      table = np.array(table)
+      table[0, 1], table[-1, -1] = -1, kv.shape[0] + 3
+      table = cases.i32(table)
+    return (q, w, kv, table, cases.i32(np.repeat(np.arange(requests), next_n)),
+            cases.i32(positions))
+  # next_n 4 and 3; then pages of 64 entries (PAGE % 64 == 0: a whole item a copy), alone
+  # and in units.
+  for next_n, page in ((4, cases.LOGITS_PAGE), (3, cases.LOGITS_PAGE), (1, 64), (4, 64)):
+    out.append((f"select_pools MTP next_n={next_n} page={page}", functools.partial(
         glm5_jax.select_pools, k=512, max_pools=4096, next_n=next_n),
-        functools.partial(mtp_args, next_n=next_n), cases.CASES["select_pools"].valid, True))
+        functools.partial(mtp_args, next_n=next_n, page=page),
+        cases.CASES["select_pools"].valid, True))
   # The same and expand_and_remap with block-table entries that name no block inside the
   # selection (SPEC §12.3: negative, or slots past int32): -1, not counted, holes closed.
   def holes(args, rng):

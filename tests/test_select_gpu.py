@@ -111,7 +111,9 @@ LOGITS_CASES = [
     (1, 2048, 64, 32, "fp32"), (16, 8192, 64, 32, "fp32"), (4, 3000, 32, 16, "ue8m0"),
     (3, 1000, 16, 64, "fp32"), (64, 2048, 64, 32, "ue8m0"),
     # ~9 work items per CTA of the persistent grid: the streamed kernel's ring turns over
-    (8, 30000, 32, 32, "fp32")]
+    (8, 30000, 32, 32, "fp32"),
+    # pages of 128 entries: two whole items a page (the second at entry 64)
+    (5, 6000, 128, 32, "ue8m0")]
 
 
 # The fp8 codes of 0, 0.5, 1, 1.5 and 2: products of two are multiples of 1/4 up to 4.
