@@ -221,21 +221,26 @@ cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& arg
 
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
 // the GPU idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
-// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1: the split is faster
-// at the widest rows (ncu) and no slower at narrower ones.
-int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1; }
+// to TOPK_PAIR_ROWS (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1: the
+// split is faster at the widest rows (ncu) and no slower at narrower ones.
+int topk_parts(int32_t rows) {
+  return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= limits::kTopkPairRows ? 2 : 1;
+}
 
-// The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
-// topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
+// The 1024-thread shapes, kRowPer keys per thread if one CTA held the row: split over
+// topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load), and
+// at least kRowPer / kTopkMaxKeys (a row past one CTA's registers: a pair at any rows).
 template <int kRowPer>
 cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
-  const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
+  static_assert(kRowPer <= 2 * kTopkMaxKeys);
+  const int parts = std::max(std::min(topk_parts(args.rows), kRowPer / 4), kRowPer / kTopkMaxKeys);
   if constexpr (kRowPer / 4 >= 8)
     if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
   if constexpr (kRowPer / 4 >= 4)
     if (parts == 4) return launch_topk_parts<4, kRowPer / 4>(stream, pdl, args);
-  if (parts == 2) return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
-  return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
+  if constexpr (kRowPer <= kTopkMaxKeys)
+    if (parts == 1) return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
+  return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
 }
 
 // Threads and keys per thread from the logits width (a static shape): at least 16 warps
@@ -245,13 +250,16 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // 16 warps there is no bound, and the key loops of the fewer threads are longer than what
 // the fewer warps save at the barriers.
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
-// thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
-// chunks of one CTA's width: their clusters would take several waves of the SMs), except:
+// thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows, past
+// two CTAs' registers or TOPK_PAIR_ROWS rows, into chunks of one CTA's width: their
+// clusters would take several waves of the SMs), except:
 // - up to kTopkWideRows rows wider than 4 CTAs' registers (1M tokens), kTopkWideParts CTAs
 //   of 16 keys: past 16 keys a thread the CTAs' key loops cost more than the wider cluster's
 //   exchange (at 8 keys they cost less);
-// - at 9-16 rows (topk_parts: 4) of up to 2 CTAs' registers (GLM-5's window), 4 CTAs of 16
-//   keys, as narrower rows there: faster than 8 of 8 (docs/performance.md, section 5).
+// - rows of up to 2 CTAs' registers (GLM-5's window) split as narrower rows (topk_parts):
+//   at 9-16 rows 4 CTAs of 16 keys, faster than 8 of 8 (docs/performance.md, section 5);
+//   past 16 rows a pair of 32 keys (up to TOPK_PAIR_ROWS rows: one wave where 8 a row
+//   took four).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
@@ -259,10 +267,7 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
-  if (args.width <= 2 * kTopkCtaPools) {
-    if (topk_parts(args.rows) == 4) return launch_topk_parts<4, 16>(stream, pdl, args);
-    return launch_topk_parts<kParts, 8>(stream, pdl, args);
-  }
+  if (args.width <= 2 * kTopkCtaPools) return launch_topk_wide<2 * kTopkMaxKeys>(stream, pdl, args);
   if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
   if (args.rows <= kTopkWideRows)
     return launch_topk_parts<kTopkWideParts, kTopkMaxPools / kTopkWideParts / kTopkMaxThreads>(

@@ -73,6 +73,10 @@ LOGITS_MAX_ROWS = 8192
 LOGITS_ITEM_POOLS = 64
 TOPK_CTA_POOLS = 32768
 TOPK_MAX_POOLS = 262144
+# Rows of at most 2 * TOPK_CTA_POOLS pools take a pair of CTAs (a cluster of 2) at up to
+# TOPK_PAIR_ROWS rows: 2 x TOPK_PAIR_ROWS CTAs of 1024 threads, one wave of an H100's or
+# H200's 132 SMs.
+TOPK_PAIR_ROWS = 64
 # The select path's logits score the rows of one request (next_n consecutive rows, MTP) from
 # one read of its K tiles, in units of at most LOGITS_GROUP_ROWS rows.
 LOGITS_GROUP_ROWS = 4

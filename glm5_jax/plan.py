@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 
 from ._primitive import Op, Routing
-from .limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS
+from .limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS, TOPK_PAIR_ROWS
 
 
 class Rows(NamedTuple):
@@ -105,20 +105,29 @@ class TopkChunks(NamedTuple):
 
 
 # Rows wider than one CTA holds (TOPK_CTA_POOLS) take the top-k kernel's cluster (4-16 CTAs) up to
-# this many rows: their clusters fit one wave of the GPU's SMs. More rows are cut into chunks
-# of one CTA's width, a CTA per chunk row, and a top-k of the chunks' candidates. Decided by the
-# stage bench at 202,752 tokens, M=1/16/64, the cluster against the chunks (docs/performance.md).
+# this many rows: their clusters fit one wave of the GPU's SMs. Past them a row of at most two
+# CTAs' width (GLM-5's window) takes a pair of CTAs up to limits.TOPK_PAIR_ROWS rows (one wave
+# too); more rows, or wider ones, are cut into chunks of one CTA's width, a CTA per chunk row,
+# and a top-k of the chunks' candidates. Decided by the stage bench at 202,752 tokens, M=1/16/64,
+# the cluster against the chunks (docs/performance.md).
 TOPK_CLUSTER_MAX_ROWS = 16
+# The widest rows one call of the top-k takes, by rows (every note of that rule says this).
+TOPK_WIDTHS = (f"{TOPK_MAX_POOLS} up to {TOPK_CLUSTER_MAX_ROWS} rows, {2 * TOPK_CTA_POOLS} up "
+               f"to {TOPK_PAIR_ROWS}, {TOPK_CTA_POOLS} past them")
 
 
 def topk_chunks(width: int, k: int, rows: int) -> TopkChunks:
   """The top-k's chunks at `rows` rows of `width` pools: one call holds a row of at most
-  TOPK_MAX_POOLS pools (an 8-CTA cluster) at up to TOPK_CLUSTER_MAX_ROWS rows, of at most
-  TOPK_CTA_POOLS (one CTA) at more; a wider row is cut into the fewest chunks that fit, of
+  TOPK_MAX_POOLS pools (a cluster) at up to TOPK_CLUSTER_MAX_ROWS rows, of at most two CTAs'
+  width (a pair) at up to TOPK_PAIR_ROWS, of at most TOPK_CTA_POOLS (one CTA) at more; a wider
+  row is cut into the fewest chunks of one CTA's width (a cluster's at up to
+  TOPK_CLUSTER_MAX_ROWS rows) that fit, of
   equal width (a multiple of LOGITS_ITEM_POOLS: the logits kernel's item, 16-byte aligned
   rows). A pool of the row's top-k is in its chunk's top-k, and the chunks' candidates keep
   ascending ids, so the second top-k (ties by ascending position) is the row's, exactly.
   Chunks only shrink the row where k is below half the limit (every chunk is wider than k)."""
+  if rows > TOPK_CLUSTER_MAX_ROWS and rows <= TOPK_PAIR_ROWS and width <= 2 * TOPK_CTA_POOLS:
+    return TopkChunks(1, width)
   limit = TOPK_MAX_POOLS if rows <= TOPK_CLUSTER_MAX_ROWS else TOPK_CTA_POOLS
   if width <= limit or 2 * k >= limit:
     return TopkChunks(1, width)
@@ -134,8 +143,7 @@ def select_kernel_default() -> dict:
   return dict(
       kernel_default=lambda q, *rest, k, max_pools, **params:
           topk_chunks(max_pools, k, q.shape[0]).chunks == 1,
-      kernel_default_note=f"max_pools <= {TOPK_CTA_POOLS}, or <= {TOPK_MAX_POOLS} at up to "
-                          f"{TOPK_CLUSTER_MAX_ROWS} rows (topk_chunks: one chunk)")
+      kernel_default_note=f"max_pools <= {TOPK_WIDTHS} (topk_chunks: one chunk)")
 
 
 class TacticKind(enum.Enum):

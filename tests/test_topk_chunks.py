@@ -18,7 +18,7 @@ from test_select_gpu import SMALL_CODES
 import glm5_jax
 from glm5_jax import plan
 from glm5_jax import reference as ref
-from glm5_jax.limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS
+from glm5_jax.limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS, TOPK_PAIR_ROWS
 from glm5_testing import oracle as O
 
 I32 = np.int32
@@ -27,9 +27,13 @@ I32 = np.int32
 @pytest.mark.parametrize("width,k,rows,want", [
     (TOPK_MAX_POOLS, 512, 1, (1, TOPK_MAX_POOLS)),      # one call holds it: 1M tokens
     (202752 // 4, 512, 16, (1, 50688)),                 # GLM-5's window, clusters in one wave
-    (202752 // 4, 512, 17, (2, 25344)),                 # more rows: chunks of one CTA's width
+    (202752 // 4, 512, 17, (1, 50688)),                 # more rows: a pair of CTAs a row
+    (2 * TOPK_CTA_POOLS, 512, TOPK_PAIR_ROWS, (1, 2 * TOPK_CTA_POOLS)),
+    (202752 // 4, 512, TOPK_PAIR_ROWS + 1, (2, 25344)),  # more: chunks of one CTA's width
+    (2 * TOPK_CTA_POOLS + 1, 512, 17, (3, 21888)),
     (TOPK_CTA_POOLS, 512, 4096, (1, TOPK_CTA_POOLS)),   # one CTA a row at any rows
-    (TOPK_CTA_POOLS + 1, 512, 64, (2, 16448)),
+    (TOPK_CTA_POOLS + 1, 512, 64, (1, TOPK_CTA_POOLS + 1)),
+    (TOPK_CTA_POOLS + 1, 512, 65, (2, 16448)),
     (TOPK_MAX_POOLS + 1, 512, 1, (2, 131136)),          # the first width cut
     (4 * TOPK_MAX_POOLS, 512, 2, (4, TOPK_MAX_POOLS)),  # 4M tokens
     (300000, TOPK_MAX_POOLS // 2, 1, (1, 300000)),      # k too large: chunks would not shrink
@@ -40,6 +44,8 @@ def test_chunks(width, k, rows, want):
   chunks = plan.topk_chunks(width, k, rows)
   assert tuple(chunks) == want
   limit = TOPK_MAX_POOLS if rows <= plan.TOPK_CLUSTER_MAX_ROWS else TOPK_CTA_POOLS
+  pair = plan.TOPK_CLUSTER_MAX_ROWS < rows <= TOPK_PAIR_ROWS and width <= 2 * TOPK_CTA_POOLS
+  assert (chunks.chunks == 1) is (pair or width <= limit or 2 * k >= limit)
   if chunks.chunks > 1:
     assert chunks.pools <= limit and chunks.pools % LOGITS_ITEM_POOLS == 0
     assert chunks.padded >= width and chunks.padded - width < chunks.chunks * LOGITS_ITEM_POOLS

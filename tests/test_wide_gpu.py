@@ -28,7 +28,7 @@ from test_select_gpu import (
 import glm5_jax
 from glm5_jax import plan
 from glm5_jax import reference as ref
-from glm5_jax.limits import TOPK_MAX_POOLS
+from glm5_jax.limits import TOPK_CTA_POOLS, TOPK_MAX_POOLS
 from glm5_testing import oracle as O
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -44,18 +44,26 @@ def _targets(fn, *args):
 
 def _split(width, rows):
   """Where a row of `width` pools is cut: between chunks where plan.topk_chunks cuts it,
-  else between the cluster's CTAs (pool_topk_parts_kernel's span)."""
+  else between the cluster's first two CTAs (pool_topk_parts_kernel's span; the CTAs a row
+  as cc/select_topk_cluster.cuh's launch_topk picks them past one CTA's width)."""
   chunks = plan.topk_chunks(width, 512, rows)
-  return chunks.pools if chunks.chunks > 1 else ((width + 7) // 8 + 3) // 4 * 4
+  if chunks.chunks > 1:
+    return chunks.pools
+  parts = 16 if width > 4 * TOPK_CTA_POOLS and rows == 1 else 8
+  if width <= 2 * TOPK_CTA_POOLS and rows > 8:
+    parts = 4 if rows <= plan.TOPK_CLUSTER_MAX_ROWS else 2
+  return ((width + parts - 1) // parts + 3) // 4 * 4
 
 
-# The cluster's widths (8, 16 and 32 keys a thread) at up to 16 rows; the chunks at 64 and
-# 130 rows (past plan.TOPK_CLUSTER_MAX_ROWS) and past the limit; "equal", "ties" and
-# "special" rows keep more keys than one CTA gathers, so in a cluster they take its radix
-# select.
+# The cluster's widths (8, 16 and 32 keys a thread) at up to 16 rows; pairs of CTAs (32 keys)
+# at 17-64 rows of up to two CTAs' width; the chunks at 65 and 130 rows, at 17 rows past two
+# CTAs' width, and past the limit; "equal", "ties" and "special" rows keep more keys than one
+# CTA gathers, so in a cluster they take its radix select.
 @pytest.mark.parametrize("rows,width", [(1, 262144), (2, 50688), (3, 32769), (16, 65536),
-                                        (64, 50688), (1, 202752 // 4 + 7), (5, 131072),
-                                        (130, 40000), (1, 300000), (2, 2 * 262144 + 64)])
+                                        (64, 50688), (17, 65536), (40, 32769),
+                                        (1, 202752 // 4 + 7), (5, 131072), (65, 50688),
+                                        (17, 65537), (130, 40000), (1, 300000),
+                                        (2, 2 * 262144 + 64)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
 def test_wide_topk_equals_reference(rows, width, kind):
   rng = np.random.default_rng(rows * 13 + width)
@@ -81,6 +89,8 @@ WIDE_SLOTS = [
     (2, 2, 512, 50688, 64, 80, 3, "ue8m0"),           # GLM-5's window, MTP rows
     (5, 1, 64, 40000, 128, None, 1, "fp32"),
     (3, 4, 512, 50688, 48, None, 2, "fp32"),
+    (16, 4, 512, 50688, 64, None, 1, "ue8m0"),       # 64 rows: a pair of CTAs a row
+    (33, 1, 512, 50688, 128, 40, 0, "fp32"),
     (1, 2, 512, 300032, 64, None, 0, "fp32"),         # past the limit: over chunks
 ]
 
