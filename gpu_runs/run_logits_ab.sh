@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
-# The logits branches against main on one machine: bash gpu_runs/run_logits_ab.sh main both
-# [unit whole]. Each variant (gpu_runs/variants/NAME: its cc/ files; main: the tree's) is
-# built and timed (stage, kernels only); TESTS=NAME also runs that variant's GPU tests with
-# GPU skips as failures and the sanitizer's logits cases. Results: $OUT/ab.tgz.
+# The branches against main on one machine: bash gpu_runs/run_logits_ab.sh main both
+# [unit whole pair]. Each variant (gpu_runs/variants/NAME: its files at their repo paths, over
+# main's; main: the tree) is built and timed (stage, kernels only); TESTS=NAME also runs that
+# variant's GPU tests with GPU skips as failures and the sanitizer's select cases.
+# Results: $OUT/ab.tgz.
 #   unit:  logits-unit-batch (an MTP unit's wgmma chains issued together)
 #   whole: logits-whole-items (an item in one page: one 8 KB box, one scale copy)
 #   both:  logits-both
+#   pair:  topk-pair (a pair of CTAs a row at 17-64 rows of GLM-5's window, not chunks)
 # Expected: tests pass, 0 errors / 0 hazards. main on the H200: MTP 16x4 32K 47.6, M=64 32K
 # 48.5, M=1 / 16 / 64 at 202,752: 27.2 / 58.2 / 158 µs per layer; unit lowers MTP, whole
-# the 16- and 64-row rows (if the TMA requests were what held the bandwidth).
+# the 16- and 64-row rows (if the TMA requests were what held the bandwidth), pair M=64 at
+# 202,752 (the chunks' second top-k, expand_and_remap and XLA fusions gone).
 set -uo pipefail
-start=$(date +%s); R=/tmp/ab; mkdir -p $R /tmp/main_cc; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
+start=$(date +%s); R=/tmp/ab; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
 nvidia-smi -L | tee $R/gpu.txt
 el() { echo "$(( $(date +%s) - start )) s"; }
-cp cc/select_logits.cuh cc/select.cu /tmp/main_cc/
+tar -czf /tmp/main_src.tgz cc glm5_jax tests
 b() { n=$1; timeout $2 python3 -m bench --out $R/$n.json --md $R/$n.md --plot '' --budget-s $(( $2 - 20 )) --skip-variants reference "${@:3}" > $R/$n.log 2>&1; echo "$n rc $? at $(el)"; grep -E "^\[" $R/$n.log | grep -v "^\[   0" | sed 's/(step.*//;s/^\[ *[0-9.]*s\] stage //' ; }
 for v in "$@"; do
-  cp /tmp/main_cc/* cc/; [ "$v" = main ] || cp gpu_runs/variants/$v/* cc/
+  tar -xzf /tmp/main_src.tgz; [ "$v" = main ] || cp -r gpu_runs/variants/$v/. .
   source gpu_runs/build.sh > $R/build_$v.log 2>&1 || { echo "$v build failed"; tail -20 $R/build_$v.log; continue; }
   echo "== $v built at $(el)"
   if [ "${TESTS:-}" = "$v" ]; then
-    GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
-    for tool in memcheck racecheck; do timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py mqa_logits select_pools > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
+    GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
+    for tool in memcheck racecheck; do timeout 170 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py mqa_logits select_pools pool_topk > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
   fi
   b ${v}_mtp 45 --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
   b ${v}_rows 90 --groups stage --stage-contexts 32768,202752 --stage-rows 1,16,64
 done
-cp /tmp/main_cc/* cc/
+tar -xzf /tmp/main_src.tgz
