@@ -190,6 +190,9 @@ def test_step_times_splits_sections_at_the_markers():
   from bench import step_times
   order = step_times.sections((1024,), (1, 16), ("kernel",))
   assert order == [("M=1,ctx=1024", "kernel"), ("M=16,ctx=1024", "kernel")]
+  # MTP rows (--next-n) named as the stage group's rows are.
+  assert step_times.sections((1024,), (16,), ("kernel",), next_n=4) == [
+      ("M=16,next_n=4,ctx=1024", "kernel")]
   def csv(names_us):
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     return "==PROF== noise\n" + head + "".join(
