@@ -5,6 +5,9 @@
 # variant's GPU tests with GPU skips as failures and the sanitizer's select cases.
 # Results: $OUT/ab.tgz.
 #   unit:  logits-unit-batch (an MTP unit's wgmma chains issued together)
+#   unit2: unit with batches of 2 rows at 32 heads, 1 at 64 (32 accumulators a thread: 66
+#          registers, 4 CTAs an SM where unit's 107 allow 3; landing it changes
+#          test_sass's batch rule to 8 // tiles)
 #   whole: logits-whole-items (an item in one page: one 8 KB box, one scale copy)
 #   both:  logits-both
 #   pair:  topk-pair (a pair of CTAs a row at 17-64 rows of GLM-5's window, not chunks)

@@ -1,0 +1,622 @@
+// The select path's logits kernel (SPEC §5b) and its launch: mqa_logits_kernel, for
+// glm5_mqa_logits, glm5_select_pools and glm5_select_slots (cc/select.cu).
+//
+// Logits: persistent CTAs of a consumer warpgroup and a producer warp; a work item is 64
+// pools of one row (the wgmma M side), its K tiles streamed by the TMA. Each CTA computes
+// the row -> item prefix itself from the row lengths (no schedule kernel) and takes a
+// contiguous range of items, so at M = 1 a 32K-pool row is spread over every SM. Scores come
+// from fp8 wgmma.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bulk.cuh"
+#include "common.h"
+#include "constants.h"
+#include "limits.h"
+#include "select.cuh"
+#include "wgmma.cuh"
+
+namespace glm5 {
+namespace {
+
+struct LogitsArgs {
+  const uint8_t* q;           // e4m3 [rows, padded, 128]
+  const float* w_out;         // f32 [rows, padded]
+  const uint8_t* kv;          // u8 [pages, page, 132]
+  const int32_t* page_table;  // s32 [tables, table_width]
+  const int32_t* req_ids;     // s32 [rows], or nullptr: row r reads page_table row r
+  const int32_t* lens;        // s32 [rows]: pool_lens, or positions when from_positions
+  float* logits;              // f32 [rows, width]
+  int32_t rows, tables, table_width, pages, width;
+  Divisor page;               // PAGE (1 for an empty cache: no tile is read then)
+  int32_t skip_upto;          // rows with at most this many pools are skipped (-1: none)
+  int32_t group;              // rows of one request scored from one read of its tiles, <= 4
+  bool from_positions;
+  bool fill;                  // write -inf from each row's pool count up to width
+  bool ue8m0;                 // scale format: UE8M0 byte (else fp32)
+};
+
+// The work items of a row of n pools.
+__device__ __forceinline__ int32_t row_items(const LogitsArgs& a, int32_t n) {
+  if (a.fill) return (a.width + kItemPools - 1) / kItemPools;
+  return n > a.skip_upto ? (n + kItemPools - 1) / kItemPools : 0;
+}
+
+// Inclusive prefix sum over the CTA's threads in thread order, and the CTA's total.
+// warp_sums is written here: the caller puts a barrier between this call and the next one.
+struct Scan {
+  uint32_t incl, total;
+};
+
+template <int kThreads>
+__device__ __forceinline__ Scan block_scan(uint32_t v, uint32_t* warp_sums) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  uint32_t incl = v;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += o;
+  }
+  if (lane == kWarp - 1) warp_sums[warp] = incl;
+  __syncthreads();
+  // The warps' totals scanned across the lanes of every warp (no second barrier).
+  const uint32_t total = lane < kThreads / kWarp ? warp_sums[lane] : 0u;
+  uint32_t across = total;
+#pragma unroll
+  for (int d = 1; d < kThreads / kWarp; d <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, across, d);
+    if (lane >= d) across += o;
+  }
+  const uint32_t before = __shfl_sync(0xffffffffu, across - total, warp);
+  return {before + incl, __shfl_sync(0xffffffffu, across, kThreads / kWarp - 1)};
+}
+
+// The per-row tables of a logits CTA in shared memory: the exclusive prefix of work items
+// first_item[0..rows], then each row's pool count and page-table row (its request). They are
+// read once, together, before the scan: the page lookups behind them then wait on one
+// global load instead of two in a row (lens, then req_ids).
+//
+// Units (kGroup > 1, the select path with next_n rows a request): a unit is a run of at most
+// a.group consecutive rows of one request, each unit's rows scored from one read of each
+// K tile. unit[r] of a unit's first row is (its rows << kUnitShift) | its span (the most
+// pools a row of it scores); 0 for the unit's other rows, which own no items.
+constexpr int kUnitShift = 28;
+constexpr int32_t kUnitSpan = (1 << kUnitShift) - 1;
+// Rows of one request looked back to find a row's place in its run: a multiple of every
+// group (1..LOGITS_GROUP_ROWS), so a run longer than it still splits at a unit boundary.
+constexpr int kUnitLookback = 48;
+static_assert(limits::kLogitsGroupRows <= 4 && kUnitLookback % 12 == 0);
+
+template <int kGroup>
+struct RowTables {
+  static constexpr int kArrays = kGroup > 1 ? 4 : 3;
+  int32_t* first_item;  // [rows + 1]
+  int32_t* pools;       // [rows]
+  int32_t* req;         // [rows]
+  int32_t* unit;        // [rows] (kGroup > 1)
+  __device__ RowTables(int32_t* base, int32_t rows)
+      : first_item(base), pools(base + rows + 1), req(base + 2 * rows + 1),
+        unit(base + 3 * rows + 1) {}
+  static constexpr size_t bytes(int32_t rows) {
+    return (kArrays * static_cast<size_t>(rows) + 1) * sizeof(int32_t);
+  }
+  // The pools a row's (unit's) items cover: its span.
+  __device__ __forceinline__ int32_t span(int r) const {
+    if constexpr (kGroup > 1) return unit[r] & kUnitSpan;
+    else return pools[r];
+  }
+  __device__ __forceinline__ int rows_of(int r) const {
+    if constexpr (kGroup > 1) return unit[r] >> kUnitShift;
+    else return 1;
+  }
+};
+
+// The row tables (every CTA computes the same ones from the row lengths: no schedule
+// kernel); then the CTA's contiguous share of the items, [begin, end), and the row of
+// `begin`. All kThreads threads call it.
+struct ItemRange {
+  int32_t begin, end, row;
+};
+
+// A unit's first row (kGroup > 1): whether row r starts one, given the rows of its request
+// right before it (d, at most kUnitLookback); its rows and span into t.unit[r]; its items.
+template <int kGroup>
+__device__ __forceinline__ int32_t unit_items(const LogitsArgs& a, const RowTables<kGroup>& t,
+                                              int r) {
+  const int32_t req = t.req[r];
+  int d = 0;
+  while (d < kUnitLookback && r - d - 1 >= 0 && t.req[r - d - 1] == req) ++d;
+  if (d < kUnitLookback && d % a.group != 0) {
+    t.unit[r] = 0;
+    return 0;
+  }
+  // Rows that need no logits (at most skip_upto pools, select path) widen no span.
+  const auto needs = [&](int32_t n) { return a.fill || n > a.skip_upto ? n : 0; };
+  int rows = 1;
+  int32_t span = needs(t.pools[r]);
+  if (d < kUnitLookback)
+    for (; rows < a.group && r + rows < a.rows && t.req[r + rows] == req; ++rows)
+      span = max(span, needs(t.pools[r + rows]));
+  t.unit[r] = (rows << kUnitShift) | span;
+  return row_items(a, span);
+}
+
+template <int kThreads, int kGroup>
+__device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTables<kGroup>& t) {
+  __shared__ uint32_t warp_sums[kThreads / kWarp];
+  int32_t* const first_item = t.first_item;
+  if constexpr (kGroup > 1) {  // every row's request first: a unit reads its neighbours'
+    for (int r = threadIdx.x; r < a.rows; r += kThreads) {
+      t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
+      t.pools[r] = row_pools(a.lens, a.from_positions, r, a.width);
+    }
+    __syncthreads();
+  }
+  int32_t carry = 0;
+  for (int base = 0; base < a.rows; base += kThreads) {
+    const int r = base + threadIdx.x;
+    int32_t own = 0;
+    if (r < a.rows) {
+      if constexpr (kGroup > 1) {
+        own = unit_items<kGroup>(a, t, r);
+      } else {
+        const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
+        t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
+        t.pools[r] = n;
+        own = row_items(a, n);
+      }
+    }
+    const Scan scan = block_scan<kThreads>(static_cast<uint32_t>(own), warp_sums);
+    if (r < a.rows) first_item[r] = carry + static_cast<int32_t>(scan.incl) - own;
+    carry += static_cast<int32_t>(scan.total);
+    if (base + kThreads < a.rows) __syncthreads();  // the next round writes warp_sums again
+  }
+  if (threadIdx.x == 0) first_item[a.rows] = carry;
+  __syncthreads();
+
+  const int64_t items = carry;
+  ItemRange range;
+  range.begin = static_cast<int32_t>(items * blockIdx.x / gridDim.x);
+  range.end = static_cast<int32_t>(items * (blockIdx.x + 1) / gridDim.x);
+  // The row of item `begin`: the last r with first_item[r] <= begin.
+  int lo = 0, hi = a.rows - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_item[mid] <= range.begin) lo = mid; else hi = mid - 1;
+  }
+  range.row = lo;
+  return range;
+}
+
+// ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
+__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+
+// The head-weighted sum of a thread's accumulators (d[4j..4j+3] = the fragment of head
+// tile j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
+template <int kHeadTiles>
+__device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
+                                         const float (&w0)[kHeadTiles],
+                                         const float (&w1)[kHeadTiles], float scale_lo,
+                                         float scale_hi, float& s_lo, float& s_hi) {
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeadTiles; ++j) {
+    sum_lo = fmaf(w0[j], relu(d[4 * j]), sum_lo);
+    sum_lo = fmaf(w1[j], relu(d[4 * j + 1]), sum_lo);
+    sum_hi = fmaf(w0[j], relu(d[4 * j + 2]), sum_hi);
+    sum_hi = fmaf(w1[j], relu(d[4 * j + 3]), sum_hi);
+  }
+  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
+  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
+  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
+  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
+  s_lo = sum_lo * scale_lo;
+  s_hi = sum_hi * scale_hi;
+}
+
+// The logits kernel: CTAs of one consumer warpgroup (four warps) and one producer warp.
+// The K-cache tiles come through a ring of kRingStages stages in shared memory, filled by
+// the TMA: the producer looks up the pages of the next kLookahead items at once, one lane
+// per 16-pool tile, and issues one tensor copy of the tile (2 KB: its 16 entries are
+// contiguous in their page) plus one bulk copy of its 64 scale bytes; the consumers wait
+// on the stage's full barrier, score the item and release the stage on its empty barrier.
+// So the loads in flight per SM are the ring's bytes, not what registers can hold (tiles
+// loaded into registers behind a dependent page lookup read the cache more slowly than the
+// ring, with the same arithmetic).
+//
+// Scores: sm_90's fp8 tensor cores are reached only through wgmma (it has no fp8 mma.sync:
+// ptxas emulates m16n8k32.e4m3 by converting both operands to f16 at every call, which left
+// the kernel issue-bound; an f16 mma.sync on exactly converted fp8 is slower than wgmma).
+// The warpgroup scores a whole 64-pool item with kDim / 32 = 4 wgmma m64nNk32 e4m3 (N = the
+// padded heads): A = the item's four K tiles, B = the row's queries, both in shared memory in
+// the 128-byte swizzle. The TMA
+// swizzles the tiles (a tensor map of the cache: boxes of 16 entries x 128 bytes of one
+// page); the consumers write the queries swizzled by hand when the row changes. The
+// accumulator fragment of thread (g, t) of warp w holds rows 16w + g and 16w + g + 8 of the
+// item, heads 8j + 2t and 8j + 2t + 1 (j = 0..N/8-1): head_sum's layout.
+//
+// Summation order of a logit (fixed, documented): per head, one fp32 accumulator from +0
+// takes the four 32-product wgmma steps (dims 0-31, 32-63, 64-95, 96-127) in order (the
+// order of the products inside a step is the tensor core's); per thread,
+// s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads h0 = 8j + 2t,
+// h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a pool add by
+// butterfly (xor 1, then xor 2); then times the entry's scale.
+constexpr int kRingStages = 4;
+constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
+constexpr int kLogitsThreads = kLogitsWarps * kWarp;
+constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
+constexpr int kTileScaleBytes = kWarpPools * 4;          // its scales: 64 B
+constexpr int kLookahead = kWarp / kConsumerWarps;        // items per lookup round
+// Where tile `tile` (16 pools) of work item `item` lives: its page and the entry of its
+// first pool there; page -1 when it is not read (past the row's pools, an unknown request,
+// a page slot past the table, or a page id outside the cache: SPEC D4). `row` is advanced
+// to the item's row (a thread visits items in ascending order).
+struct TileSource {
+  int32_t page, entry;
+};
+
+template <int kGroup>
+__device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const RowTables<kGroup>& t,
+                                                  int32_t item, int tile, int& row) {
+  while (t.first_item[row + 1] <= item) ++row;
+  const int32_t n = t.span(row);
+  const int32_t p0 = (item - t.first_item[row]) * kItemPools + tile * kWarpPools;
+  const int32_t req = t.req[row];
+  const int32_t slot = a.page.div(p0);  // PAGE % 16 == 0: the tile is in one page
+  if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
+    const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
+    if (pg >= 0 && pg < a.pages) return {pg, a.page.mod(p0)};
+  }
+  return {-1, 0};
+}
+
+using wgmma::kAtom;
+
+template <int kHeadTiles, int kGroup>
+struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared memory
+  static constexpr int kPadded = 8 * kHeadTiles;
+  static constexpr int kKeys = 0;                                          // [stage][64][128]
+  static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [group][padded][128]
+  static constexpr int kQueryBytes = kPadded * kDim;                       // a row's queries
+  static constexpr int kScales = kQueries + kGroup * kQueryBytes;          // [stage][64] x 4 B
+  static constexpr int kBars = kScales + kRingStages * kItemPools * 4;      // full, empty
+  static constexpr int kFlags = kBars + 2 * 8 * kRingStages;               // s32[stage][4]
+  static constexpr int kWeights = kFlags + 4 * kRingStages * kConsumerWarps;  // f32[group][padded]
+  static constexpr int kRowTables = kWeights + (kGroup > 1 ? kGroup * kPadded * 4 : 0);
+  static_assert(kQueries % kAtom == 0 && kQueryBytes % kAtom == 0 && kScales % 16 == 0 &&
+                kBars % 8 == 0 && kWeights % 16 == 0);
+  static size_t bytes(int32_t rows) {  // + slack to align the base
+    return kAtom + kRowTables + RowTables<kGroup>::bytes(rows);
+  }
+};
+
+template <int kHeadTiles>
+__device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t keys,
+                                           uint32_t queries) {
+#pragma unroll
+  for (int k = 0; k < kDim / 32; ++k) {
+    if constexpr (kHeadTiles == 4)
+      wgmma::mma_e4m3<32>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
+    else
+      wgmma::mma_e4m3<64>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
+  }
+}
+
+// A unit's rows (kGroup > 1) scored from one stage, kBatch rows at a time: their wgmma
+// chains issued together and waited for once (64 accumulator registers a thread), so the
+// chains' latencies overlap instead of following one another. Each row's chain is still its
+// own from +0 and its head_sum the same, so its logits are the bits it has alone. The whole
+// batch is issued, also a row past the unit or with nothing in this item (its result is not
+// used): a wgmma on a path of its own makes ptxas serialize every wgmma of the kernel. The
+// stage is released after the unit's last wgmma has completed.
+template <int kHeadTiles, int kGroup>
+__device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<kGroup>& tables,
+                                           int r, int rows, int32_t first, int32_t mine, int t,
+                                           bool have, uint32_t keys, uint32_t queries,
+                                           const float* weights, float scale_lo,
+                                           float scale_hi, uint32_t empty) {
+  constexpr int kPadded = 8 * kHeadTiles, kQueryBytes = kPadded * kDim;
+  constexpr int kBatch = kGroup < 8 / kHeadTiles ? kGroup : 8 / kHeadTiles;
+#pragma unroll
+  for (int j0 = 0; j0 < kGroup; j0 += kBatch) {
+    if (j0 >= rows) break;
+    bool scored[kBatch], live[kBatch], any = false;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int32_t n = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
+      // A row with no logits to write (the select path's skipped rows), or none in this
+      // item (the same in the whole warpgroup).
+      scored[b] = j0 + b < rows && (a.fill || n > a.skip_upto);
+      live[b] = scored[b] && first < n;
+      any |= live[b];
+    }
+    float s_lo[kBatch], s_hi[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) s_lo[b] = s_hi[b] = -INFINITY;
+    if (any) {
+      float d[kBatch][4 * kHeadTiles];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+        for (int i = 0; i < 4 * kHeadTiles; ++i) d[b][i] = 0.f;
+      wgmma::fence();
+      // A query slot past the unit's rows holds stale (or no) bytes: never read out.
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        wgmma_item<kHeadTiles>(d[b], keys, queries + (j0 + b) % kGroup * kQueryBytes);
+      wgmma::commit();
+      wgmma::wait();
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        float w0[kHeadTiles], w1[kHeadTiles];
+        const float* wr = weights + (j0 + b) % kGroup * kPadded + 2 * t;
+#pragma unroll
+        for (int i = 0; i < kHeadTiles; ++i) {
+          const float2 w = *reinterpret_cast<const float2*>(wr + 8 * i);
+          w0[i] = w.x;
+          w1[i] = w.y;
+        }
+        float lo, hi;
+        head_sum<kHeadTiles>(d[b], w0, w1, scale_lo, scale_hi, lo, hi);
+        if (live[b] && have) {
+          s_lo[b] = lo;
+          s_hi[b] = hi;
+        }
+      }
+    }
+    if (j0 + kBatch >= rows) bulk::arrive(empty);  // the stage's reads are done
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int j = j0 + b;
+      if (!scored[b] || t >= 2) continue;
+      const int32_t n = tables.pools[r + j];
+      float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
+      if (mine < n) out[mine] = t == 0 ? s_lo[b] : s_hi[b];
+      else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+    }
+  }
+}
+
+template <int kHeadTiles, int kGroup>
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
+    const LogitsArgs a, const __grid_constant__ CUtensorMap keys_map) {
+  using L = LogitsLayout<kHeadTiles, kGroup>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = bulk::smem_address(smem_raw);
+  unsigned char* const smem = smem_raw + ((kAtom - raw % kAtom) % kAtom);
+  const uint32_t base = bulk::smem_address(smem);
+  const RowTables<kGroup> tables(reinterpret_cast<int32_t*>(smem + L::kRowTables), a.rows);
+  const int32_t* const first_item = tables.first_item;
+  int32_t* const copied = reinterpret_cast<int32_t*>(smem + L::kFlags);
+  const uint32_t full = base + L::kBars, empty = full + 8 * kRingStages;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (threadIdx.x == 0) {
+    bulk::prefetch_map(&keys_map);
+    for (int s = 0; s < kRingStages; ++s) {
+      bulk::init(full + 8 * s, kConsumerWarps);           // one arrival per tile
+      bulk::init(empty + 8 * s, kConsumerWarps * kWarp);  // one per consumer thread
+    }
+    bulk::fence_init();
+  }
+  pdl_wait();
+  const ItemRange range = cta_items<kLogitsThreads, kGroup>(a, tables);  // barriers inside
+  const int32_t begin = range.begin, end = range.end;
+
+  if (warp == kConsumerWarps) {
+    // Producer. Round by round, lane L takes tile L % 4 of item round + L / 4: its page
+    // (one lookup per lane, all in flight together), then, item by item, the lanes of that
+    // item wait for the stage to be free and issue their copies.
+    const int tile = lane % kConsumerWarps;
+    const int64_t page_bytes = static_cast<int64_t>(a.page.d) * kEntryBytes;
+    int r = range.row;
+    for (int32_t round = begin; round < end; round += kLookahead) {
+      const int32_t item = round + lane / kConsumerWarps;
+      TileSource at{-1, 0};
+      int row = r;
+      if (item < end) at = tile_source(a, tables, item, tile, row);
+      r = __reduce_max_sync(0xffffffffu, row);
+      for (int i = 0; i < kLookahead && round + i < end; ++i) {
+        const int32_t k = round + i - begin;
+        const int s = k % kRingStages;
+        if (k >= kRingStages) bulk::wait(empty + 8 * s, (k / kRingStages - 1) & 1);
+        if (lane / kConsumerWarps == i) {
+          copied[s * kConsumerWarps + tile] = at.page >= 0;
+          const uint32_t bar = full + 8 * s;
+          bulk::arrive_expect(bar, at.page >= 0 ? kTileBytes + kTileScaleBytes : 0);
+          if (at.page >= 0) {
+            bulk::copy_box(base + L::kKeys + (s * kConsumerWarps + tile) * kTileBytes,
+                           &keys_map, 0, at.entry, at.page, bar);
+            bulk::copy(base + L::kScales + (s * kConsumerWarps + tile) * kTileScaleBytes,
+                       a.kv + at.page * page_bytes + static_cast<int64_t>(a.page.d) * kDim +
+                           4 * at.entry,
+                       kTileScaleBytes, bar);
+          }
+        }
+      }
+    }
+  } else {
+    // Consumers: one warpgroup, every item together; warp w finishes pools 16w.. of it,
+    // for each row of the item's unit (score_unit where kGroup > 1) from the same stage: a
+    // row's scores are computed as they would be alone (its own wgmma chain and head_sum),
+    // so they do not depend on the unit.
+    const int g = lane >> 2, t = lane & 3;
+    int r = range.row, row = -1, rows = 1;
+    float w0[kHeadTiles], w1[kHeadTiles];  // kGroup == 1: the row's weights, held
+    float* const weights = reinterpret_cast<float*>(smem + L::kWeights);
+    const uint32_t queries = base + L::kQueries;
+    for (int32_t item = begin; item < end; ++item) {
+      const int32_t k = item - begin;
+      const int s = k % kRingStages;
+      while (first_item[r + 1] <= item) ++r;
+      if (r != row) {
+        // The unit's queries into shared memory, swizzled: 16-byte chunk c of head h at
+        // chunk c ^ (h % 8) of its 128-byte row. Every consumer thread is past its last
+        // wgmma on the old ones (each waited for its group) before any overwrites them.
+        if (row >= 0) bulk::named_sync(1, kConsumerWarps * kWarp);
+        row = r;
+        rows = tables.rows_of(r);
+        for (int j = 0; j < rows; ++j) {
+          const uint4* qrow = reinterpret_cast<const uint4*>(
+              a.q + static_cast<int64_t>(r + j) * L::kPadded * kDim);
+          for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
+            const int h = c / (kDim / 16), chunk = c % (kDim / 16);
+            const uint4 v = __ldg(qrow + c);
+            bulk::store16(queries + j * L::kQueryBytes + h * kDim + ((chunk ^ (h % 8)) * 16), v);
+          }
+          if constexpr (kGroup > 1) {
+            const float* wr = a.w_out + static_cast<int64_t>(r + j) * L::kPadded;
+            for (int c = threadIdx.x; c < L::kPadded; c += kConsumerWarps * kWarp)
+              weights[j * L::kPadded + c] = __ldg(wr + c);
+          }
+        }
+        if constexpr (kGroup == 1) {
+#pragma unroll
+          for (int j = 0; j < kHeadTiles; ++j) {
+            const float* wr = a.w_out + static_cast<int64_t>(r) * L::kPadded + 8 * j + 2 * t;
+            w0[j] = __ldg(wr);
+            w1[j] = __ldg(wr + 1);
+          }
+        }
+        bulk::fence_proxy_async();  // the generic-proxy writes, before wgmma reads them
+        bulk::named_sync(1, kConsumerWarps * kWarp);
+      }
+      const int32_t first = (item - first_item[r]) * kItemPools;  // the item's first pool
+      const int32_t p0 = first + warp * kWarpPools;
+      const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
+      bulk::wait(full + 8 * s, (k / kRingStages) & 1);
+      // Tiles not copied hold stale bytes: their rows (this warp's, when so) are masked.
+      const bool have = copied[s * kConsumerWarps + warp];
+      const unsigned char* sc = smem + L::kScales + (s * kConsumerWarps + warp) * kTileScaleBytes;
+      float scale_lo, scale_hi;
+      if (a.ue8m0) {
+        scale_lo = __uint_as_float(static_cast<uint32_t>(sc[4 * g]) << 23);
+        scale_hi = __uint_as_float(static_cast<uint32_t>(sc[4 * (g + 8)]) << 23);
+      } else {
+        scale_lo = reinterpret_cast<const float*>(sc)[g];
+        scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
+      }
+      if constexpr (kGroup > 1) {
+        score_unit<kHeadTiles, kGroup>(a, tables, r, rows, first, mine, t, have,
+                                       base + L::kKeys + s * kConsumerWarps * kTileBytes,
+                                       queries, weights, scale_lo, scale_hi, empty + 8 * s);
+      } else {
+        for (int j = 0; j < rows; ++j) {
+          const int32_t n = tables.pools[r + j];
+          float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
+          // A row of the unit with no logits to write (the select path's skipped rows), or
+          // none in this item: no wgmma (the same branch in the whole warpgroup).
+          const bool scored = a.fill || n > a.skip_upto;
+          if (!scored) continue;
+          float s_lo = -INFINITY, s_hi = -INFINITY;
+          if (first < n) {
+            float d[4 * kHeadTiles];
+#pragma unroll
+            for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
+            wgmma::fence();
+            wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes,
+                                   queries + j * L::kQueryBytes);
+            wgmma::commit();
+            wgmma::wait();
+            if (j == rows - 1) bulk::arrive(empty + 8 * s);  // the stage's reads are done
+            head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+            if (!have) s_lo = s_hi = -INFINITY;
+          } else if (j == rows - 1) {
+            bulk::arrive(empty + 8 * s);
+          }
+          if (t < 2) {
+            if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+            else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+          }
+        }
+        if (rows > 0 && !(a.fill || tables.pools[r + rows - 1] > a.skip_upto))
+          bulk::arrive(empty + 8 * s);  // the unit's last row was skipped: release here
+      }
+    }
+  }
+  pdl_launch_dependents();
+}
+
+// ------------------------------------------------------------------------------ launch
+
+// Device properties belong to the current device (XLA makes the stream's device current
+// before it calls a handler): never cache them process-wide, or the second GPU of a
+// process launches with the first one's settings.
+int sm_count() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+// The cache's fp8 bytes as a 3-d tensor (128 bytes of an entry, entries of a page, pages),
+// read in boxes of one 16-entry tile in the 128-byte swizzle (mqa_logits_kernel).
+cudaError_t keys_tensor_map(const LogitsArgs& args, CUtensorMap* map) {
+  const auto encode = wgmma::tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {kDim, static_cast<cuuint64_t>(args.page.d),
+                              static_cast<cuuint64_t>(args.pages)};
+  const cuuint64_t strides[2] = {kDim, static_cast<cuuint64_t>(args.page.d) * kEntryBytes};
+  const cuuint32_t box[3] = {kDim, kWarpPools, 1}, unit[3] = {1, 1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
+                              const_cast<uint8_t*>(args.kv), dims, strides, box, unit,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The logits kernel on a persistent grid: at most one CTA per possible item, at most what is
+// resident at once (shapes only: the command-buffer contract); the kernel spreads the actual
+// items over it.
+template <int kHeadTiles, int kGroup>
+cudaError_t launch_logits_as(cudaStream_t stream, bool pdl, const LogitsArgs& args) {
+  CUtensorMap map{};  // a cache of no pages is never read: no map to encode
+  if (args.pages > 0)
+    if (cudaError_t err = keys_tensor_map(args, &map); err != cudaSuccess) return err;
+  const auto kernel = mqa_logits_kernel<kHeadTiles, kGroup>;
+  const size_t smem = LogitsLayout<kHeadTiles, kGroup>::bytes(args.rows);
+  if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
+  int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
+  per_sm = std::max(per_sm, 1);
+  const int64_t bound = static_cast<int64_t>(args.rows) *
+                        ((args.width + kItemPools - 1) / kItemPools);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(bound, int64_t{sm_count()} * per_sm));
+  return launch(kernel, dim3(static_cast<unsigned>(grid)), dim3(kLogitsThreads), smem, stream,
+                pdl, args, map);
+}
+
+// LOGITS_HEADS in tiles of 8 heads (the wgmma's N = the padded heads).
+template <int kGroup>
+cudaError_t launch_logits_grouped(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                                  int32_t padded) {
+  constexpr int kFew = limits::kLogitsHeads[0] / 8, kMany = limits::kLogitsHeads[1] / 8;
+  return padded == limits::kLogitsHeads[1] ? launch_logits_as<kMany, kGroup>(stream, pdl, args)
+                                           : launch_logits_as<kFew, kGroup>(stream, pdl, args);
+}
+
+// Units of args.group rows (2..LOGITS_GROUP_ROWS), each its own instantiation: score_unit
+// issues a whole batch of chains, so a unit narrower than kGroup would pay for rows it has not.
+template <int kGroup = limits::kLogitsGroupRows>
+cudaError_t launch_logits_units(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                                int32_t padded) {
+  if constexpr (kGroup > 2)
+    if (args.group < kGroup) return launch_logits_units<kGroup - 1>(stream, pdl, args, padded);
+  return launch_logits_grouped<kGroup>(stream, pdl, args, padded);
+}
+
+// Units where the rows come as requests of group > 1 rows (args.group), else one row at a
+// time.
+cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                          int32_t padded) {
+  return args.group > 1 ? launch_logits_units(stream, pdl, args, padded)
+                        : launch_logits_grouped<1>(stream, pdl, args, padded);
+}
+
+}  // namespace
+}  // namespace glm5
