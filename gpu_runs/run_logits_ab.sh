@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The branches against main on one machine: bash gpu_runs/run_logits_ab.sh main both
-# [unit whole pair]. Each variant (gpu_runs/variants/NAME: its files at their repo paths, over
-# main's; main: the tree) is built and timed (stage, kernels only); TESTS=NAME also runs that
-# variant's GPU tests with GPU skips as failures and the sanitizer's select cases.
+# [unit unit2 whole pair]. Each variant (gpu_runs/variants/NAME.patch over main's files, from
+# `git diff main BRANCH`; main: the tree) is built and timed (stage, kernels only); TESTS=NAME
+# also runs that variant's GPU tests with GPU skips as failures and the sanitizer's select
+# cases.
 # Results: $OUT/ab.tgz.
 #   unit:  logits-unit-batch (an MTP unit's wgmma chains issued together)
 #   unit2: unit with batches of 2 rows at 32 heads, 1 at 64 (32 accumulators a thread: 66
@@ -22,7 +23,10 @@ el() { echo "$(( $(date +%s) - start )) s"; }
 tar -czf /tmp/main_src.tgz cc glm5_jax tests
 b() { n=$1; timeout $2 python3 -m bench --out $R/$n.json --md $R/$n.md --plot '' --budget-s $(( $2 - 20 )) --skip-variants reference "${@:3}" > $R/$n.log 2>&1; echo "$n rc $? at $(el)"; grep -E "^\[" $R/$n.log | grep -v "^\[   0" | sed 's/(step.*//;s/^\[ *[0-9.]*s\] stage //' ; }
 for v in "$@"; do
-  tar -xzf /tmp/main_src.tgz; [ "$v" = main ] || cp -r gpu_runs/variants/$v/. .
+  tar -xzf /tmp/main_src.tgz
+  if [ "$v" != main ]; then
+    { git apply gpu_runs/variants/$v.patch 2>/dev/null || patch -p1 -s < gpu_runs/variants/$v.patch; } || { echo "$v: the patch does not apply"; continue; }
+  fi
   source gpu_runs/build.sh > $R/build_$v.log 2>&1 || { echo "$v build failed"; tail -20 $R/build_$v.log; continue; }
   echo "== $v built at $(el)"
   if [ "${TESTS:-}" = "$v" ]; then
