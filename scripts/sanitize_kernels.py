@@ -84,8 +84,10 @@ def _variants():
   # pool_topk on a cluster per row (few rows, wide logits): kept keys gathered into the
   # first CTA (normal rows), the one-CTA path there (equal logits: every key kept).
   def topk_parts_args(rng, rows=3, width=32768, equal=1):
+    """Normal logits, row `equal` (None: none) all equal."""
     logits = rng.standard_normal((rows, width)).astype(np.float32)
-    logits[equal] = 3.0
+    if equal is not None:
+      logits[equal] = 3.0
     return jnp.asarray(logits), cases.i32(([width, width, 20001] * rows)[:rows])
   out.append(("pool_topk parts", functools.partial(glm5_jax.pool_topk, k=512),
               topk_parts_args, None, True))
@@ -96,7 +98,7 @@ def _variants():
               functools.partial(topk_parts_args, rows=2, width=262144), None, True))
   # One row of 262,144 pools (a cluster of 16, non-portable), its logits normal or all
   # equal; 16 rows of 50,688 (4 a row).
-  for name, equal in (("", slice(0)), (" equal", 0)):
+  for name, equal in (("", None), (" equal", 0)):
     out.append((f"pool_topk cluster of 16{name}", functools.partial(glm5_jax.pool_topk, k=512),
                 functools.partial(topk_parts_args, rows=1, width=262144, equal=equal),
                 None, True))
@@ -138,24 +140,24 @@ def _variants():
   # MTP units: requests of next_n rows with consecutive positions (a pad and a row that fits
   # k among them), each unit's rows scored from one read of a K tile (score_unit's batches),
   # with exact logits as above.
-  def mtp_args(rng, next_n, requests=3, pools=4096, page=cases.LOGITS_PAGE):
+  def mtp_args(rng, next_n, requests=3, pools=4096, page=cases.LOGITS_PAGE, holes=False):
     rows = requests * next_n
     base = np.repeat([4 * pools - next_n, 4 * pools - 3000, 2500], next_n)[:rows]
     positions = base + np.tile(np.arange(next_n), requests)
     positions[1], positions[next_n + 1] = -1, 4 * 100 - 1
     q, w, kv, table = exact_select(rng, rows, requests, pools, page)
-    if page % 64 == 0:   # whole items: a missing page and one past the cache (SPEC D4)
+    if holes:   # a missing page and one past the cache (SPEC D4)
       table = np.array(table)
       table[0, 1], table[-1, -1] = -1, kv.shape[0] + 3
       table = cases.i32(table)
     return (q, w, kv, table, cases.i32(np.repeat(np.arange(requests), next_n)),
             cases.i32(positions))
   # next_n 4 and 3; then pages of 64 entries (PAGE % 64 == 0: a whole item a copy), alone
-  # and in units.
+  # and in units, with holes in the page table.
   for next_n, page in ((4, cases.LOGITS_PAGE), (3, cases.LOGITS_PAGE), (1, 64), (4, 64)):
     out.append((f"select_pools MTP next_n={next_n} page={page}", functools.partial(
         glm5_jax.select_pools, k=512, max_pools=4096, next_n=next_n),
-        functools.partial(mtp_args, next_n=next_n, page=page),
+        functools.partial(mtp_args, next_n=next_n, page=page, holes=page == 64),
         cases.CASES["select_pools"].valid, True))
   # The same and expand_and_remap with block-table entries that name no block inside the
   # selection (SPEC §12.3: negative, or slots past int32): -1, not counted, holes closed.
