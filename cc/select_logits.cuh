@@ -423,7 +423,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       const int32_t item = round + lane / kConsumerWarps;
       TileSource at{-1, 0};
       int row = r;
-      if (item < end) at = tile_source(a, tables, item, tile, row);
+      // Whole items: only tile 0's lane reads the page table (it copies the item).
+      if (item < end && (!a.whole_items || tile == 0)) at = tile_source(a, tables, item, tile, row);
       r = __reduce_max_sync(0xffffffffu, row);
       for (int i = 0; i < kLookahead && round + i < end; ++i) {
         const int32_t k = round + i - begin;
