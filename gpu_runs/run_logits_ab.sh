@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The branches against main on one machine: bash gpu_runs/run_logits_ab.sh main both
 # [unit unit2 whole pair]. Each variant (gpu_runs/variants/NAME.patch over main's files, from
-# `git diff main BRANCH`; main: the tree) is built and timed (stage, kernels only); TESTS=NAME
-# also runs that variant's GPU tests with GPU skips as failures and the sanitizer's select
+# `git diff main BRANCH`; main: the tree) is built and timed (stage, kernels only); TESTS="NAME.."
+# also runs those variants' GPU tests with GPU skips as failures and the sanitizer's select
 # cases.
 # Results: $OUT/ab.tgz.
 #   unit:  logits-unit-batch (an MTP unit's wgmma chains issued together)
@@ -29,7 +29,7 @@ for v in "$@"; do
   fi
   source gpu_runs/build.sh > $R/build_$v.log 2>&1 || { echo "$v build failed"; tail -20 $R/build_$v.log; continue; }
   echo "== $v built at $(el)"
-  if [ "${TESTS:-}" = "$v" ]; then
+  if [[ " ${TESTS:-} " == *" $v "* ]]; then
     GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
     for tool in memcheck racecheck; do timeout 170 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py mqa_logits select_pools pool_topk > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
   fi
