@@ -265,6 +265,9 @@ __device__ __forceinline__ void radix_select_emit(uint32_t (&key)[kSlots], IdOf 
   uint32_t prefix = bits == 32 ? 0u : hi & ~((1u << bits) - 1u);
   uint32_t remaining = static_cast<uint32_t>(k);
   int shift = 0, buffer = 0;
+  // No digit (every key equal; the same in every thread): the emit's scan below then comes
+  // right after the caller's, with no barrier of a digit's between them (block_scan).
+  if (bits == 0) __syncthreads();
   while (bits > 0) {
     shift = bits > kTopkDigitBits ? bits - kTopkDigitBits : 0;
     const uint32_t digit_mask = (1u << (bits - shift)) - 1u;

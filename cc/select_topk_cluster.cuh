@@ -205,6 +205,9 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
       bulk::wait(bar_keys(), 0);  // 3: the kept keys are in CTA 0
       select_gathered<kThreads>(total, lo, hi, k, out, sh);
     } else if constexpr (kOneCta) {
+      // warp 0's reads of warp_lo/hi and warp_bound above precede topk_row's writes (the
+      // count mbarrier orders them too, but only through the async proxy)
+      __syncthreads();
       topk_row<kThreads, kRowPer>(a, r, n, out, sh);
     }
     finish_row<kThreads>(a, r, out, sh);
