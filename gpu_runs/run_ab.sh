@@ -1,21 +1,11 @@
 #!/usr/bin/env bash
-# The branches against main on one machine: bash gpu_runs/run_logits_ab.sh main both
-# [unit unit2 whole pair]. Each variant (gpu_runs/variants/NAME.patch over main's files, from
-# `git diff main BRANCH`; main: the tree) is built and timed (stage, kernels only); TESTS="NAME.."
-# also runs those variants' GPU tests with GPU skips as failures and the sanitizer's select
-# cases.
-# Results: $OUT/ab.tgz.
-#   unit:  logits-unit-batch (an MTP unit's wgmma chains issued together)
-#   unit2: unit with batches of 2 rows at 32 heads, 1 at 64 (32 accumulators a thread: 66
-#          registers, 4 CTAs an SM where unit's 107 allow 3; landing it changes
-#          test_sass's batch rule to 8 // tiles)
-#   whole: logits-whole-items (an item in one page: one 8 KB box, one scale copy)
-#   both:  logits-both
-#   pair:  topk-pair (a pair of CTAs a row at 17-64 rows of GLM-5's window, not chunks)
-# Expected: tests pass, 0 errors / 0 hazards. main on the H200: MTP 16x4 32K 47.6, M=64 32K
-# 48.5, M=1 / 16 / 64 at 202,752: 27.2 / 58.2 / 158 µs per layer; unit lowers MTP, whole
-# the 16- and 64-row rows (if the TMA requests were what held the bandwidth), pair M=64 at
-# 202,752 (the chunks' second top-k, expand_and_remap and XLA fusions gone).
+# Variants against main on one machine: bash gpu_runs/run_ab.sh main NAME... Each variant
+# (gpu_runs/variants/NAME.patch over main's files, from `git diff main BRANCH`; main: the
+# tree) is built and timed (stage, kernels only: MTP 16x4 at 32K, M 1/16/64 at 32K and
+# 202,752); TESTS="NAME.." also runs those variants' GPU tests of the select path with GPU
+# skips as failures and the sanitizer's select cases. Results: $OUT/ab.tgz.
+# Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP 47.9-50.9, M=1 / 16 / 64
+# at 202,752: 29.0 / 70.2 / 202-207 µs per layer.
 set -uo pipefail
 start=$(date +%s); R=/tmp/ab; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
 nvidia-smi -L | tee $R/gpu.txt

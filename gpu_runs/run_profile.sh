@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Where the missed targets' time goes, each kernel alone (ncu's node mode: no PDL overlap,
+# which the --timeline figures in docs/performance.md §5 include), then the logits kernel's
+# and the top-k's ncu sections (bandwidth, occupancy, stall reasons) at those shapes.
+# bash gpu_runs/run_profile.sh [node] [sections]  (default both). Results: $OUT/prof.tgz.
+# Expected (H100): MTP 16x4 at 32K: the logits kernel alone well under the 24.7 µs of the
+# timeline if PDL waits filled it, or about the same as at 64 independent rows (the
+# consumer's per-row work, not the bytes, then bounds both: unit batching and whole-item
+# copies changed neither stage row).
+set -uo pipefail
+start=$(date +%s); R=/tmp/prof; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/prof.tgz prof' EXIT
+nvidia-smi -L | tee $R/gpu.txt
+source gpu_runs/build.sh > $R/build.log 2>&1 || { tail -20 $R/build.log; exit 1; }
+el() { echo "$(( $(date +%s) - start )) s"; }
+parts=${*:-node sections}
+ST="python3 -m bench.step_times --runs 1 --variants kernel"
+node() {  # name, then step_times' shape flags
+  n=$1; shift
+  timeout 150 $ST "$@" > $R/$n.fill.log 2>&1  # fills the compilation cache
+  timeout 200 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+    --clock-control none $ST "$@" > $R/$n.csv 2> $R/$n.err
+  $ST --parse $R/$n.csv "$@" > $R/$n.txt 2>&1
+  echo "== $n at $(el)"; grep -vE "^\s*$" $R/$n.txt | tail -12
+}
+sections() {  # name, kernel regex, then step_times' shape flags (the cache is filled)
+  n=$1 k=$2; shift 2
+  timeout 200 ncu --cache-control all --clock-control none -k "regex:$k" --launch-skip 22 \
+    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section SchedulerStats \
+    --section WarpStateStats $ST "$@" > $R/$n.ncu.txt 2> $R/$n.ncu.err
+  echo "== $n sections at $(el)"
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occ|Registers Per|Grid Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall" $R/$n.ncu.txt | head -24
+}
+if [[ " $parts " == *" node "* ]]; then
+  node mtp --contexts 32768 --rows 64 --next-n 4
+  node rows64 --contexts 32768 --rows 64
+  node wide --contexts 202752 --rows 1,16
+fi
+if [[ " $parts " == *" sections "* ]]; then
+  sections mtp_logits mqa_logits --contexts 32768 --rows 64 --next-n 4
+  sections rows64_logits mqa_logits --contexts 32768 --rows 64
+  sections wide1_topk pool_topk --contexts 202752 --rows 1
+fi
