@@ -9,9 +9,8 @@
 set -uo pipefail
 start=$(date +%s); R=/tmp/ab; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
 nvidia-smi -L | tee $R/gpu.txt
-el() { echo "$(( $(date +%s) - start )) s"; }
+source gpu_runs/lib.sh
 tar -czf /tmp/main_src.tgz cc glm5_jax tests
-b() { n=$1; timeout $2 python3 -m bench --out $R/$n.json --md $R/$n.md --plot '' --budget-s $(( $2 - 20 )) --skip-variants reference "${@:3}" > $R/$n.log 2>&1; echo "$n rc $? at $(el)"; grep -E "^\[" $R/$n.log | grep -v "^\[   0" | sed 's/(step.*//;s/^\[ *[0-9.]*s\] stage //' ; }
 for v in "$@"; do
   tar -xzf /tmp/main_src.tgz
   if [ "$v" != main ]; then
@@ -23,7 +22,7 @@ for v in "$@"; do
     GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
     for tool in memcheck racecheck; do timeout 170 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py mqa_logits select_pools pool_topk > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
   fi
-  b ${v}_mtp 45 --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
-  b ${v}_rows 90 --groups stage --stage-contexts 32768,202752 --stage-rows 1,16,64
+  bench_row ${v}_mtp 50 --skip-variants reference --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
+  bench_row ${v}_rows 95 --skip-variants reference --groups stage --stage-contexts 32768,202752 --stage-rows 1,16,64
 done
 tar -xzf /tmp/main_src.tgz

@@ -4,17 +4,15 @@
 # (timeline) at those and M=16 202,752; then the 1K-128K table with the reference.
 # Expected: 0 errors / 0 hazards, every case identical; MTP ~47.6, M=64 202,752 ~158 µs/layer.
 set -uo pipefail
-start=$(date +%s); R=/tmp/rh; mkdir -p $R/r; trap 'tar -C /tmp -czf $OUT/h200.tgz rh' EXIT
+start=$(date +%s); R=/tmp/rh; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/h200.tgz rh' EXIT
 nvidia-smi -L | tee $R/gpu.txt
 source gpu_runs/build.sh || exit 1
-el() { echo "$(( $(date +%s) - start )) s"; }
-D=${DEADLINE:-575}
-lim() { l=$(( D - ($(date +%s) - start) )); [ $l -gt $1 ] && l=$1; echo $l; }
+DEADLINE=${DEADLINE:-575}
+source gpu_runs/lib.sh
 for tool in memcheck racecheck; do timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py pool_topk > $R/$tool.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/$tool.log | head -1); $(grep -c 'True\]' $R/$tool.log) identical; $(tail -1 $R/$tool.log)) at $(el)"; done
-b() { l=$(lim $2); [ $l -lt 30 ] && { echo "$1 skipped"; return; }; n=$1; timeout $l python3 -m bench --out $R/r/$n.json --md $R/r/$n.md --plot '' --budget-s $(( l - 25 )) "${@:3}" > $R/r/$n.log 2>&1; echo "$n rc $? at $(el)"; grep -E "^\[" $R/r/$n.log | grep -v "^\[   0" | sed 's/(step.*//' ; }
-b mtp 90 --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
-b wide 150 --groups stage --stage-contexts 202752 --stage-rows 64
+bench_row mtp 90 --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
+bench_row wide 150 --groups stage --stage-contexts 202752 --stage-rows 64
 t() { l=$(lim $2); [ $l -lt 30 ] && { echo "$1 skipped"; return; }; n=$1; timeout $l python3 -m bench.step_times --runs 3 --steps 4 --variants kernel "${@:3}" > $R/$n.fill.log 2>&1 && timeout $(lim $2) python3 -m bench.step_times --runs 3 --steps 4 --variants kernel --timeline /tmp/tl_$n --json $R/$n.json "${@:3}" > $R/$n.log 2>&1; echo "timeline $n rc $? at $(el)"; grep -vE "^\s*$|WARNING|^I0|^E0|^W0" $R/$n.log | tail -14; }
 t tl_mtp 90 --contexts 32768 --rows 64 --next-n 4
 t tl_wide 100 --contexts 202752 --rows 1,16,64
-b table 400 --groups stage --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64
+bench_row table 400 --groups stage --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64

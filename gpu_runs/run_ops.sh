@@ -7,8 +7,7 @@
 set -uo pipefail
 start=$(date +%s); R=/tmp/ro; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ops.tgz ro' EXIT
 nvidia-smi -L | tee $R/gpu.txt
-el() { echo "$(( $(date +%s) - start )) s"; }
+source gpu_runs/lib.sh
 source gpu_runs/build.sh || exit 1
-b() { n=$1; timeout $2 python3 -m bench --out $R/$n.json --md $R/$n.md --plot '' --budget-s $(( $2 - 25 )) "${@:3}" > $R/$n.log 2>&1; echo "$n rc $? at $(el)"; grep -E "^\[" $R/$n.log | grep -v "^\[   0" | sed 's/(step.*//' | tail -30; }
-b ops 330 --groups ops --ops pool_topk,mqa_logits,select_slots --select-pools 50688,262144 --select-rows 1,16,64
-b m64 150 --groups stage --stage-contexts 131072 --stage-rows 64
+bench_row ops 330 --groups ops --ops pool_topk,mqa_logits,select_slots --select-pools 50688,262144 --select-rows 1,16,64
+bench_row m64 150 --groups stage --stage-contexts 131072 --stage-rows 64

@@ -11,7 +11,7 @@ set -uo pipefail
 start=$(date +%s); R=/tmp/prof; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/prof.tgz prof' EXIT
 nvidia-smi -L | tee $R/gpu.txt
 source gpu_runs/build.sh > $R/build.log 2>&1 || { tail -20 $R/build.log; exit 1; }
-el() { echo "$(( $(date +%s) - start )) s"; }
+source gpu_runs/lib.sh
 parts=${*:-node sections}
 ST="python3 -m bench.step_times --runs 1 --variants kernel"
 node() {  # name, then step_times' shape flags

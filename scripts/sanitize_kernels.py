@@ -104,8 +104,7 @@ def _variants():
                 None, True))
   out.append(("pool_topk cluster of 4", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=16, width=50688), None, True))
-  # 40 rows of 50,688 pools: chunks of one CTA's width, or a pair of CTAs a row (plan.py's
-  # rule on branch topk-pair).
+  # 40 rows of 50,688 pools: chunks of one CTA's width (plan.py's rule past 16 rows).
   out.append(("pool_topk 40 rows", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=40, width=50688), None, True))
   out.append(("select_slots cluster", functools.partial(
@@ -138,7 +137,7 @@ def _variants():
       glm5_jax.select_slots, k=512, max_pools=8192, block_size=128, width=2053, stride_rows=160),
       slots_wide_args, None, True))
   # MTP units: requests of next_n rows with consecutive positions (a pad and a row that fits
-  # k among them), each unit's rows scored from one read of a K tile (score_unit's batches),
+  # k among them), each unit's rows scored from one read of a K tile,
   # with exact logits as above.
   def mtp_args(rng, next_n, requests=3, pools=4096, page=cases.LOGITS_PAGE, holes=False):
     rows = requests * next_n
@@ -152,7 +151,7 @@ def _variants():
       table = cases.i32(table)
     return (q, w, kv, table, cases.i32(np.repeat(np.arange(requests), next_n)),
             cases.i32(positions))
-  # next_n 4 and 3; then pages of 64 entries (PAGE % 64 == 0: a whole item a copy), alone
+  # next_n 4 and 3; then pages of 64 entries (an item's four tiles in one page), alone
   # and in units, with holes in the page table.
   for next_n, page in ((4, cases.LOGITS_PAGE), (3, cases.LOGITS_PAGE), (1, 64), (4, 64)):
     out.append((f"select_pools MTP next_n={next_n} page={page}", functools.partial(

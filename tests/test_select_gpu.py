@@ -112,7 +112,7 @@ LOGITS_CASES = [
     (3, 1000, 16, 64, "fp32"), (64, 2048, 64, 32, "ue8m0"),
     # ~9 work items per CTA of the persistent grid: the streamed kernel's ring turns over
     (8, 30000, 32, 32, "fp32"),
-    # pages of 128 entries: two whole items a page (the second at entry 64)
+    # pages of 128 entries: two items a page (the second at entry 64)
     (5, 6000, 128, 32, "ue8m0")]
 
 
@@ -534,4 +534,5 @@ def test_mtp_rows_equal_the_row_by_row_kernel(contexts, next_n, layout, heads, s
   cols = np.arange(max_pools)[None, :] < n[:, None]
   both = scored[:, None] & cols
   assert np.array_equal(logits[both].view(np.uint32), logits1[both].view(np.uint32))
-  assert scored.sum() >= 3 and not scored[1] and not scored[2]  # the case scores rows
+  # the case scores rows, and not the pad (1) nor the row that fits k (2)
+  assert scored.sum() >= 3 and not scored[1] and not scored[2]

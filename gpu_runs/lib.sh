@@ -1,0 +1,21 @@
+# Sourced by the gpu_runs scripts, after they set start=$(date +%s) and R (results folder).
+# el: seconds since start. lim S: at most S, and no later than DEADLINE s after start where
+# DEADLINE is set. bench_row NAME S [bench args]: one bench run into $R/NAME.{json,md,log}
+# within lim S, its rows printed (skipped under 30 s).
+el() { echo "$(( $(date +%s) - start )) s"; }
+lim() {
+  local l=$1 left
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$(( DEADLINE - ($(date +%s) - start) )); [ $left -lt $l ] && l=$left
+  fi
+  echo $l
+}
+bench_row() {
+  local n=$1 l; l=$(lim $2)
+  [ $l -lt 30 ] && { echo "$n skipped"; return; }
+  timeout $l python3 -m bench --out $R/$n.json --md $R/$n.md --plot '' --budget-s $(( l - 25 )) \
+    "${@:3}" > $R/$n.log 2>&1
+  echo "$n rc $? at $(el)"
+  grep -E "^\[" $R/$n.log | grep -v "^\[   0" | sed 's/(step.*//;s/^\[ *[0-9.]*s\] stage //' \
+    | tail -30
+}
