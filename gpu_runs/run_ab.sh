@@ -3,7 +3,8 @@
 # (gpu_runs/variants/NAME.patch over main's files, from `git diff main BRANCH`; main: the
 # tree) is built and timed (stage, kernels only: MTP 16x4 at 32K, M 1/16/64 at 32K and
 # 202,752); TESTS="NAME.." also runs those variants' GPU tests of the select path with GPU
-# skips as failures and the sanitizer's select cases. Results: $OUT/ab.tgz.
+# skips as failures and the sanitizer's select cases (TOOLS, default memcheck racecheck; OPS,
+# default mqa_logits select_pools pool_topk); BENCH=0 skips the timing. Results: $OUT/ab.tgz.
 # Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP 47.9-50.9, M=1 / 16 / 64
 # at 202,752: 29.0 / 70.2 / 202-207 µs per layer.
 set -uo pipefail
@@ -20,8 +21,9 @@ for v in "$@"; do
   echo "== $v built at $(el)"
   if [[ " ${TESTS:-} " == *" $v "* ]]; then
     GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
-    for tool in memcheck racecheck; do timeout 170 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py mqa_logits select_pools pool_topk > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
+    for tool in ${TOOLS:-memcheck racecheck}; do timeout $(lim 170) compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py ${OPS:-mqa_logits select_pools pool_topk} > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
   fi
+  [ "${BENCH:-1}" = 0 ] && continue
   bench_row ${v}_mtp 50 --skip-variants reference --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
   bench_row ${v}_rows 95 --skip-variants reference --groups stage --stage-contexts 32768,202752 --stage-rows 1,16,64
 done

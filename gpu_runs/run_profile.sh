@@ -2,7 +2,10 @@
 # Where the missed targets' time goes, each kernel alone (ncu's node mode: no PDL overlap,
 # which the --timeline figures in docs/performance.md §5 include), then the logits kernel's
 # and the top-k's ncu sections (bandwidth, occupancy, stall reasons) at those shapes.
-# bash gpu_runs/run_profile.sh [node] [sections]  (default both). Results: $OUT/prof.tgz.
+# `source`: the same kernels' stall samples per SASS instruction (map the offsets to source
+# with nvdisasm -g on a -lineinfo build of the same nvcc).
+# bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two).
+# Results: $OUT/prof.tgz.
 # Expected (H100): MTP 16x4 at 32K: the logits kernel alone well under the 24.7 µs of the
 # timeline if PDL waits filled it, or about the same as at 64 independent rows (the
 # consumer's per-row work, not the bytes, then bounds both: unit batching and whole-item
@@ -31,6 +34,17 @@ sections() {  # name, kernel regex, then step_times' shape flags (the cache is f
   echo "== $n sections at $(el)"
   grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occ|Registers Per|Grid Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall" $R/$n.ncu.txt | head -24
 }
+source_page() {  # name, kernel regex, then step_times' shape flags
+  n=$1 k=$2; shift 2
+  timeout 150 $ST "$@" > $R/$n.fill.log 2>&1
+  timeout 200 ncu --cache-control all --clock-control none -k "regex:$k" --launch-skip 22 \
+    --launch-count 1 --section WarpStateStats --section SourceCounters -f -o $R/$n \
+    $ST "$@" > $R/$n.src.log 2>&1
+  ncu -i $R/$n.ncu-rep --page source --csv --print-source sass > $R/$n.sass.csv 2>&1
+  ncu -i $R/$n.ncu-rep --page details --print-details all > $R/$n.details.txt 2>&1
+  rm -f $R/$n.ncu-rep; echo "== $n source at $(el)"; wc -c $R/$n.sass.csv
+  grep -iE "stall|samples" $R/$n.details.txt | head -20
+}
 if [[ " $parts " == *" node "* ]]; then
   node mtp --contexts 32768 --rows 64 --next-n 4
   node rows64 --contexts 32768 --rows 64
@@ -40,4 +54,9 @@ if [[ " $parts " == *" sections "* ]]; then
   sections mtp_logits mqa_logits --contexts 32768 --rows 64 --next-n 4
   sections rows64_logits mqa_logits --contexts 32768 --rows 64
   sections wide1_topk pool_topk --contexts 202752 --rows 1
+fi
+if [[ " $parts " == *" source "* ]]; then
+  source_page mtp_src mqa_logits --contexts 32768 --rows 64 --next-n 4
+  source_page rows64_src mqa_logits --contexts 32768 --rows 64
+  source_page wide1_topk_src pool_topk --contexts 202752 --rows 1
 fi
