@@ -108,11 +108,17 @@ __device__ __forceinline__ uint4 load16(uint32_t p) {
   return v;
 }
 
-// 16 bytes to shared memory.
-__device__ __forceinline__ void store16(uint32_t p, uint4 v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
+// 16 bytes (`src` 16-byte aligned) and 4 bytes from global memory to shared `dst`
+// without holding registers: a thread's copies are all in flight together. wait_copies()
+// completes this thread's; a barrier after it shows them to the other threads.
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copy4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 }  // namespace bulk

@@ -252,10 +252,11 @@ constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
 constexpr int kTileScaleBytes = kWarpPools * 4;          // its scales: 64 B
 constexpr int kLookahead = kWarp / kConsumerWarps;        // items per lookup round
-// Where tile `tile` (16 pools) of work item `item` lives: its page and the entry of its
-// first pool there; page -1 when it is not read (past the row's pools, an unknown request,
-// a page slot past the table, or a page id outside the cache: SPEC D4). `row` is advanced
-// to the item's row (a thread visits items in ascending order).
+// Where tile `tile` (16 pools) of work item `item` lives: its page-table entry and the
+// entry of its first pool in that page; page -1 when it is not read (past the row's pools,
+// an unknown request, a page slot past the table). The entry is not yet checked against the
+// cache (readable() does that, SPEC D4), so its load stays in flight until then. `row` is
+// advanced to the item's row (a thread visits items in ascending order).
 struct TileSource {
   int32_t page, entry;
 };
@@ -268,11 +269,14 @@ __device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const Row
   const int32_t p0 = (item - t.first_item[row]) * kItemPools + tile * kWarpPools;
   const int32_t req = t.req[row];
   const int32_t slot = a.page.div(p0);  // PAGE % 16 == 0: the tile is in one page
-  if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width) {
-    const int32_t pg = a.page_table[static_cast<int64_t>(req) * a.table_width + slot];
-    if (pg >= 0 && pg < a.pages) return {pg, a.page.mod(p0)};
-  }
+  if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width)
+    return {a.page_table[static_cast<int64_t>(req) * a.table_width + slot], a.page.mod(p0)};
   return {-1, 0};
+}
+
+// A looked-up tile that is read: a page id inside the cache.
+__device__ __forceinline__ bool readable(const LogitsArgs& a, const TileSource& at) {
+  return at.page >= 0 && at.page < a.pages;
 }
 
 using wgmma::kAtom;
@@ -335,25 +339,33 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
   if (warp == kConsumerWarps) {
     // Producer. Round by round, lane L takes tile L % 4 of item round + L / 4: its page
     // (one lookup per lane, all in flight together), then, item by item, the lanes of that
-    // item wait for the stage to be free and issue their copies.
+    // item wait for the stage to be free and issue their copies. The next round's pages are
+    // looked up before this round's copies wait for stages: their loads overlap the wait.
     const int tile = lane % kConsumerWarps;
     const int64_t page_bytes = static_cast<int64_t>(a.page.d) * kEntryBytes;
     int r = range.row;
-    for (int32_t round = begin; round < end; round += kLookahead) {
+    const auto look_up = [&](int32_t round) {
       const int32_t item = round + lane / kConsumerWarps;
       TileSource at{-1, 0};
       int row = r;
       if (item < end) at = tile_source(a, tables, item, tile, row);
       r = __reduce_max_sync(0xffffffffu, row);
+      return at;
+    };
+    TileSource next = look_up(begin);
+    for (int32_t round = begin; round < end; round += kLookahead) {
+      const TileSource at = next;
+      if (round + kLookahead < end) next = look_up(round + kLookahead);
+      const bool read = readable(a, at);
       for (int i = 0; i < kLookahead && round + i < end; ++i) {
         const int32_t k = round + i - begin;
         const int s = k % kRingStages;
         if (k >= kRingStages) bulk::wait(empty + 8 * s, (k / kRingStages - 1) & 1);
         if (lane / kConsumerWarps == i) {
-          copied[s * kConsumerWarps + tile] = at.page >= 0;
+          copied[s * kConsumerWarps + tile] = read;
           const uint32_t bar = full + 8 * s;
-          bulk::arrive_expect(bar, at.page >= 0 ? kTileBytes + kTileScaleBytes : 0);
-          if (at.page >= 0) {
+          bulk::arrive_expect(bar, read ? kTileBytes + kTileScaleBytes : 0);
+          if (read) {
             bulk::copy_box(base + L::kKeys + (s * kConsumerWarps + tile) * kTileBytes,
                            &keys_map, 0, at.entry, at.page, bar);
             bulk::copy(base + L::kScales + (s * kConsumerWarps + tile) * kTileScaleBytes,
@@ -380,23 +392,24 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       while (first_item[r + 1] <= item) ++r;
       if (r != row) {
         // The unit's queries into shared memory, swizzled: 16-byte chunk c of head h at
-        // chunk c ^ (h % 8) of its 128-byte row. Every consumer thread is past its last
-        // wgmma on the old ones (each waited for its group) before any overwrites them.
+        // chunk c ^ (h % 8) of its 128-byte row; with kGroup > 1 its weights too. Every
+        // consumer thread is past its last wgmma on the old ones (each waited for its group)
+        // before any overwrites them. Asynchronous copies: a thread's are all in flight at
+        // once, where a load into registers and its store cost a round trip each.
         if (row >= 0) bulk::named_sync(1, kConsumerWarps * kWarp);
         row = r;
         rows = tables.rows_of(r);
         for (int j = 0; j < rows; ++j) {
-          const uint4* qrow = reinterpret_cast<const uint4*>(
-              a.q + static_cast<int64_t>(r + j) * L::kPadded * kDim);
+          const uint8_t* qrow = a.q + static_cast<int64_t>(r + j) * L::kPadded * kDim;
           for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
             const int h = c / (kDim / 16), chunk = c % (kDim / 16);
-            const uint4 v = __ldg(qrow + c);
-            bulk::store16(queries + j * L::kQueryBytes + h * kDim + ((chunk ^ (h % 8)) * 16), v);
+            bulk::copy16(queries + j * L::kQueryBytes + h * kDim + ((chunk ^ (h % 8)) * 16),
+                         qrow + 16 * c);
           }
           if constexpr (kGroup > 1) {
             const float* wr = a.w_out + static_cast<int64_t>(r + j) * L::kPadded;
             for (int c = threadIdx.x; c < L::kPadded; c += kConsumerWarps * kWarp)
-              weights[j * L::kPadded + c] = __ldg(wr + c);
+              bulk::copy4(base + L::kWeights + 4 * (j * L::kPadded + c), wr + c);
           }
         }
         if constexpr (kGroup == 1) {
@@ -407,7 +420,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
             w1[j] = __ldg(wr + 1);
           }
         }
-        bulk::fence_proxy_async();  // the generic-proxy writes, before wgmma reads them
+        bulk::wait_copies();
+        bulk::fence_proxy_async();  // the copies' writes, before wgmma reads them
         bulk::named_sync(1, kConsumerWarps * kWarp);
       }
       const int32_t first = (item - first_item[r]) * kItemPools;  // the item's first pool
