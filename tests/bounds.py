@@ -44,11 +44,15 @@ def check_cache_d2(got, want, orig, written, label="", stats=None, plain_scales=
 # H200, prefill then decode vs one prefill); 1/1024 leaves 4x that and rejects a systematic
 # fault (every key of a token off: 128 of a request's 1,024 ring values).
 TAIL_RATE = 2.0 ** -10
-# A kernel's K = 4096 fp32 GEMM against XLA's: ~2^-18 of a row's rms apart (sqrt(K) roundings
-# of 2^-24); a tail value so near 0 that this is several of its ulps may differ by up to
-# 2^-10 of the rms (256x that, still 2^-2 of a bf16 ulp at the rms: a wrong row or token is
-# off by about the rms itself).
-GEMM_TAIL_FLOOR = 2.0 ** -10
+# Two fp32 GEMMs summed in other orders (a kernel against XLA's dot, or XLA's against itself
+# under another autotuned algorithm) are ~2^-18 of a row's rms apart, which now and then flips
+# a key's or gate's bf16 rounding: one ulp of that value, at most 2^-7 of it. The LayerNorm
+# and the rope's rotation carry that step to the tail at about its size, so a value near 0
+# moves many of its own ulps (6, 1.4e-3 of a row of rms 1, at M = 128 with XLA's GEMM on both
+# sides) but not past 2^-7 of its row's largest magnitude (the synthetic keys are centred:
+# their mean is small against their spread). A wrong row or token is off by about the rms,
+# and two ulps of the row's largest value still fail.
+GEMM_TAIL_FLOOR = 2.0 ** -7
 # K-cache entries that may differ, of all entries: keys differ in ~2.4e-4 of their values
 # (the tail rate above) and an entry pools 4 x 128 of them, so ~12% of entries see one
 # (analysis; to confirm on the GPU): compare_cache bounds each such entry.
@@ -63,8 +67,9 @@ def check_equivalent(got_kv, got_tail, want_kv, want_tail, gemm_floor=0.0):
   what one flipped pooled bf16 value moves through the Hadamard (O.compare_cache), its
   scale bytes equal; at most ENTRY_RATE of the entries differ. gemm_floor: where the two
   sides' keys and gates come from GEMMs summed in other orders (a kernel against XLA's
-  dot), a value may also differ by up to gemm_floor x the rms of its 128-value row (a value
-  near 0 after cancellation or LayerNorm's centring moves many of its own ulps)."""
+  dot), a value may also differ by up to gemm_floor x the largest magnitude of its 128-value
+  row (a value near 0 after cancellation or LayerNorm's centring moves many of its own
+  ulps)."""
   gt, wt = np.asarray(got_tail), np.asarray(want_tail)
   assert gt.shape == wt.shape and gt.dtype == wt.dtype == O.BF16, (gt.dtype, wt.dtype)
   off = O.bits(gt) != O.bits(wt)
@@ -72,12 +77,13 @@ def check_equivalent(got_kv, got_tail, want_kv, want_tail, gemm_floor=0.0):
       f"tail: {off.sum()} of {off.size} values differ")
   ulps = np.abs(O.bf16_rank(gt[off]) - O.bf16_rank(wt[off]))
   g64, w64 = gt.astype(np.float64), wt.astype(np.float64)
-  rms = np.broadcast_to(np.sqrt(np.mean(w64 ** 2, axis=-1, keepdims=True)), wt.shape)[off]
+  peak = np.broadcast_to(np.max(np.abs(w64), axis=-1, keepdims=True), wt.shape)[off]
   delta = np.abs(g64[off] - w64[off])
-  bad = (ulps > 1) & ~(delta <= gemm_floor * rms)
+  bad = (ulps > 1) & ~(delta <= gemm_floor * peak)
   assert not np.any(bad), (
       f"tail: a value {ulps[bad].max()} bf16 ulp off and more than {gemm_floor:.3g} of its "
-      f"row's rms: got {g64[off][bad][:4]}, want {w64[off][bad][:4]}, rms {rms[bad][:4]}")
+      f"row's largest magnitude: got {g64[off][bad][:4]}, want {w64[off][bad][:4]}, "
+      f"largest {peak[bad][:4]}")
   entries = O.differing_entries(got_kv, want_kv)
   pages, page, _ = np.shape(want_kv)
   assert len(entries) <= ENTRY_RATE * pages * page, f"kv_cache: {len(entries)} entries differ"

@@ -296,8 +296,8 @@ def test_prefill_rejects_bad_input():
 def test_gemm_floor_passes_a_value_near_0_and_nothing_else():
   """check_equivalent's gemm_floor (the stage against the reference: GEMMs in other orders)
   passes a value at 2^-14 of its row's rms off by 8 of its ulps, which fails without it,
-  and still rejects 2 ulps on a value of the row's size and a token's key in another's
-  slot."""
+  and still rejects a value near 0 off by twice the floor of its row's largest magnitude,
+  2 ulps on the row's largest value and a token's key in another's slot."""
   kv, tail, _ = _written_caches()
   rms = np.sqrt(np.mean(tail.astype(np.float64) ** 2, axis=-1))
   b, plane, slot = np.unravel_index(np.argmax(rms), rms.shape)
@@ -308,6 +308,11 @@ def test_gemm_floor_passes_a_value_near_0_and_nothing_else():
   check_equivalent(kv, got, kv, want, GEMM_TAIL_FLOOR)
   with pytest.raises(AssertionError, match="8 bf16 ulp off"):
     check_equivalent(kv, got, kv, want)
+  peak = np.max(np.abs(want[b, plane, slot].astype(np.float64)))
+  got = want.copy()
+  got[b, plane, slot, 4] = 2 * GEMM_TAIL_FLOOR * peak
+  with pytest.raises(AssertionError, match="largest magnitude"):
+    check_equivalent(kv, got, kv, want, GEMM_TAIL_FLOOR)
   big = np.argmax(np.abs(want[b, plane, slot].astype(np.float64)))
   got = want.copy()
   got.view(np.uint16)[b, plane, slot, big] += 2

@@ -11,7 +11,7 @@ use_reference=True on the same device:
   q and the logits sum in other orders, SPEC D2);
 * both caches within SPEC D2 (bounds.check_equivalent: keys from the projection kernel, not
   XLA's GEMM, may differ by a bf16 rounding, or near 0 by GEMM_TAIL_FLOOR of their row's
-  rms; every K-cache scale byte equal).
+  largest magnitude; every K-cache scale byte equal).
 """
 import json
 import re
