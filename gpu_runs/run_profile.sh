@@ -2,14 +2,12 @@
 # Where the missed targets' time goes, each kernel alone (ncu's node mode: no PDL overlap,
 # which the --timeline figures in docs/performance.md §5 include), then the logits kernel's
 # and the top-k's ncu sections (bandwidth, occupancy, stall reasons) at those shapes.
-# `source`: the same kernels' stall samples per SASS instruction (map the offsets to source
-# with nvdisasm -g on a -lineinfo build of the same nvcc).
+# `source`: the same kernels' stall samples per SASS instruction (scripts/ncu_source.py maps
+# them to source lines).
 # bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two).
 # Results: $OUT/prof.tgz.
-# Expected (H100): MTP 16x4 at 32K: the logits kernel alone well under the 24.7 µs of the
-# timeline if PDL waits filled it, or about the same as at 64 independent rows (the
-# consumer's per-row work, not the bytes, then bounds both: unit batching and whole-item
-# copies changed neither stage row).
+# Expected (H100, cp.async queries): MTP 16x4's logits kernel alone under the 25.7 µs it took
+# with the queries loaded through registers, with fewer than 26% of its samples on them.
 set -uo pipefail
 start=$(date +%s); R=/tmp/prof; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/prof.tgz prof' EXIT
 nvidia-smi -L | tee $R/gpu.txt
@@ -38,7 +36,8 @@ source_page() {  # name, kernel regex, then step_times' shape flags
   n=$1 k=$2; shift 2
   timeout 150 $ST "$@" > $R/$n.fill.log 2>&1
   timeout 200 ncu --cache-control all --clock-control none -k "regex:$k" --launch-skip 22 \
-    --launch-count 1 --section WarpStateStats --section SourceCounters -f -o $R/$n \
+    --launch-count 1 --sampling-interval 0 --section WarpStateStats --section SourceCounters \
+    -f -o $R/$n \
     $ST "$@" > $R/$n.src.log 2>&1
   ncu -i $R/$n.ncu-rep --page source --csv --print-source sass > $R/$n.sass.csv 2>&1
   ncu -i $R/$n.ncu-rep --page details --print-details all > $R/$n.details.txt 2>&1
