@@ -33,15 +33,12 @@ def line_map(dis, function):
   return where
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("dis")
-  p.add_argument("function", help="the kernel's mangled name")
-  p.add_argument("csv")
-  p.add_argument("--top", type=int, default=25)
-  args = p.parse_args()
-  where = line_map(args.dis, args.function)
-  rows = list(csv.reader(open(args.csv)))
+def stalls_by_line(dis, function, csv_path):
+  """({(file, line): samples}, {(file, line): {stall reason: samples}}) of `function`'s
+  ncu source page (csv_path) over the lines of its nvdisasm -g listing (dis); an
+  instruction with no line of its own counts for the line before it."""
+  where = line_map(dis, function)
+  rows = list(csv.reader(open(csv_path)))
   header, data = rows[1], rows[2:]
   address, samples = header.index("Address"), header.index(SAMPLES)
   stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
@@ -52,12 +49,23 @@ def main():
     by_line[at] += int(r[samples] or 0)
     for i in stalls:
       reasons[at][header[i][len("stall_"):]] += int(r[i] or 0)
+  return by_line, reasons
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("dis")
+  p.add_argument("function", help="the kernel's mangled name")
+  p.add_argument("csv")
+  p.add_argument("--top", type=int, default=25)
+  args = p.parse_args()
+  by_line, reasons = stalls_by_line(args.dis, args.function, args.csv)
   total = sum(by_line.values())
-  print(f"{total} samples, {len(data)} instructions")
+  print(f"{total} samples")
   for at, n in by_line.most_common(args.top):
     top = ", ".join(f"{k} {v}" for k, v in reasons[at].most_common(2) if v)
-    print(f"{n:7d} {100 * n / max(total, 1):5.1f}%  {at[0]}:{at[1]}  ({top})" if at else
-          f"{n:7d} {100 * n / max(total, 1):5.1f}%  (no line)")
+    where = f"{at[0]}:{at[1]}" if at else "(no line)"
+    print(f"{n:7d} {100 * n / max(total, 1):5.1f}%  {where}  ({top})")
 
 
 if __name__ == "__main__":

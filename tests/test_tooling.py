@@ -1,4 +1,6 @@
-"""Project tooling: one version source, the GPU capability guard of the kernels."""
+"""Project tooling: one version source, the GPU capability guard of the kernels, the
+profiling script that maps ncu's stall samples to source lines."""
+import importlib.util
 import os
 import re
 import tomllib
@@ -72,3 +74,40 @@ def test_sass_listing_parse_across_trees():
                "_ZN4glm57kernel_without_namespaceEv": ["EXIT"]}
   with pytest.raises(ValueError, match="two functions named"):
     parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x70") * 2)
+
+
+def test_ncu_source_attributes_samples_to_lines(tmp_path):
+  """scripts/ncu_source.py: an instruction's stall samples go to the source line the
+  nvdisasm -g listing names before it (offsets from the kernel's first instruction), only
+  the named kernel's lines count, and the CSV's stall columns split them by reason."""
+  spec = importlib.util.spec_from_file_location(
+      "ncu_source", os.path.join(ROOT, "scripts", "ncu_source.py"))
+  ncu_source = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ncu_source)
+  dis = tmp_path / "k.dis"
+  dis.write_text("\n".join([
+      ".text.other:",
+      '\t//## File "/x/a.cuh", line 1',
+      "        /*0000*/                   NOP ;",
+      "//--------------------- .text.kern --------------------------",
+      ".text.kern:",
+      '\t//## File "/x/a.cuh", line 7',
+      "        /*0000*/                   LDG.E R1, desc[UR4][R2.64] ;",
+      "        /*0010*/                   STS [R3], R1 ;",
+      '\t//## File "/x/b.cuh", line 9',
+      "        /*0020*/                   BAR.SYNC 0x0 ;",
+      "//--------------------- .text.next --------------------------",
+      '\t//## File "/x/a.cuh", line 99',
+      "        /*0030*/                   NOP ;"]))
+  table = tmp_path / "k.csv"
+  table.write_text("\n".join([
+      '"Kernel Name","kern"',
+      '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb",'
+      '"stall_barrier","stall_long_sb (Not Issued)"',
+      '"0x7f00","LDG","1","0","0","9"',
+      '"0x7f10","STS","5","5","0","9"',
+      '"0x7f20","BAR","3","0","3","9"']))
+  by_line, reasons = ncu_source.stalls_by_line(str(dis), "kern", str(table))
+  assert by_line == {("a.cuh", 7): 6, ("b.cuh", 9): 3}
+  assert reasons[("a.cuh", 7)] == {"long_sb": 5, "barrier": 0}
+  assert reasons[("b.cuh", 9)] == {"long_sb": 0, "barrier": 3}
