@@ -1,5 +1,6 @@
 // Bulk copies by the TMA into shared memory, counted on mbarriers: the one set of helpers
-// the streaming kernels share (indexer_q's weight rows, mqa_logits's K-cache tiles).
+// the streaming kernels share (indexer_q's weight rows, mqa_logits's K-cache tiles); and
+// per-thread asynchronous copies (mqa_logits's queries and head weights).
 #pragma once
 
 #include <cstdint>
