@@ -1,7 +1,9 @@
 # Sourced by the gpu_runs scripts, after they set start=$(date +%s) and R (results folder).
 # el: seconds since start. lim S: at most S, and no later than DEADLINE s after start where
 # DEADLINE is set. bench_row NAME S [bench args]: one bench run into $R/NAME.{json,md,log}
-# within lim S, its rows printed (skipped under 30 s).
+# within lim S, its rows printed (skipped under 30 s). sanitize NAME S OPS...: each of
+# TOOLS (default memcheck racecheck) over scripts/sanitize_kernels.py's cases of OPS into
+# $R/TOOL_NAME.log within lim S, its summary, case count and verdict printed.
 el() { echo "$(( $(date +%s) - start )) s"; }
 lim() {
   local l=$1 left
@@ -18,4 +20,14 @@ bench_row() {
   echo "$n rc $? at $(el)"
   grep -E "^\[" $R/$n.log | grep -v "^\[   0" | sed 's/(step.*//;s/^\[ *[0-9.]*s\] stage //' \
     | tail -30
+}
+sanitize() {
+  local n=$1 s=$2 tool log; shift 2
+  for tool in ${TOOLS:-memcheck racecheck}; do
+    log=$R/${tool}_$n.log
+    timeout $(lim $s) compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 scripts/sanitize_kernels.py "$@" > $log 2>&1
+    echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $log | head -1);" \
+      "$(grep -c 'the CPU reference' $log) cases; $(tail -1 $log)) at $(el)"
+  done
 }

@@ -21,7 +21,7 @@ for v in "$@"; do
   echo "== $v built at $(el)"
   if [[ " ${TESTS:-} " == *" $v "* ]]; then
     GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
-    for tool in ${TOOLS:-memcheck racecheck}; do timeout $(lim 170) compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py ${OPS:-mqa_logits select_pools pool_topk} > $R/${tool}_$v.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/${tool}_$v.log | head -1); $(grep -c 'True' $R/${tool}_$v.log) cases) at $(el)"; done
+    sanitize $v 170 ${OPS:-mqa_logits select_pools pool_topk}
   fi
   [ "${BENCH:-1}" = 0 ] && continue
   bench_row ${v}_mtp 50 --skip-variants reference --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4

@@ -9,7 +9,7 @@ nvidia-smi -L | tee $R/gpu.txt
 source gpu_runs/build.sh || exit 1
 DEADLINE=${DEADLINE:-575}
 source gpu_runs/lib.sh
-for tool in memcheck racecheck; do timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py pool_topk > $R/$tool.log 2>&1; echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $R/$tool.log | head -1); $(grep -c 'True\]' $R/$tool.log) identical; $(tail -1 $R/$tool.log)) at $(el)"; done
+sanitize h200 100 pool_topk
 bench_row mtp 90 --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
 bench_row wide 150 --groups stage --stage-contexts 202752 --stage-rows 64
 t() { l=$(lim $2); [ $l -lt 30 ] && { echo "$1 skipped"; return; }; n=$1; timeout $l python3 -m bench.step_times --runs 3 --steps 4 --variants kernel "${@:3}" > $R/$n.fill.log 2>&1 && timeout $(lim $2) python3 -m bench.step_times --runs 3 --steps 4 --variants kernel --timeline /tmp/tl_$n --json $R/$n.json "${@:3}" > $R/$n.log 2>&1; echo "timeline $n rc $? at $(el)"; grep -vE "^\s*$|WARNING|^I0|^E0|^W0" $R/$n.log | tail -14; }

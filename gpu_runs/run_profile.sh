@@ -15,9 +15,12 @@ source gpu_runs/build.sh > $R/build.log 2>&1 || { tail -20 $R/build.log; exit 1;
 source gpu_runs/lib.sh
 parts=${*:-node sections}
 ST="python3 -m bench.step_times --runs 1 --variants kernel"
+# One launch of the kernel (its third step), caches flushed: the sections' and sources' runs.
+ONE="--cache-control all --clock-control none --launch-skip 22 --launch-count 1"
+fill() { timeout 150 $ST "${@:2}" > $R/$1.fill.log 2>&1; }  # the compilation cache
 node() {  # name, then step_times' shape flags
   n=$1; shift
-  timeout 150 $ST "$@" > $R/$n.fill.log 2>&1  # fills the compilation cache
+  fill $n "$@"
   timeout 200 ncu --csv --metrics gpu__time_duration.sum --cache-control none \
     --clock-control none $ST "$@" > $R/$n.csv 2> $R/$n.err
   $ST --parse $R/$n.csv "$@" > $R/$n.txt 2>&1
@@ -25,8 +28,7 @@ node() {  # name, then step_times' shape flags
 }
 sections() {  # name, kernel regex, then step_times' shape flags (the cache is filled)
   n=$1 k=$2; shift 2
-  timeout 200 ncu --cache-control all --clock-control none -k "regex:$k" --launch-skip 22 \
-    --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  timeout 200 ncu $ONE -k "regex:$k" --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section SchedulerStats \
     --section WarpStateStats $ST "$@" > $R/$n.ncu.txt 2> $R/$n.ncu.err
   echo "== $n sections at $(el)"
@@ -34,11 +36,9 @@ sections() {  # name, kernel regex, then step_times' shape flags (the cache is f
 }
 source_page() {  # name, kernel regex, then step_times' shape flags
   n=$1 k=$2; shift 2
-  timeout 150 $ST "$@" > $R/$n.fill.log 2>&1
-  timeout 200 ncu --cache-control all --clock-control none -k "regex:$k" --launch-skip 22 \
-    --launch-count 1 --sampling-interval 0 --section WarpStateStats --section SourceCounters \
-    -f -o $R/$n \
-    $ST "$@" > $R/$n.src.log 2>&1
+  fill $n "$@"
+  timeout 200 ncu $ONE -k "regex:$k" --sampling-interval 0 --section WarpStateStats \
+    --section SourceCounters -f -o $R/$n $ST "$@" > $R/$n.src.log 2>&1
   ncu -i $R/$n.ncu-rep --page source --csv --print-source sass > $R/$n.sass.csv 2>&1
   ncu -i $R/$n.ncu-rep --page details --print-details all > $R/$n.details.txt 2>&1
   rm -f $R/$n.ncu-rep; echo "== $n source at $(el)"; wc -c $R/$n.sass.csv
