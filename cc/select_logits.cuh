@@ -311,6 +311,81 @@ __device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t 
   }
 }
 
+// A unit's rows (kGroup > 1) scored from one stage, kBatch rows at a time: their wgmma
+// chains issued together and waited for once (64 accumulator registers a thread), so the
+// chains' latencies overlap instead of following one another. Each row's chain is still its
+// own from +0 and its head_sum the same, so its logits are the bits it has alone. The whole
+// batch is issued, also a row past the unit or with nothing in this item (its result is not
+// used): a wgmma on a path of its own makes ptxas serialize every wgmma of the kernel. The
+// stage is released after the unit's last wgmma has completed.
+template <int kHeadTiles, int kGroup>
+__device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<kGroup>& tables,
+                                           int r, int rows, int32_t first, int32_t mine, int t,
+                                           bool have, uint32_t keys, uint32_t queries,
+                                           const float* weights, float scale_lo,
+                                           float scale_hi, uint32_t empty) {
+  constexpr int kPadded = 8 * kHeadTiles, kQueryBytes = kPadded * kDim;
+  constexpr int kBatch = kGroup < 16 / kHeadTiles ? kGroup : 16 / kHeadTiles;
+#pragma unroll
+  for (int j0 = 0; j0 < kGroup; j0 += kBatch) {
+    if (j0 >= rows) break;
+    bool scored[kBatch], live[kBatch], any = false;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int32_t n = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
+      // A row with no logits to write (the select path's skipped rows), or none in this
+      // item (the same in the whole warpgroup).
+      scored[b] = j0 + b < rows && (a.fill || n > a.skip_upto);
+      live[b] = scored[b] && first < n;
+      any |= live[b];
+    }
+    float s_lo[kBatch], s_hi[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) s_lo[b] = s_hi[b] = -INFINITY;
+    if (any) {
+      float d[kBatch][4 * kHeadTiles];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+        for (int i = 0; i < 4 * kHeadTiles; ++i) d[b][i] = 0.f;
+      wgmma::fence();
+      // A query slot past the unit's rows holds stale (or no) bytes: never read out.
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        wgmma_item<kHeadTiles>(d[b], keys, queries + (j0 + b) % kGroup * kQueryBytes);
+      wgmma::commit();
+      wgmma::wait();
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        float w0[kHeadTiles], w1[kHeadTiles];
+        const float* wr = weights + (j0 + b) % kGroup * kPadded + 2 * t;
+#pragma unroll
+        for (int i = 0; i < kHeadTiles; ++i) {
+          const float2 w = *reinterpret_cast<const float2*>(wr + 8 * i);
+          w0[i] = w.x;
+          w1[i] = w.y;
+        }
+        float lo, hi;
+        head_sum<kHeadTiles>(d[b], w0, w1, scale_lo, scale_hi, lo, hi);
+        if (live[b] && have) {
+          s_lo[b] = lo;
+          s_hi[b] = hi;
+        }
+      }
+    }
+    if (j0 + kBatch >= rows) bulk::arrive(empty);  // the stage's reads are done
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int j = j0 + b;
+      if (!scored[b] || t >= 2) continue;
+      const int32_t n = tables.pools[r + j];
+      float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
+      if (mine < n) out[mine] = t == 0 ? s_lo[b] : s_hi[b];
+      else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+    }
+  }
+}
+
 template <int kHeadTiles, int kGroup>
 __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     const LogitsArgs a, const __grid_constant__ CUtensorMap keys_map) {
@@ -378,9 +453,9 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     }
   } else {
     // Consumers: one warpgroup, every item together; warp w finishes pools 16w.. of it,
-    // for each row of the item's unit (one row where kGroup == 1) in turn, from the same
-    // stage: a row's scores are computed as they would be alone (its own wgmma chain and
-    // head_sum), so they do not depend on the unit.
+    // for each row of the item's unit (score_unit where kGroup > 1) from the same stage: a
+    // row's scores are computed as they would be alone (its own wgmma chain and head_sum),
+    // so they do not depend on the unit.
     const int g = lane >> 2, t = lane & 3;
     int r = range.row, row = -1, rows = 1;
     float w0[kHeadTiles], w1[kHeadTiles];  // kGroup == 1: the row's weights, held
@@ -439,45 +514,42 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         scale_lo = reinterpret_cast<const float*>(sc)[g];
         scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
       }
-      for (int j = 0; j < rows; ++j) {
-        const int32_t n = tables.pools[r + j];
-        float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
-        // A row of the unit with no logits to write (the select path's skipped rows), or
-        // none in this item: no wgmma (the same branch in the whole warpgroup).
-        const bool scored = a.fill || n > a.skip_upto;
-        if (!scored) continue;
-        float s_lo = -INFINITY, s_hi = -INFINITY;
-        if (first < n) {
-          float d[4 * kHeadTiles];
+      if constexpr (kGroup > 1) {
+        score_unit<kHeadTiles, kGroup>(a, tables, r, rows, first, mine, t, have,
+                                       base + L::kKeys + s * kConsumerWarps * kTileBytes,
+                                       queries, weights, scale_lo, scale_hi, empty + 8 * s);
+      } else {
+        for (int j = 0; j < rows; ++j) {
+          const int32_t n = tables.pools[r + j];
+          float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
+          // A row of the unit with no logits to write (the select path's skipped rows), or
+          // none in this item: no wgmma (the same branch in the whole warpgroup).
+          const bool scored = a.fill || n > a.skip_upto;
+          if (!scored) continue;
+          float s_lo = -INFINITY, s_hi = -INFINITY;
+          if (first < n) {
+            float d[4 * kHeadTiles];
 #pragma unroll
-          for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
-          wgmma::fence();
-          wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes,
-                                 queries + j * L::kQueryBytes);
-          wgmma::commit();
-          wgmma::wait();
-          if constexpr (kGroup > 1) {
-#pragma unroll
-            for (int i = 0; i < kHeadTiles; ++i) {
-              const float2 w = *reinterpret_cast<const float2*>(
-                  weights + j * L::kPadded + 8 * i + 2 * t);
-              w0[i] = w.x;
-              w1[i] = w.y;
-            }
+            for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
+            wgmma::fence();
+            wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes,
+                                   queries + j * L::kQueryBytes);
+            wgmma::commit();
+            wgmma::wait();
+            if (j == rows - 1) bulk::arrive(empty + 8 * s);  // the stage's reads are done
+            head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+            if (!have) s_lo = s_hi = -INFINITY;
+          } else if (j == rows - 1) {
+            bulk::arrive(empty + 8 * s);
           }
-          if (j == rows - 1) bulk::arrive(empty + 8 * s);  // the stage's reads are done
-          head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
-          if (!have) s_lo = s_hi = -INFINITY;
-        } else if (j == rows - 1) {
-          bulk::arrive(empty + 8 * s);
+          if (t < 2) {
+            if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+            else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+          }
         }
-        if (t < 2) {
-          if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-          else if (a.fill && mine < a.width) out[mine] = -INFINITY;
-        }
+        if (rows > 0 && !(a.fill || tables.pools[r + rows - 1] > a.skip_upto))
+          bulk::arrive(empty + 8 * s);  // the unit's last row was skipped: release here
       }
-      if (rows > 0 && !(a.fill || tables.pools[r + rows - 1] > a.skip_upto))
-        bulk::arrive(empty + 8 * s);  // the unit's last row was skipped: release here
     }
   }
   pdl_launch_dependents();
@@ -542,13 +614,22 @@ cudaError_t launch_logits_grouped(cudaStream_t stream, bool pdl, const LogitsArg
                                            : launch_logits_as<kFew, kGroup>(stream, pdl, args);
 }
 
-// Units of up to LOGITS_GROUP_ROWS rows where the rows come as requests of group > 1 rows
-// (args.group), else one row at a time.
+// Units of args.group rows (2..LOGITS_GROUP_ROWS), each its own instantiation: score_unit
+// issues a whole batch of chains, so a unit narrower than kGroup would pay for rows it has not.
+template <int kGroup = limits::kLogitsGroupRows>
+cudaError_t launch_logits_units(cudaStream_t stream, bool pdl, const LogitsArgs& args,
+                                int32_t padded) {
+  if constexpr (kGroup > 2)
+    if (args.group < kGroup) return launch_logits_units<kGroup - 1>(stream, pdl, args, padded);
+  return launch_logits_grouped<kGroup>(stream, pdl, args, padded);
+}
+
+// Units where the rows come as requests of group > 1 rows (args.group), else one row at a
+// time.
 cudaError_t launch_logits(cudaStream_t stream, bool pdl, const LogitsArgs& args,
                           int32_t padded) {
-  return args.group > 1
-             ? launch_logits_grouped<limits::kLogitsGroupRows>(stream, pdl, args, padded)
-             : launch_logits_grouped<1>(stream, pdl, args, padded);
+  return args.group > 1 ? launch_logits_units(stream, pdl, args, padded)
+                        : launch_logits_grouped<1>(stream, pdl, args, padded);
 }
 
 }  // namespace
