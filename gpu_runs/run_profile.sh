@@ -36,7 +36,7 @@ sections() {  # name, kernel regex, then step_times' shape flags (the cache is f
 source_page() {  # name, kernel regex, then step_times' shape flags
   n=$1 k=$2; shift 2
   fill $n "$@"
-  timeout 200 ncu $ONE -k "regex:$k" --sampling-interval 0 --section WarpStateStats \
+  timeout 200 ncu $ONE -k "regex:$k" --warp-sampling-interval 0 --section WarpStateStats \
     --section SourceCounters -f -o $R/$n $ST "$@" > $R/$n.src.log 2>&1
   ncu -i $R/$n.ncu-rep --page source --csv --print-source sass > $R/$n.sass.csv 2>&1
   ncu -i $R/$n.ncu-rep --page details --print-details all > $R/$n.details.txt 2>&1
@@ -54,7 +54,7 @@ if [[ " $parts " == *" sections "* ]]; then
   sections wide1_topk pool_topk --contexts 202752 --rows 1
 fi
 if [[ " $parts " == *" source "* ]]; then
+  source_page wide1_topk_src pool_topk --contexts 202752 --rows 1
   source_page mtp_src mqa_logits --contexts 32768 --rows 64 --next-n 4
   source_page rows64_src mqa_logits --contexts 32768 --rows 64
-  source_page wide1_topk_src pool_topk --contexts 202752 --rows 1
 fi
