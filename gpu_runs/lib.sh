@@ -3,7 +3,8 @@
 # DEADLINE is set. bench_row NAME S [bench args]: one bench run into $R/NAME.{json,md,log}
 # within lim S, its rows printed (skipped under 30 s). sanitize NAME S OPS...: each of
 # TOOLS (default memcheck racecheck) over scripts/sanitize_kernels.py's cases of OPS into
-# $R/TOOL_NAME.log within lim S, its summary, case count and verdict printed.
+# $R/TOOL_NAME.log within lim S, its summary, case count and verdict printed; it fails
+# where any tool did.
 el() { echo "$(( $(date +%s) - start )) s"; }
 lim() {
   local l=$1 left
@@ -22,12 +23,14 @@ bench_row() {
     | tail -30
 }
 sanitize() {
-  local n=$1 s=$2 tool log; shift 2
+  local n=$1 s=$2 tool log rc failed=0; shift 2
   for tool in ${TOOLS:-memcheck racecheck}; do
     log=$R/${tool}_$n.log
     timeout $(lim $s) compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 scripts/sanitize_kernels.py "$@" > $log 2>&1
-    echo "$tool rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $log | head -1);" \
+    rc=$?; [ $rc = 0 ] || failed=1
+    echo "$tool rc $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $log | head -1);" \
       "$(grep -c 'the CPU reference' $log) cases; $(tail -1 $log)) at $(el)"
   done
+  return $failed
 }

@@ -46,12 +46,11 @@ if [ "$tests" = 1 ]; then
 fi
 if [ "$sanitize" = 1 ]; then
   # scripts/sanitize_kernels.py, not the test suite: compute-sanitizer crashes
-  # (segfault) inside pytest runs that execute XLA's reference programs
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitize_kernels.py \
-      > "$out/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log"))"
-  done
+  # (segfault) inside pytest runs that execute XLA's reference programs. Every kernel's
+  # cases, no time limit, into $out/{memcheck,racecheck}_all.log (gpu_runs/lib.sh).
+  start=$(date +%s) R="$out"
+  source gpu_runs/lib.sh
+  sanitize all 1000000 || status=1
 fi
 if [ "$ncu" = 1 ]; then
   ncu --csv --metrics gpu__time_duration.sum --cache-control all --clock-control none \
