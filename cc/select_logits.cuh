@@ -299,6 +299,16 @@ struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared m
   }
 };
 
+// Thread t < 2 of a pool's four writes its score (t = 0: pool g, t = 1: pool g + 8; `mine`)
+// into row `row` of n pools; past them, -inf where the logits are filled to the width.
+__device__ __forceinline__ void write_logit(const LogitsArgs& a, int row, int32_t n,
+                                            int32_t mine, int t, float s_lo, float s_hi) {
+  if (t >= 2) return;
+  float* out = a.logits + static_cast<int64_t>(row) * a.width;
+  if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
+  else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+}
+
 template <int kHeadTiles>
 __device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t keys,
                                            uint32_t queries) {
@@ -375,14 +385,9 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
     }
     if (j0 + kBatch >= rows) bulk::arrive(empty);  // the stage's reads are done
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int j = j0 + b;
-      if (!scored[b] || t >= 2) continue;
-      const int32_t n = tables.pools[r + j];
-      float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
-      if (mine < n) out[mine] = t == 0 ? s_lo[b] : s_hi[b];
-      else if (a.fill && mine < a.width) out[mine] = -INFINITY;
-    }
+    for (int b = 0; b < kBatch; ++b)
+      if (scored[b])
+        write_logit(a, r + j0 + b, tables.pools[r + j0 + b], mine, t, s_lo[b], s_hi[b]);
   }
 }
 
@@ -518,37 +523,27 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         score_unit<kHeadTiles, kGroup>(a, tables, r, rows, first, mine, t, have,
                                        base + L::kKeys + s * kConsumerWarps * kTileBytes,
                                        queries, weights, scale_lo, scale_hi, empty + 8 * s);
-      } else {
-        for (int j = 0; j < rows; ++j) {
-          const int32_t n = tables.pools[r + j];
-          float* out = a.logits + static_cast<int64_t>(r + j) * a.width;
-          // A row of the unit with no logits to write (the select path's skipped rows), or
-          // none in this item: no wgmma (the same branch in the whole warpgroup).
-          const bool scored = a.fill || n > a.skip_upto;
-          if (!scored) continue;
-          float s_lo = -INFINITY, s_hi = -INFINITY;
-          if (first < n) {
-            float d[4 * kHeadTiles];
+      } else {  // one row
+        const int32_t n = tables.pools[r];
+        // A row with no logits to write (the select path's skipped rows), or none in this
+        // item: no wgmma (the same branch in the whole warpgroup).
+        const bool scored = a.fill || n > a.skip_upto;
+        float s_lo = -INFINITY, s_hi = -INFINITY;
+        if (scored && first < n) {
+          float d[4 * kHeadTiles];
 #pragma unroll
-            for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
-            wgmma::fence();
-            wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes,
-                                   queries + j * L::kQueryBytes);
-            wgmma::commit();
-            wgmma::wait();
-            if (j == rows - 1) bulk::arrive(empty + 8 * s);  // the stage's reads are done
-            head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
-            if (!have) s_lo = s_hi = -INFINITY;
-          } else if (j == rows - 1) {
-            bulk::arrive(empty + 8 * s);
-          }
-          if (t < 2) {
-            if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-            else if (a.fill && mine < a.width) out[mine] = -INFINITY;
-          }
+          for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
+          wgmma::fence();
+          wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes, queries);
+          wgmma::commit();
+          wgmma::wait();
+          bulk::arrive(empty + 8 * s);  // the stage's reads are done
+          head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
+          if (!have) s_lo = s_hi = -INFINITY;
+        } else {
+          bulk::arrive(empty + 8 * s);
         }
-        if (rows > 0 && !(a.fill || tables.pools[r + rows - 1] > a.skip_upto))
-          bulk::arrive(empty + 8 * s);  // the unit's last row was skipped: release here
+        if (scored) write_logit(a, r, n, mine, t, s_lo, s_hi);
       }
     }
   }

@@ -102,20 +102,23 @@ __global__ void __launch_bounds__(kTopkMaxThreads, 1) pool_topk_parts_kernel(Top
 
   // 1. This CTA's keys, its share of the bound (the full warps of every CTA count).
   const int32_t span = ((n + kParts - 1) / kParts + 3) / 4 * 4;
-  const int32_t chunk = min(kPer, (span + kThreads - 1) / kThreads);
+  // A multiple of 4 (kPer is one): 16-byte loads (span is a multiple of 4), where 7 keys a
+  // thread (202,752 tokens on 8 CTAs) took 7 scalar loads strided across the warp.
+  const int32_t chunk = min(kPer, ((span + kThreads - 1) / kThreads + 3) / 4 * 4);
   const int32_t first = part * span + threadIdx.x * chunk;
   const int32_t end = min(n, (part + 1) * span);
   const float* row = a.logits + static_cast<int64_t>(r) * a.width;
   uint32_t key[kPer];
   load_keys<kPer>(row, first, chunk, end, chunk % 4 == 0 && a.width % 4 == 0, key);
   for (int i = threadIdx.x; i < kTopkBins; i += kThreads) sh.hist[0][i] = 0;
-  int sum_j = 0, mine = 0;  // the offered warps of the cluster; this CTA's full warps
-  for (int q = 0; q < kParts; ++q) {
-    const int32_t keys = min(max(n - q * span, 0), span);
-    const int f = (keys + chunk - 1) / chunk / kWarp;
-    sum_j += min(f, kTopkClusterBoundWarps);
-    if (q == part) mine = f;
-  }
+  // Lane q finds part q's full warps, one division a thread (a loop over the parts in every
+  // thread issued kParts of them, each a dozen integer instructions at 1024 threads); then
+  // the offered warps of the cluster (sum_j) and this CTA's full warps (mine).
+  const uint32_t part_keys = lane < kParts ? min(max(n - lane * span, 0), span) : 0;
+  const int f = static_cast<int>((part_keys + chunk - 1) / static_cast<uint32_t>(chunk) / kWarp);
+  const int sum_j = static_cast<int>(
+      __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(min(f, kTopkClusterBoundWarps))));
+  const int mine = __shfl_sync(0xffffffffu, f, part);
   const int c = bound_c(k, sum_j), j = min(mine, kTopkClusterBoundWarps);
   uint32_t hi = 0u;
 #pragma unroll
