@@ -2,9 +2,10 @@
 # Variants against main on one machine: bash gpu_runs/run_ab.sh main NAME... Each variant
 # (gpu_runs/variants/NAME.patch over main's files, from `git diff main BRANCH`; main: the
 # tree) is built and timed (stage, kernels only: MTP 16x4 at 32K, M 1/16/64 at 32K and
-# 202,752); TESTS="NAME.." also runs those variants' GPU tests of the select path with GPU
-# skips as failures and the sanitizer's select cases (TOOLS, default memcheck racecheck; OPS,
-# default mqa_logits select_pools pool_topk); BENCH=0 skips the timing. Results: $OUT/ab.tgz.
+# 202,752); TESTS="NAME.." also runs those variants' GPU tests of the select path (holes in
+# select_slots' block tables included) with GPU skips as failures and the sanitizer's select
+# cases (TOOLS, default memcheck racecheck; OPS, default mqa_logits select_pools pool_topk);
+# BENCH=0 skips the timing. Results: $OUT/ab.tgz.
 # Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP 42.8, M=1 / 16 / 64 at
 # 202,752: 27.5 / 68.4 / 202-207 µs per layer.
 set -uo pipefail
@@ -20,7 +21,7 @@ for v in "$@"; do
   source gpu_runs/build.sh > $R/build_$v.log 2>&1 || { echo "$v build failed"; tail -20 $R/build_$v.log; continue; }
   echo "== $v built at $(el)"
   if [[ " ${TESTS:-} " == *" $v "* ]]; then
-    GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
+    GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py tests/test_values.py::test_select_slots_kernel_closes_holes > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
     sanitize $v 170 ${OPS:-mqa_logits select_pools pool_topk}
   fi
   [ "${BENCH:-1}" = 0 ] && continue
