@@ -6,6 +6,12 @@ the same sources with the same nvcc (the offsets then match; check one instructi
   nvcc ... -lineinfo -cubin -o select.cubin cc/select.cu
   nvdisasm -g -c select.cubin > select.dis
   python scripts/ncu_source.py select.dis MANGLED_NAME mtp_src.sass.csv [--top 25]
+
+A line inlined at several places (an mbarrier wait, a barrier) sums over all of them;
+--hot N lists the N instructions with the most samples by offset, and --split 0x7150,0x7c70
+sums the samples between those offsets (e.g. before and after a wait that only one CTA of a
+cluster passes: samples weigh SM-time, so one SM's tail counts once where the cluster's
+work before it counts once per SM).
 """
 import argparse
 import collections
@@ -33,23 +39,56 @@ def line_map(dis, function):
   return where
 
 
-def stalls_by_line(dis, function, csv_path):
-  """({(file, line): samples}, {(file, line): {stall reason: samples}}) of `function`'s
-  ncu source page (csv_path) over the lines of its nvdisasm -g listing (dis); an
-  instruction with no line of its own counts for the line before it."""
+def _rows(dis, function, csv_path):
+  """(header, [(offset, (file, line), row)]) of `function`'s ncu source page over the lines
+  of its nvdisasm -g listing (dis); an instruction with no line of its own counts for the
+  line before it."""
   where = line_map(dis, function)
   rows = list(csv.reader(open(csv_path)))
   header, data = rows[1], rows[2:]
-  address, samples = header.index("Address"), header.index(SAMPLES)
-  stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+  address = header.index("Address")
   base = int(data[0][address], 16)
-  by_line, reasons, at = collections.Counter(), collections.defaultdict(collections.Counter), None
+  out, at = [], None
   for r in data:
-    at = where.get(int(r[address], 16) - base, at)
+    offset = int(r[address], 16) - base
+    at = where.get(offset, at)
+    out.append((offset, at, r))
+  return header, out
+
+
+def stalls_by_line(dis, function, csv_path):
+  """({(file, line): samples}, {(file, line): {stall reason: samples}}) of `function`'s
+  ncu source page (csv_path) over the lines of its nvdisasm -g listing (dis)."""
+  header, rows = _rows(dis, function, csv_path)
+  samples = header.index(SAMPLES)
+  stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+  by_line, reasons = collections.Counter(), collections.defaultdict(collections.Counter)
+  for _, at, r in rows:
     by_line[at] += int(r[samples] or 0)
     for i in stalls:
       reasons[at][header[i][len("stall_"):]] += int(r[i] or 0)
   return by_line, reasons
+
+
+def instructions(dis, function, csv_path):
+  """[(offset, (file, line), samples, SASS text)] of `function`'s ncu source page, in
+  address order."""
+  header, rows = _rows(dis, function, csv_path)
+  samples, text = header.index(SAMPLES), header.index("Source")
+  return [(offset, at, int(r[samples] or 0), r[text].strip()) for offset, at, r in rows]
+
+
+def regions(listing, cuts):
+  """[(first offset, end offset, samples, {(file, line): samples})] of the address ranges
+  that the ascending offsets `cuts` bound, over instructions()' listing."""
+  bounds = [0] + list(cuts) + [float("inf")]
+  out = [(lo, hi, 0, collections.Counter()) for lo, hi in zip(bounds, bounds[1:])]
+  for offset, at, n, _ in listing:
+    i = next(j for j, (lo, hi, _, _) in enumerate(out) if lo <= offset < hi)
+    lo, hi, total, lines = out[i]
+    lines[at] += n
+    out[i] = (lo, hi, total + n, lines)
+  return out
 
 
 def main():
@@ -58,7 +97,19 @@ def main():
   p.add_argument("function", help="the kernel's mangled name")
   p.add_argument("csv")
   p.add_argument("--top", type=int, default=25)
+  p.add_argument("--hot", type=int, default=0, help="the N instructions with most samples")
+  p.add_argument("--split", default="", help="offsets (hex) that bound regions to sum")
   args = p.parse_args()
+  if args.hot or args.split:
+    listing = instructions(args.dis, args.function, args.csv)
+    for offset, at, n, text in sorted(listing, key=lambda x: -x[2])[:args.hot]:
+      print(f"{offset:#8x} {n:6d}  {at[0]}:{at[1]}  {text[:60]}" if at else f"{offset:#8x} {n:6d}")
+    if args.split:
+      for lo, hi, n, lines in regions(listing, [int(c, 16) for c in args.split.split(",")]):
+        top = ", ".join(f"{a[0]}:{a[1]} {v}" for a, v in lines.most_common(4) if a and v)
+        end = "end" if hi == float("inf") else f"{hi:#x}"
+        print(f"[{lo:#x}, {end}) {n} samples: {top}")
+    return
   by_line, reasons = stalls_by_line(args.dis, args.function, args.csv)
   total = sum(by_line.values())
   print(f"{total} samples")

@@ -76,10 +76,8 @@ def test_sass_listing_parse_across_trees():
     parse(_LISTING.format(hash="0badf00d", tail="12345678", target="0x70") * 2)
 
 
-def test_ncu_source_attributes_samples_to_lines(tmp_path):
-  """scripts/ncu_source.py: an instruction's stall samples go to the source line the
-  nvdisasm -g listing names before it (offsets from the kernel's first instruction), only
-  the named kernel's lines count, and the CSV's stall columns split them by reason."""
+def _ncu_source(tmp_path):
+  """(scripts/ncu_source.py as a module, a listing of kernel `kern`, its ncu source CSV)."""
   spec = importlib.util.spec_from_file_location(
       "ncu_source", os.path.join(ROOT, "scripts", "ncu_source.py"))
   ncu_source = importlib.util.module_from_spec(spec)
@@ -107,7 +105,28 @@ def test_ncu_source_attributes_samples_to_lines(tmp_path):
       '"0x7f00","LDG","1","0","0","9"',
       '"0x7f10","STS","5","5","0","9"',
       '"0x7f20","BAR","3","0","3","9"']))
-  by_line, reasons = ncu_source.stalls_by_line(str(dis), "kern", str(table))
+  return ncu_source, str(dis), str(table)
+
+
+def test_ncu_source_attributes_samples_to_lines(tmp_path):
+  """scripts/ncu_source.py: an instruction's stall samples go to the source line the
+  nvdisasm -g listing names before it (offsets from the kernel's first instruction), only
+  the named kernel's lines count, and the CSV's stall columns split them by reason."""
+  ncu_source, dis, table = _ncu_source(tmp_path)
+  by_line, reasons = ncu_source.stalls_by_line(dis, "kern", table)
   assert by_line == {("a.cuh", 7): 6, ("b.cuh", 9): 3}
   assert reasons[("a.cuh", 7)] == {"long_sb": 5, "barrier": 0}
   assert reasons[("b.cuh", 9)] == {"long_sb": 0, "barrier": 3}
+
+
+def test_ncu_source_sums_samples_between_offsets(tmp_path):
+  """--split: the samples of each address range between the given offsets, by line (a
+  wait inlined at several places is told apart by where it sits); --hot's listing keeps
+  each instruction's offset, line and SASS text."""
+  ncu_source, dis, table = _ncu_source(tmp_path)
+  listing = ncu_source.instructions(dis, "kern", table)
+  assert listing == [(0x0, ("a.cuh", 7), 1, "LDG"), (0x10, ("a.cuh", 7), 5, "STS"),
+                     (0x20, ("b.cuh", 9), 3, "BAR")]
+  (lo0, hi0, n0, lines0), (lo1, hi1, n1, lines1) = ncu_source.regions(listing, [0x10])
+  assert (lo0, hi0, n0, dict(lines0)) == (0, 0x10, 1, {("a.cuh", 7): 1})
+  assert (lo1, n1, dict(lines1)) == (0x10, 8, {("a.cuh", 7): 5, ("b.cuh", 9): 3})
