@@ -14,6 +14,7 @@ cluster passes: samples weigh SM-time, so one SM's tail counts once where the cl
 work before it counts once per SM).
 """
 import argparse
+import bisect
 import collections
 import csv
 import re
@@ -82,13 +83,10 @@ def regions(listing, cuts):
   """[(first offset, end offset, samples, {(file, line): samples})] of the address ranges
   that the ascending offsets `cuts` bound, over instructions()' listing."""
   bounds = [0] + list(cuts) + [float("inf")]
-  out = [(lo, hi, 0, collections.Counter()) for lo, hi in zip(bounds, bounds[1:])]
+  lines = [collections.Counter() for _ in bounds[1:]]
   for offset, at, n, _ in listing:
-    i = next(j for j, (lo, hi, _, _) in enumerate(out) if lo <= offset < hi)
-    lo, hi, total, lines = out[i]
-    lines[at] += n
-    out[i] = (lo, hi, total + n, lines)
-  return out
+    lines[bisect.bisect_right(cuts, offset)][at] += n
+  return [(lo, hi, sum(c.values()), c) for lo, hi, c in zip(bounds, bounds[1:], lines)]
 
 
 def main():
