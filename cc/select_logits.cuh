@@ -349,13 +349,14 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
   for (int j0 = 0; j0 < kGroup; j0 += kBatch) {
     if (j0 >= rows) break;
     bool scored[kBatch], live[kBatch], any = false;
+    int32_t n[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int32_t n = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
+      n[b] = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
       // A row with no logits to write (the select path's skipped rows), or none in this
       // item (the same in the whole warpgroup).
-      scored[b] = j0 + b < rows && (a.fill || n > a.skip_upto);
-      live[b] = scored[b] && first < n;
+      scored[b] = j0 + b < rows && (a.fill || n[b] > a.skip_upto);
+      live[b] = scored[b] && first < n[b];
       any |= live[b];
     }
     float s_lo[kBatch], s_hi[kBatch];
@@ -392,7 +393,7 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
       if (scored[b])
-        write_logit(a, r + j0 + b, tables.pools[r + j0 + b], mine, t, s_lo[b], s_hi[b]);
+        write_logit(a, r + j0 + b, n[b], mine, t, s_lo[b], s_hi[b]);
   }
 }
 
