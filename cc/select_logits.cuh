@@ -281,13 +281,22 @@ __device__ __forceinline__ bool readable(const LogitsArgs& a, const TileSource& 
 
 using wgmma::kAtom;
 
+// The rows of a unit scored at once (score_unit): 64 accumulator registers a thread.
+__host__ __device__ constexpr int unit_batch(int head_tiles, int group) {
+  return group < 16 / head_tiles ? group : 16 / head_tiles;
+}
+
 template <int kHeadTiles, int kGroup>
 struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared memory
   static constexpr int kPadded = 8 * kHeadTiles;
   static constexpr int kKeys = 0;                                          // [stage][64][128]
-  static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [group][padded][128]
+  static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [slot][padded][128]
   static constexpr int kQueryBytes = kPadded * kDim;                       // a row's queries
-  static constexpr int kScales = kQueries + kGroup * kQueryBytes;          // [stage][64] x 4 B
+  // A slot a row of the unit, rounded up to whole batches (score_unit reads a batch's slots)
+  static constexpr int kQuerySlots = (kGroup + unit_batch(kHeadTiles, kGroup) - 1) /
+                                     unit_batch(kHeadTiles, kGroup) *
+                                     unit_batch(kHeadTiles, kGroup);
+  static constexpr int kScales = kQueries + kQuerySlots * kQueryBytes;     // [stage][64] x 4 B
   static constexpr int kBars = kScales + kRingStages * kItemPools * 4;      // full, empty
   static constexpr int kFlags = kBars + 2 * 8 * kRingStages;               // s32[stage][4]
   static constexpr int kWeights = kFlags + 4 * kRingStages * kConsumerWarps;  // f32[group][padded]
@@ -309,25 +318,25 @@ __device__ __forceinline__ void write_logit(const LogitsArgs& a, int row, int32_
   else if (a.fill && mine < a.width) out[mine] = -INFINITY;
 }
 
-template <int kHeadTiles>
-__device__ __forceinline__ void wgmma_item(float (&d)[4 * kHeadTiles], uint32_t keys,
+// An item's scores against kN / 8 groups of 8 query rows (one row's padded heads, or the
+// heads of consecutive rows of a unit, whose queries lie one after another): d[4 j + i] is
+// column group j's fragment, so a row's are the 4 * kHeadTiles after its first group's.
+template <int kN>
+__device__ __forceinline__ void wgmma_item(float (&d)[kN / 2], uint32_t keys,
                                            uint32_t queries) {
 #pragma unroll
-  for (int k = 0; k < kDim / 32; ++k) {
-    if constexpr (kHeadTiles == 4)
-      wgmma::mma_e4m3<32>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
-    else
-      wgmma::mma_e4m3<64>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
-  }
+  for (int k = 0; k < kDim / 32; ++k)
+    wgmma::mma_e4m3<kN>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
 }
 
-// A unit's rows (kGroup > 1) scored from one stage, kBatch rows at a time: their wgmma
-// chains issued together and waited for once (64 accumulator registers a thread), so the
-// chains' latencies overlap instead of following one another. Each row's chain is still its
-// own from +0 and its head_sum the same, so its logits are the bits it has alone. The whole
-// batch is issued, also a row past the unit or with nothing in this item (its result is not
-// used): a wgmma on a path of its own makes ptxas serialize every wgmma of the kernel. The
-// stage is released after the unit's last wgmma has completed.
+// A unit's rows (kGroup > 1) scored from one stage, kBatch rows at a time: one wgmma chain
+// whose N spans the batch's rows (their query slots are consecutive), waited for once (64
+// accumulator registers a thread). Each output column is its own dot product from +0
+// whatever the N, and each row's head_sum the same, so its logits are the bits it has
+// alone. The whole batch is scored, also a row past the unit or with nothing in this item
+// (its result is not used; its slot holds stale bytes): a wgmma on a path of its own makes
+// ptxas serialize every wgmma of the kernel. The stage is released after the unit's last
+// wgmma has completed.
 template <int kHeadTiles, int kGroup>
 __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<kGroup>& tables,
                                            int r, int rows, int32_t first, int32_t mine, int t,
@@ -335,34 +344,30 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
                                            const float* weights, float scale_lo,
                                            float scale_hi, uint32_t empty) {
   constexpr int kPadded = 8 * kHeadTiles, kQueryBytes = kPadded * kDim;
-  constexpr int kBatch = kGroup < 16 / kHeadTiles ? kGroup : 16 / kHeadTiles;
+  constexpr int kBatch = unit_batch(kHeadTiles, kGroup), kFragment = 4 * kHeadTiles;
 #pragma unroll
   for (int j0 = 0; j0 < kGroup; j0 += kBatch) {
     if (j0 >= rows) break;
     bool scored[kBatch], live[kBatch], any = false;
+    int32_t n[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int32_t n = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
+      n[b] = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
       // A row with no logits to write (the select path's skipped rows), or none in this
       // item (the same in the whole warpgroup).
-      scored[b] = j0 + b < rows && (a.fill || n > a.skip_upto);
-      live[b] = scored[b] && first < n;
+      scored[b] = j0 + b < rows && (a.fill || n[b] > a.skip_upto);
+      live[b] = scored[b] && first < n[b];
       any |= live[b];
     }
     float s_lo[kBatch], s_hi[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) s_lo[b] = s_hi[b] = -INFINITY;
     if (any) {
-      float d[kBatch][4 * kHeadTiles];
+      float d[kBatch * kFragment];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-#pragma unroll
-        for (int i = 0; i < 4 * kHeadTiles; ++i) d[b][i] = 0.f;
+      for (int i = 0; i < kBatch * kFragment; ++i) d[i] = 0.f;
       wgmma::fence();
-      // A query slot past the unit's rows holds stale (or no) bytes: never read out.
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        wgmma_item<kHeadTiles>(d[b], keys, queries + (j0 + b) % kGroup * kQueryBytes);
+      wgmma_item<kBatch * kPadded>(d, keys, queries + j0 * kQueryBytes);
       wgmma::commit();
       wgmma::wait();
 #pragma unroll
@@ -376,7 +381,8 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
           w1[i] = w.y;
         }
         float lo, hi;
-        head_sum<kHeadTiles>(d[b], w0, w1, scale_lo, scale_hi, lo, hi);
+        head_sum<kHeadTiles>(reinterpret_cast<const float(&)[kFragment]>(d[b * kFragment]),
+                             w0, w1, scale_lo, scale_hi, lo, hi);
         if (live[b] && have) {
           s_lo[b] = lo;
           s_hi[b] = hi;
@@ -387,7 +393,7 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
       if (scored[b])
-        write_logit(a, r + j0 + b, tables.pools[r + j0 + b], mine, t, s_lo[b], s_hi[b]);
+        write_logit(a, r + j0 + b, n[b], mine, t, s_lo[b], s_hi[b]);
   }
 }
 
@@ -534,7 +540,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
 #pragma unroll
           for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
           wgmma::fence();
-          wgmma_item<kHeadTiles>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes, queries);
+          wgmma_item<L::kPadded>(d, base + L::kKeys + s * kConsumerWarps * kTileBytes, queries);
           wgmma::commit();
           wgmma::wait();
           bulk::arrive(empty + 8 * s);  // the stage's reads are done

@@ -153,3 +153,20 @@ def test_topk_cluster_exchanges_without_fences(functions):
     else:
       assert sum("MEMBAR.ALL.GPU" in x for x in instructions) <= 3, name
     assert any("STAS" in x for x in instructions), f"{name}: no st.async to the cluster"
+
+
+def test_logits_units_score_a_batch_in_one_wgmma_chain(functions):
+  """mqa_logits scores an item with kDim / 32 = 4 fp8 wgmma (QGMMA) a chain: N = a row's
+  padded heads (8 * kHeadTiles) where rows are alone (kGroup 1), and where a unit's rows
+  share the item (MTP), N = the heads of a batch of the unit's rows, whose query slots are
+  consecutive (64 accumulators a thread: 4 rows at 32 heads, 2 at 64), one chain a batch
+  instead of one a row."""
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"mqa_logits_kernelILi\d+ELi\d+EE", name)}
+  assert len(kernels) == 8, sorted(functions)  # 32 and 64 heads x kGroup 1..4
+  for name, instructions in kernels.items():
+    tiles, group = map(int, re.search(r"mqa_logits_kernelILi(\d+)ELi(\d+)E", name).groups())
+    batch = min(group, 16 // tiles)
+    shapes = [re.search(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", x) for x in instructions]
+    widths = [int(m.group(1)) for m in shapes if m]
+    assert widths == [8 * tiles * batch] * (4 * -(-group // batch)), (name, widths)
