@@ -11,7 +11,8 @@ A line inlined at several places (an mbarrier wait, a barrier) sums over all of 
 --hot N lists the N instructions with the most samples by offset, and --split 0x7150,0x7c70
 sums the samples between those offsets (e.g. before and after a wait that only one CTA of a
 cluster passes: samples weigh SM-time, so one SM's tail counts once where the cluster's
-work before it counts once per SM).
+work before it counts once per SM). --metric "Instructions Executed" (any numeric column of
+the CSV) counts that instead of the stall samples: where the instructions go, not the time.
 """
 import argparse
 import bisect
@@ -57,26 +58,32 @@ def _rows(dis, function, csv_path):
   return header, out
 
 
-def stalls_by_line(dis, function, csv_path):
+def _count(text):
+  """A CSV cell as a number (ncu may group digits with commas; empty: 0)."""
+  return int(float(text.replace(",", "") or 0))
+
+
+def stalls_by_line(dis, function, csv_path, metric=SAMPLES):
   """({(file, line): samples}, {(file, line): {stall reason: samples}}) of `function`'s
-  ncu source page (csv_path) over the lines of its nvdisasm -g listing (dis)."""
+  ncu source page (csv_path) over the lines of its nvdisasm -g listing (dis); `metric`: the
+  column summed per line (the stall reasons are always samples)."""
   header, rows = _rows(dis, function, csv_path)
-  samples = header.index(SAMPLES)
+  samples = header.index(metric)
   stalls = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
   by_line, reasons = collections.Counter(), collections.defaultdict(collections.Counter)
   for _, at, r in rows:
-    by_line[at] += int(r[samples] or 0)
+    by_line[at] += _count(r[samples])
     for i in stalls:
-      reasons[at][header[i][len("stall_"):]] += int(r[i] or 0)
+      reasons[at][header[i][len("stall_"):]] += _count(r[i])
   return by_line, reasons
 
 
-def instructions(dis, function, csv_path):
-  """[(offset, (file, line), samples, SASS text)] of `function`'s ncu source page, in
-  address order."""
+def instructions(dis, function, csv_path, metric=SAMPLES):
+  """[(offset, (file, line), samples (or `metric`), SASS text)] of `function`'s ncu source
+  page, in address order."""
   header, rows = _rows(dis, function, csv_path)
-  samples, text = header.index(SAMPLES), header.index("Source")
-  return [(offset, at, int(r[samples] or 0), r[text].strip()) for offset, at, r in rows]
+  samples, text = header.index(metric), header.index("Source")
+  return [(offset, at, _count(r[samples]), r[text].strip()) for offset, at, r in rows]
 
 
 def regions(listing, cuts):
@@ -97,20 +104,22 @@ def main():
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--hot", type=int, default=0, help="the N instructions with most samples")
   p.add_argument("--split", default="", help="offsets (hex) that bound regions to sum")
+  p.add_argument("--metric", default=SAMPLES, help="the CSV column to count (default: samples)")
   args = p.parse_args()
+  unit = "samples" if args.metric == SAMPLES else args.metric
   if args.hot or args.split:
-    listing = instructions(args.dis, args.function, args.csv)
+    listing = instructions(args.dis, args.function, args.csv, args.metric)
     for offset, at, n, text in sorted(listing, key=lambda x: -x[2])[:args.hot]:
       print(f"{offset:#8x} {n:6d}  {at[0]}:{at[1]}  {text[:60]}" if at else f"{offset:#8x} {n:6d}")
     if args.split:
       for lo, hi, n, lines in regions(listing, [int(c, 16) for c in args.split.split(",")]):
         top = ", ".join(f"{a[0]}:{a[1]} {v}" for a, v in lines.most_common(4) if a and v)
         end = "end" if hi == float("inf") else f"{hi:#x}"
-        print(f"[{lo:#x}, {end}) {n} samples: {top}")
+        print(f"[{lo:#x}, {end}) {n} {unit}: {top}")
     return
-  by_line, reasons = stalls_by_line(args.dis, args.function, args.csv)
+  by_line, reasons = stalls_by_line(args.dis, args.function, args.csv, args.metric)
   total = sum(by_line.values())
-  print(f"{total} samples")
+  print(f"{total} {unit}")
   for at, n in by_line.most_common(args.top):
     top = ", ".join(f"{k} {v}" for k, v in reasons[at].most_common(2) if v)
     where = f"{at[0]}:{at[1]}" if at else "(no line)"

@@ -101,10 +101,10 @@ def _ncu_source(tmp_path):
   table.write_text("\n".join([
       '"Kernel Name","kern"',
       '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb",'
-      '"stall_barrier","stall_long_sb (Not Issued)"',
-      '"0x7f00","LDG","1","0","0","9"',
-      '"0x7f10","STS","5","5","0","9"',
-      '"0x7f20","BAR","3","0","3","9"']))
+      '"stall_barrier","stall_long_sb (Not Issued)","Instructions Executed"',
+      '"0x7f00","LDG","1","0","0","9","1,980"',
+      '"0x7f10","STS","5","5","0","9","20"',
+      '"0x7f20","BAR","3","0","3","9",""']))
   return ncu_source, str(dis), str(table)
 
 
@@ -117,6 +117,17 @@ def test_ncu_source_attributes_samples_to_lines(tmp_path):
   assert by_line == {("a.cuh", 7): 6, ("b.cuh", 9): 3}
   assert reasons[("a.cuh", 7)] == {"long_sb": 5, "barrier": 0}
   assert reasons[("b.cuh", 9)] == {"long_sb": 0, "barrier": 3}
+
+
+def test_ncu_source_counts_another_column(tmp_path):
+  """--metric: any numeric column of the CSV per line instead of the stall samples (the
+  instructions executed: where the instructions go), digits grouped by commas read whole,
+  an empty cell as 0."""
+  ncu_source, dis, table = _ncu_source(tmp_path)
+  by_line, _ = ncu_source.stalls_by_line(dis, "kern", table, "Instructions Executed")
+  assert by_line == {("a.cuh", 7): 2000, ("b.cuh", 9): 0}
+  listing = ncu_source.instructions(dis, "kern", table, "Instructions Executed")
+  assert [n for _, _, n, _ in listing] == [1980, 20, 0]
 
 
 def test_ncu_source_sums_samples_between_offsets(tmp_path):
