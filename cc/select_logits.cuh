@@ -293,9 +293,8 @@ struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared m
   static constexpr int kQueries = kKeys + kRingStages * kItemPools * kDim;  // [slot][padded][128]
   static constexpr int kQueryBytes = kPadded * kDim;                       // a row's queries
   // A slot a row of the unit, rounded up to whole batches (score_unit reads a batch's slots)
-  static constexpr int kQuerySlots = (kGroup + unit_batch(kHeadTiles, kGroup) - 1) /
-                                     unit_batch(kHeadTiles, kGroup) *
-                                     unit_batch(kHeadTiles, kGroup);
+  static constexpr int kBatch = unit_batch(kHeadTiles, kGroup);
+  static constexpr int kQuerySlots = (kGroup + kBatch - 1) / kBatch * kBatch;
   static constexpr int kScales = kQueries + kQuerySlots * kQueryBytes;     // [stage][64] x 4 B
   static constexpr int kBars = kScales + kRingStages * kItemPools * 4;      // full, empty
   static constexpr int kFlags = kBars + 2 * 8 * kRingStages;               // s32[stage][4]
