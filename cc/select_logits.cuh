@@ -193,8 +193,15 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTab
   return range;
 }
 
-// ReLU that keeps NaN (as the reference's maximum(dot, 0) does).
-__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
+// ReLU that keeps NaN (as the reference's maximum(dot, 0) does): one max.NaN (FMNMX.NAN), where
+// a compare and a select took two instructions per accumulator. It returns +0 for -0 (the
+// select kept -0): head_sum's sums start at +0, so a logit can differ only in the sign of a
+// zero (a sum that underflowed to -0), which ranks as +0 in the top-k.
+__device__ __forceinline__ float relu(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // The head-weighted sum of a thread's accumulators (d[4j..4j+3] = the fragment of head
 // tile j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.

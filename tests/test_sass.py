@@ -170,3 +170,18 @@ def test_logits_units_score_a_batch_in_one_wgmma_chain(functions):
     shapes = [re.search(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", x) for x in instructions]
     widths = [int(m.group(1)) for m in shapes if m]
     assert widths == [8 * tiles * batch] * (4 * -(-group // batch)), (name, widths)
+
+
+def test_logits_relu_is_one_instruction_an_accumulator(functions):
+  """head_sum's ReLU keeps NaN in one FMNMX.NAN per accumulator it reads (4 * kHeadTiles a
+  row, for every row of every batch: 4 * kHeadTiles * batch * ceil(kGroup / batch)), where
+  a compare and a select (FSETP.GEU, FSEL) took two."""
+  kernels = {name: ins for name, ins in functions.items()
+             if re.search(r"mqa_logits_kernelILi\d+ELi\d+EE", name)}
+  assert len(kernels) == 8, sorted(functions)
+  for name, instructions in kernels.items():
+    tiles, group = map(int, re.search(r"mqa_logits_kernelILi(\d+)ELi(\d+)E", name).groups())
+    batch = min(group, 16 // tiles)
+    maxima = sum("FMNMX.NAN" in x for x in instructions)
+    assert maxima == 4 * tiles * batch * -(-group // batch), (name, maxima)
+    assert not any("FSETP.GEU" in x for x in instructions), name

@@ -251,6 +251,40 @@ def test_select_kernel(contexts, next_n):
     assert ids[r].tolist() == list(range(n[r])) + [-1] * (k - n[r])
 
 
+@pytest.mark.parametrize("next_n,heads", [(1, 32), (1, 64), (4, 32), (3, 64)])
+def test_logits_keep_a_nan_dot(next_n, heads):
+  """A NaN in one row's queries (e4m3 0x7F, one head) makes every logit of that row NaN up
+  to its pool count, as the reference's maximum(dot, 0) keeps it, and moves no bit of any
+  other row (next_n > 1: the row shares its unit's K tiles and its wgmma chain's N with
+  the request's other rows); its top-k ranks the NaN as -inf (the lowest ids)."""
+  rng = np.random.default_rng(31 + next_n + heads)
+  args, max_pools = _select_inputs(rng, [3000, 2500, 900], next_n, heads=heads)
+  fn = jax.jit(functools.partial(glm5_jax.select_pools, k=512, max_pools=max_pools))
+  assert 'custom_call_target="glm5_select_pools"' in fn.lower(*args).compile().as_text()
+  nan_row = next_n // 2  # inside the first request's unit where next_n > 1
+  q = np.asarray(args[0]).view(np.uint8).copy()
+  q[nan_row, 2, 5] = 0x7F
+  poisoned = (jnp.asarray(q).view(jnp.float8_e4m3fn),) + args[1:]
+  ids, logits = (np.asarray(a) for a in fn(*poisoned))
+  _, clean = (np.asarray(a) for a in fn(*args))
+  want_ids, want = (np.asarray(a) for a in jax.jit(functools.partial(
+      ref.select_pools, k=512, max_pools=max_pools), backend="cpu")(
+          *(np.asarray(a) for a in poisoned)))
+  pos = np.asarray(args[5])
+  n = np.minimum((pos.astype(np.int64) + 1) // 4, max_pools)
+  assert n[nan_row] > 512
+  assert np.all(np.isnan(logits[nan_row, :n[nan_row]]))
+  assert np.all(np.isnan(want[nan_row, :n[nan_row]]))
+  np.testing.assert_array_equal(ids[nan_row], np.arange(512))
+  np.testing.assert_array_equal(want_ids[nan_row], np.arange(512))
+  others = [r for r in range(len(pos)) if r != nan_row and n[r] > 512]  # rows it scores
+  assert len(others) >= next_n
+  for r in others:
+    assert not np.isnan(logits[r, :n[r]]).any()
+    np.testing.assert_array_equal(logits[r, :n[r]].view(np.uint32),
+                                  clean[r, :n[r]].view(np.uint32))
+
+
 def test_select_kernel_out_of_range_ids():
   """Unknown requests and page ids past the cache score -inf and are never read (D4);
   pads (pos < 0) and positions past max_pools * 4 are clamped as the reference does."""
