@@ -6,7 +6,7 @@
 # select_slots' block tables included) with GPU skips as failures and the sanitizer's select
 # cases (TOOLS, default memcheck racecheck; OPS, default mqa_logits select_pools pool_topk);
 # BENCH=0 skips the timing. Results: $OUT/ab.tgz.
-# Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP 41.3, M=1 / 16 / 64 at
+# Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP 40.2-40.3, M=1 / 16 / 64 at
 # 202,752: 27.5-27.6 / 68.4-69.1 / 202-207 µs per layer.
 set -uo pipefail
 start=$(date +%s); R=/tmp/ab; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
