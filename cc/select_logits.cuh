@@ -314,14 +314,56 @@ struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared m
   }
 };
 
+// Pool `pool`'s score v into `out` (its address in a row of n pools); past them, -inf where
+// the logits are filled to the width.
+__device__ __forceinline__ void write_pool(const LogitsArgs& a, float* out, int32_t pool,
+                                           int32_t n, float v) {
+  if (pool < n) *out = v;
+  else if (a.fill && pool < a.width) *out = -INFINITY;
+}
+
 // Thread t < 2 of a pool's four writes its score (t = 0: pool g, t = 1: pool g + 8; `mine`)
-// into row `row` of n pools; past them, -inf where the logits are filled to the width.
+// into row `row` of n pools.
 __device__ __forceinline__ void write_logit(const LogitsArgs& a, int row, int32_t n,
                                             int32_t mine, int t, float s_lo, float s_hi) {
   if (t >= 2) return;
-  float* out = a.logits + static_cast<int64_t>(row) * a.width;
-  if (mine < n) out[mine] = t == 0 ? s_lo : s_hi;
-  else if (a.fill && mine < a.width) out[mine] = -INFINITY;
+  write_pool(a, a.logits + static_cast<int64_t>(row) * a.width + mine, mine, n,
+             t == 0 ? s_lo : s_hi);
+}
+
+// A batch's scores (every lane of a quad holds all of them after head_sum's butterfly):
+// the batch's 2 * kBatch (row, pool g or g + 8) scores are shared out over the quad's four
+// lanes, so that a thread computes one row's address and stores kPerLane scores, where
+// lanes 0-1 each stored a score of every row (an address and a store a row).
+template <int kBatch>
+__device__ __forceinline__ void write_batch(const LogitsArgs& a, int row0,
+                                            const int32_t (&n)[kBatch],
+                                            const bool (&scored)[kBatch], int32_t pool_g, int t,
+                                            const float (&s_lo)[kBatch],
+                                            const float (&s_hi)[kBatch]) {
+  constexpr int kSlots = 2 * kBatch, kPerLane = (kSlots + 3) / 4;
+  static_assert(kPerLane <= 2);  // a lane's slots (from an even one at 2): one row
+  const int first = t * kPerLane;  // slot s: row s / 2, pool g + 8 * (s % 2)
+  if (first >= kSlots) return;
+  const int b = first / 2;
+  int32_t nb = n[0];
+  bool live = scored[0];
+  float v[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) v[i] = (first + i) % 2 ? s_hi[0] : s_lo[0];
+#pragma unroll
+  for (int c = 1; c < kBatch; ++c)
+    if (b == c) {
+      nb = n[c];
+      live = scored[c];
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) v[i] = (first + i) % 2 ? s_hi[c] : s_lo[c];
+    }
+  if (!live) return;
+  const int32_t pool = pool_g + 8 * (first % 2);
+  float* out = a.logits + static_cast<int64_t>(row0 + b) * a.width + pool;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) write_pool(a, out + 8 * i, pool + 8 * i, nb, v[i]);
 }
 
 // An item's scores against kN / 8 groups of 8 query rows (one row's padded heads, or the
@@ -345,7 +387,7 @@ __device__ __forceinline__ void wgmma_item(float (&d)[kN / 2], uint32_t keys,
 // wgmma has completed.
 template <int kHeadTiles, int kGroup>
 __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<kGroup>& tables,
-                                           int r, int rows, int32_t first, int32_t mine, int t,
+                                           int r, int rows, int32_t first, int32_t pool_g, int t,
                                            bool have, uint32_t keys, uint32_t queries,
                                            const float* weights, float scale_lo,
                                            float scale_hi, uint32_t empty) {
@@ -396,10 +438,7 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
       }
     }
     if (j0 + kBatch >= rows) bulk::arrive(empty);  // the stage's reads are done
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (scored[b])
-        write_logit(a, r + j0 + b, n[b], mine, t, s_lo[b], s_hi[b]);
+    write_batch<kBatch>(a, r + j0, n, scored, pool_g, t, s_lo, s_hi);
   }
 }
 
@@ -532,7 +571,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
       }
       if constexpr (kGroup > 1) {
-        score_unit<kHeadTiles, kGroup>(a, tables, r, rows, first, mine, t, have,
+        score_unit<kHeadTiles, kGroup>(a, tables, r, rows, first, p0 + g, t, have,
                                        base + L::kKeys + s * kConsumerWarps * kTileBytes,
                                        queries, weights, scale_lo, scale_hi, empty + 8 * s);
       } else {  // one row
