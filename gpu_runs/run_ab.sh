@@ -5,7 +5,9 @@
 # 202,752); TESTS="NAME.." also runs those variants' GPU tests of the select path (holes in
 # select_slots' block tables included) with GPU skips as failures and the sanitizer's select
 # cases (TOOLS, default memcheck racecheck; OPS, default mqa_logits select_pools pool_topk);
-# BENCH=0 skips the timing. Results: $OUT/ab.tgz.
+# BENCH=0 skips the timing; CONTEXTS (default 32768,202752) the M 1/16/64 rows' contexts.
+# Every variant's sources are extracted with fresh times, so each is rebuilt. Results:
+# $OUT/ab.tgz.
 # Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP 40.2-40.3, M=1 / 16 / 64 at
 # 202,752: 27.5-27.6 / 68.4-69.1 / 202-207 µs per layer.
 set -uo pipefail
@@ -14,7 +16,7 @@ nvidia-smi -L | tee $R/gpu.txt
 source gpu_runs/lib.sh
 tar -czf /tmp/main_src.tgz cc glm5_jax tests
 for v in "$@"; do
-  tar -xzf /tmp/main_src.tgz
+  tar -mxzf /tmp/main_src.tgz
   if [ "$v" != main ]; then
     { git apply gpu_runs/variants/$v.patch 2>/dev/null || patch -p1 -s < gpu_runs/variants/$v.patch; } || { echo "$v: the patch does not apply"; continue; }
   fi
@@ -26,6 +28,6 @@ for v in "$@"; do
   fi
   [ "${BENCH:-1}" = 0 ] && continue
   bench_row ${v}_mtp 50 --skip-variants reference --groups stage --stage-contexts 32768 --stage-rows 64 --stage-next-n 4
-  bench_row ${v}_rows 95 --skip-variants reference --groups stage --stage-contexts 32768,202752 --stage-rows 1,16,64
+  bench_row ${v}_rows 95 --skip-variants reference --groups stage --stage-contexts ${CONTEXTS:-32768,202752} --stage-rows 1,16,64
 done
-tar -xzf /tmp/main_src.tgz
+tar -mxzf /tmp/main_src.tgz

@@ -6,7 +6,8 @@
 # them to source lines).
 # bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two).
 # Results: $OUT/prof.tgz.
-# Expected (H100): MTP 16x4's logits kernel alone ~15.7 µs a layer, the top-k ~11.3 (node mode).
+# Expected (H100): MTP 16x4's logits kernel alone ~15.7 µs a layer, the top-k ~11.3 (node mode;
+# the top-k's sections and source at that shape too: 2 CTAs a row of 8,192 pools).
 set -uo pipefail
 start=$(date +%s); R=/tmp/prof; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/prof.tgz prof' EXIT
 nvidia-smi -L | tee $R/gpu.txt
@@ -52,9 +53,11 @@ if [[ " $parts " == *" sections "* ]]; then
   sections mtp_logits mqa_logits --contexts 32768 --rows 64 --next-n 4
   sections rows64_logits mqa_logits --contexts 32768 --rows 64
   sections wide1_topk pool_topk --contexts 202752 --rows 1
+  sections mtp_topk pool_topk --contexts 32768 --rows 64 --next-n 4
 fi
 if [[ " $parts " == *" source "* ]]; then
   source_page wide1_topk_src pool_topk --contexts 202752 --rows 1
   source_page mtp_src mqa_logits --contexts 32768 --rows 64 --next-n 4
   source_page rows64_src mqa_logits --contexts 32768 --rows 64
+  source_page mtp_topk_src pool_topk --contexts 32768 --rows 64 --next-n 4
 fi

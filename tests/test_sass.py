@@ -155,18 +155,28 @@ def test_topk_cluster_exchanges_without_fences(functions):
     assert any("STAS" in x for x in instructions), f"{name}: no st.async to the cluster"
 
 
+def _logits_kernels(functions):
+  """[(name, instructions, kHeadTiles, kGroup, batch)] of the 8 mqa_logits_kernel
+  instantiations (32 and 64 heads x kGroup 1..4); batch: the rows a wgmma chain scores,
+  min(kGroup, 16 / kHeadTiles) (select_logits.cuh's unit_batch, restated as the tests'
+  oracle)."""
+  kernels = []
+  for name, instructions in functions.items():
+    m = re.search(r"mqa_logits_kernelILi(\d+)ELi(\d+)EE", name)
+    if m:
+      tiles, group = map(int, m.groups())
+      kernels.append((name, instructions, tiles, group, min(group, 16 // tiles)))
+  assert len(kernels) == 8, sorted(functions)
+  return kernels
+
+
 def test_logits_units_score_a_batch_in_one_wgmma_chain(functions):
   """mqa_logits scores an item with kDim / 32 = 4 fp8 wgmma (QGMMA) a chain: N = a row's
   padded heads (8 * kHeadTiles) where rows are alone (kGroup 1), and where a unit's rows
   share the item (MTP), N = the heads of a batch of the unit's rows, whose query slots are
   consecutive (64 accumulators a thread: 4 rows at 32 heads, 2 at 64), one chain a batch
   instead of one a row."""
-  kernels = {name: ins for name, ins in functions.items()
-             if re.search(r"mqa_logits_kernelILi\d+ELi\d+EE", name)}
-  assert len(kernels) == 8, sorted(functions)  # 32 and 64 heads x kGroup 1..4
-  for name, instructions in kernels.items():
-    tiles, group = map(int, re.search(r"mqa_logits_kernelILi(\d+)ELi(\d+)E", name).groups())
-    batch = min(group, 16 // tiles)
+  for name, instructions, tiles, group, batch in _logits_kernels(functions):
     shapes = [re.search(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", x) for x in instructions]
     widths = [int(m.group(1)) for m in shapes if m]
     assert widths == [8 * tiles * batch] * (4 * -(-group // batch)), (name, widths)
@@ -176,12 +186,7 @@ def test_logits_relu_is_one_instruction_an_accumulator(functions):
   """head_sum's ReLU keeps NaN in one FMNMX.NAN per accumulator it reads (4 * kHeadTiles a
   row, for every row of every batch: 4 * kHeadTiles * batch * ceil(kGroup / batch)), where
   a compare and a select (FSETP.GEU, FSEL) took two."""
-  kernels = {name: ins for name, ins in functions.items()
-             if re.search(r"mqa_logits_kernelILi\d+ELi\d+EE", name)}
-  assert len(kernels) == 8, sorted(functions)
-  for name, instructions in kernels.items():
-    tiles, group = map(int, re.search(r"mqa_logits_kernelILi(\d+)ELi(\d+)E", name).groups())
-    batch = min(group, 16 // tiles)
+  for name, instructions, tiles, group, batch in _logits_kernels(functions):
     maxima = sum("FMNMX.NAN" in x for x in instructions)
     assert maxima == 4 * tiles * batch * -(-group // batch), (name, maxima)
     assert not any("FSETP.GEU" in x for x in instructions), name
