@@ -262,6 +262,9 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
+  // Past topk_parts' 16 rows (rows enough to fill the SMs), one CTA a row: no cluster
+  // exchange.
+  if (args.width <= 8192 && args.rows > 16) return launch_topk_as<kTopkMaxThreads, 8>(stream, pdl, args);
   if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);

@@ -55,7 +55,8 @@ def _logit_rows(rng, rows, width, kind):
 # the cluster).
 @pytest.mark.parametrize("rows,width", [(1, 2048), (16, 8192), (64, 32768), (3, 8195),
                                         (5, 700), (2, 32768), (4, 4096), (3, 12002),
-                                        (12, 32768), (20, 16384), (70, 8190), (66, 32768)])
+                                        (12, 32768), (20, 16384), (70, 8190), (66, 32768),
+                                        (40, 8192)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
 def test_topk_kernel_equals_reference(rows, width, kind):
   rng = np.random.default_rng(rows * 7 + width)
