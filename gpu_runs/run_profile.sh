@@ -6,8 +6,8 @@
 # them to source lines).
 # bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two).
 # Results: $OUT/prof.tgz.
-# Expected (H100): MTP 16x4's logits kernel alone ~15.7 µs a layer, the top-k ~11.3 (node mode;
-# the top-k's sections and source at that shape too: 2 CTAs a row of 8,192 pools).
+# Expected (H100): MTP 16x4's logits kernel alone ~15.1 µs a layer, the top-k ~9.9 (node mode;
+# the top-k's sections and source at that shape too: one CTA a row of 8,192 pools).
 set -uo pipefail
 start=$(date +%s); R=/tmp/prof; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/prof.tgz prof' EXIT
 nvidia-smi -L | tee $R/gpu.txt
