@@ -4,7 +4,8 @@
 # and the top-k's ncu sections (bandwidth, occupancy, stall reasons) at those shapes.
 # `source`: the same kernels' stall samples per SASS instruction (scripts/ncu_source.py maps
 # them to source lines).
-# bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two).
+# bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two); SOURCES
+# names the source pages.
 # Results: $OUT/prof.tgz.
 # Expected (H100): MTP 16x4's logits kernel alone ~15.1 µs a layer, the top-k ~9.9 (node mode;
 # the top-k's sections and source at that shape too: one CTA a row of 8,192 pools).
@@ -55,9 +56,12 @@ if [[ " $parts " == *" sections "* ]]; then
   sections wide1_topk pool_topk --contexts 202752 --rows 1
   sections mtp_topk pool_topk --contexts 32768 --rows 64 --next-n 4
 fi
+# SOURCES: which source pages (default all but small_topk_src).
+src() { [[ " ${SOURCES:-wide1_topk_src mtp_src rows64_src mtp_topk_src} " == *" $1 "* ]] && source_page "$@"; }
 if [[ " $parts " == *" source "* ]]; then
-  source_page wide1_topk_src pool_topk --contexts 202752 --rows 1
-  source_page mtp_src mqa_logits --contexts 32768 --rows 64 --next-n 4
-  source_page rows64_src mqa_logits --contexts 32768 --rows 64
-  source_page mtp_topk_src pool_topk --contexts 32768 --rows 64 --next-n 4
+  src wide1_topk_src pool_topk --contexts 202752 --rows 1
+  src mtp_src mqa_logits --contexts 32768 --rows 64 --next-n 4
+  src rows64_src mqa_logits --contexts 32768 --rows 64
+  src mtp_topk_src pool_topk --contexts 32768 --rows 64 --next-n 4
+  src small_topk_src pool_topk --contexts 8192 --rows 1  # one row of 2,048 pools
 fi
