@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Variants against main on one machine: bash gpu_runs/run_ab.sh main NAME... Each variant
-# (gpu_runs/variants/NAME.patch over main's files, from `git diff main BRANCH`; main: the
-# tree) is built and timed (stage, kernels only: MTP 16x4 at 32K, M 1/16/64 at 32K and
+# (gpu_runs/variants/NAME.patch over main's files, written by gpu_runs/variants.sh; main:
+# the tree) is built and timed (stage, kernels only: MTP 16x4 at 32K, M 1/16/64 at 32K and
 # 202,752); TESTS="NAME.." also runs those variants' GPU tests of the select path (holes in
 # select_slots' block tables included) with GPU skips as failures and the sanitizer's select
 # cases (TOOLS, default memcheck racecheck; OPS, default mqa_logits select_pools pool_topk);
