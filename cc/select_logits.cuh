@@ -203,14 +203,15 @@ __device__ __forceinline__ float relu(float x) {
   return y;
 }
 
-// The head-weighted sum of a thread's accumulators (d[4j..4j+3] = the fragment of head
-// tile j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), the 4-lane butterfly, then the scales.
+// The head-weighted sums of a thread's accumulators for one row (d[4j..4j+3] = the fragment
+// of head tile j: rows g, g + 8 x heads 8j + 2t, 8j + 2t + 1), before the quad adds them.
 template <int kHeadTiles>
 __device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
                                          const float (&w0)[kHeadTiles],
-                                         const float (&w1)[kHeadTiles], float scale_lo,
-                                         float scale_hi, float& s_lo, float& s_hi) {
-  float sum_lo = 0.f, sum_hi = 0.f;
+                                         const float (&w1)[kHeadTiles], float& sum_lo,
+                                         float& sum_hi) {
+  sum_lo = 0.f;
+  sum_hi = 0.f;
 #pragma unroll
   for (int j = 0; j < kHeadTiles; ++j) {
     sum_lo = fmaf(w0[j], relu(d[4 * j]), sum_lo);
@@ -218,12 +219,50 @@ __device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
     sum_hi = fmaf(w0[j], relu(d[4 * j + 2]), sum_hi);
     sum_hi = fmaf(w1[j], relu(d[4 * j + 3]), sum_hi);
   }
-  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 1);
-  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 1);
-  sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, 2);
-  sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, 2);
-  s_lo = sum_lo * scale_lo;
-  s_hi = sum_hi * scale_hi;
+}
+
+// The slots a lane of a quad ends with: kSlots sums (slot s: row s / 2 of a batch, pool
+// g + 8 * (s % 2)) over the quad's four lanes, lane t taking slots t * kPer .. t * kPer +
+// kPer - 1.
+template <int kSlots>
+constexpr int kQuadPer = (kSlots + 3) / 4;
+
+// The quad's sums of kSlots values (v: this lane's partial sums), shared out: lane t ends
+// with slots t * kPer + j (j < kPer; slots past kSlots hold nothing). Each slot is the
+// butterfly's sum, (t0 + t1) + (t2 + t3) in every lane, so the bits do not change; but a
+// lane exchanges half of its slots with lane t ^ 1 (keeping those of its own and of lane
+// t ^ 2), then half of the rest with lane t ^ 2: 2 kPer + kPer shuffles and adds, where the
+// butterfly took two of each per slot in every lane.
+template <int kSlots>
+__device__ __forceinline__ void quad_sum(const float (&v)[kSlots], int t,
+                                         float (&out)[kQuadPer<kSlots>]) {
+  constexpr int kPer = kQuadPer<kSlots>;
+  const bool odd = t & 1, high = t & 2;
+  // Round 1: position p * kPer + j pairs slot (2p) * kPer + j (kept where t is even) with
+  // (2p + 1) * kPer + j (kept where t is odd), p = t's bit 1 in the end.
+  float r1[2 * kPer];
+#pragma unroll
+  for (int i = 0; i < 2 * kPer; ++i) {
+    const int s0 = (i / kPer) * 2 * kPer + i % kPer, s1 = s0 + kPer;
+    if (s0 >= kSlots) {  // neither lane's slot exists
+      r1[i] = 0.f;
+    } else if (s1 >= kSlots) {  // only the even lane's: it keeps and gets v[s0]
+      r1[i] = v[s0] + __shfl_xor_sync(0xffffffffu, v[s0], 1);
+    } else {
+      const float keep = odd ? v[s1] : v[s0], send = odd ? v[s0] : v[s1];
+      r1[i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+    }
+  }
+  // Round 2: position j (kept where t < 2) pairs with kPer + j (kept where t >= 2).
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (2 * kPer + j >= kSlots) {  // no lane t >= 2 has a slot here
+      out[j] = r1[j] + __shfl_xor_sync(0xffffffffu, r1[j], 2);
+    } else {
+      const float keep = high ? r1[kPer + j] : r1[j], send = high ? r1[j] : r1[kPer + j];
+      out[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+  }
 }
 
 // The logits kernel: CTAs of one consumer warpgroup (four warps) and one producer warp.
@@ -251,8 +290,8 @@ __device__ __forceinline__ void head_sum(const float (&d)[4 * kHeadTiles],
 // takes the four 32-product wgmma steps (dims 0-31, 32-63, 64-95, 96-127) in order (the
 // order of the products inside a step is the tensor core's); per thread,
 // s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads h0 = 8j + 2t,
-// h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a pool add by
-// butterfly (xor 1, then xor 2); then times the entry's scale.
+// h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a pool add in
+// pairs, (t0 + t1) + (t2 + t3) (quad_sum); then times the entry's scale.
 constexpr int kRingStages = 4;
 constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
@@ -322,48 +361,32 @@ __device__ __forceinline__ void write_pool(const LogitsArgs& a, float* out, int3
   else if (a.fill && pool < a.width) *out = -INFINITY;
 }
 
-// Thread t < 2 of a pool's four writes its score (t = 0: pool g, t = 1: pool g + 8; `mine`)
-// into row `row` of n pools.
-__device__ __forceinline__ void write_logit(const LogitsArgs& a, int row, int32_t n,
-                                            int32_t mine, int t, float s_lo, float s_hi) {
-  if (t >= 2) return;
-  write_pool(a, a.logits + static_cast<int64_t>(row) * a.width + mine, mine, n,
-             t == 0 ? s_lo : s_hi);
-}
-
-// A batch's scores (every lane of a quad holds all of them after head_sum's butterfly):
-// the batch's 2 * kBatch (row, pool g or g + 8) scores are shared out over the quad's four
-// lanes, so that a thread computes one row's address and stores kPerLane scores, where
-// lanes 0-1 each stored a score of every row (an address and a store a row).
+// A batch's scores, kQuadPer<2 * kBatch> a lane after quad_sum (slot s: row s / 2, pool
+// g + 8 * (s % 2); lane t from slot t * kPer): a thread computes one row's address and
+// stores its scores. n: the rows' written pools (written_pools).
 template <int kBatch>
 __device__ __forceinline__ void write_batch(const LogitsArgs& a, int row0,
-                                            const int32_t (&n)[kBatch],
-                                            const bool (&scored)[kBatch], int32_t pool_g, int t,
-                                            const float (&s_lo)[kBatch],
-                                            const float (&s_hi)[kBatch]) {
-  constexpr int kSlots = 2 * kBatch, kPerLane = (kSlots + 3) / 4;
-  static_assert(kPerLane <= 2);  // a lane's slots (from an even one at 2): one row
-  const int first = t * kPerLane;  // slot s: row s / 2, pool g + 8 * (s % 2)
+                                            const int32_t (&n)[kBatch], int32_t pool_g, int t,
+                                            const float (&v)[kQuadPer<2 * kBatch>]) {
+  constexpr int kSlots = 2 * kBatch, kPer = kQuadPer<kSlots>;
+  static_assert(kPer <= 2);  // a lane's slots (from an even one at 2): one row
+  const int first = t * kPer;
   if (first >= kSlots) return;
-  const int b = first / 2;
+  const int b = kBatch == 1 ? 0 : first / 2;
   int32_t nb = n[0];
-  bool live = scored[0];
-  float v[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) v[i] = (first + i) % 2 ? s_hi[0] : s_lo[0];
 #pragma unroll
   for (int c = 1; c < kBatch; ++c)
-    if (b == c) {
-      nb = n[c];
-      live = scored[c];
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) v[i] = (first + i) % 2 ? s_hi[c] : s_lo[c];
-    }
-  if (!live) return;
+    if (b == c) nb = n[c];
+  if (nb < 0) return;  // a row whose logits are not written
   const int32_t pool = pool_g + 8 * (first % 2);
   float* out = a.logits + static_cast<int64_t>(row0 + b) * a.width + pool;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) write_pool(a, out + 8 * i, pool + 8 * i, nb, v[i]);
+  for (int i = 0; i < kPer; ++i) write_pool(a, out + 8 * i, pool + 8 * i, nb, v[i]);
+}
+
+// This lane's scale for slot s of quad_sum's (pool g where s is even, g + 8 where odd).
+__device__ __forceinline__ float slot_scale(int s, float scale_lo, float scale_hi) {
+  return s % 2 ? scale_hi : scale_lo;
 }
 
 // An item's scores against kN / 8 groups of 8 query rows (one row's padded heads, or the
@@ -372,9 +395,22 @@ __device__ __forceinline__ void write_batch(const LogitsArgs& a, int row0,
 template <int kN>
 __device__ __forceinline__ void wgmma_item(float (&d)[kN / 2], uint32_t keys,
                                            uint32_t queries) {
+  const uint64_t a = wgmma::desc(keys), b = wgmma::desc(queries);
 #pragma unroll
   for (int k = 0; k < kDim / 32; ++k)
-    wgmma::mma_e4m3<kN>(d, wgmma::desc(keys + 32 * k), wgmma::desc(queries + 32 * k));
+    wgmma::mma_e4m3<kN>(d, wgmma::advance(a, 32 * k), wgmma::advance(b, 32 * k));
+}
+
+// Row r + j's pools whose logits are written, or -1: a row past its unit (j >= rows), or
+// one with no logits to write (the select path's skipped rows). Taken once a unit, when the
+// consumers move to it: a row scores an item whose first pool is below this.
+template <int kGroup>
+__device__ __forceinline__ int32_t written_pools(const LogitsArgs& a,
+                                                 const RowTables<kGroup>& tables, int r, int j,
+                                                 int rows) {
+  if (j >= rows) return -1;
+  const int32_t n = tables.pools[r + j];
+  return a.fill || n > a.skip_upto ? n : -1;
 }
 
 // A unit's rows (kGroup > 1) scored from one stage, kBatch rows at a time: one wgmma chain
@@ -386,7 +422,7 @@ __device__ __forceinline__ void wgmma_item(float (&d)[kN / 2], uint32_t keys,
 // ptxas serialize every wgmma of the kernel. The stage is released after the unit's last
 // wgmma has completed.
 template <int kHeadTiles, int kGroup>
-__device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<kGroup>& tables,
+__device__ __forceinline__ void score_unit(const LogitsArgs& a, const int32_t (&unit_n)[kGroup],
                                            int r, int rows, int32_t first, int32_t pool_g, int t,
                                            bool have, uint32_t keys, uint32_t queries,
                                            const float* weights, float scale_lo,
@@ -396,20 +432,19 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
 #pragma unroll
   for (int j0 = 0; j0 < kGroup; j0 += kBatch) {
     if (j0 >= rows) break;
-    bool scored[kBatch], live[kBatch], any = false;
+    // Rows with nothing in this item (or none to write: n -1) need no wgmma (the same in
+    // the whole warpgroup).
     int32_t n[kBatch];
+    bool any = false;
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      n[b] = j0 + b < rows ? tables.pools[r + j0 + b] : 0;
-      // A row with no logits to write (the select path's skipped rows), or none in this
-      // item (the same in the whole warpgroup).
-      scored[b] = j0 + b < rows && (a.fill || n[b] > a.skip_upto);
-      live[b] = scored[b] && first < n[b];
-      any |= live[b];
+      n[b] = j0 + b < kGroup ? unit_n[j0 + b] : -1;
+      any |= first < n[b];
     }
-    float s_lo[kBatch], s_hi[kBatch];
+    constexpr int kPer = kQuadPer<2 * kBatch>;
+    float v[kPer];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) s_lo[b] = s_hi[b] = -INFINITY;
+    for (int i = 0; i < kPer; ++i) v[i] = -INFINITY;
     if (any) {
       float d[kBatch * kFragment];
 #pragma unroll
@@ -418,6 +453,7 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
       wgmma_item<kBatch * kPadded>(d, keys, queries + j0 * kQueryBytes);
       wgmma::commit();
       wgmma::wait();
+      float sums[2 * kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         float w0[kHeadTiles], w1[kHeadTiles];
@@ -428,17 +464,18 @@ __device__ __forceinline__ void score_unit(const LogitsArgs& a, const RowTables<
           w0[i] = w.x;
           w1[i] = w.y;
         }
-        float lo, hi;
         head_sum<kHeadTiles>(reinterpret_cast<const float(&)[kFragment]>(d[b * kFragment]),
-                             w0, w1, scale_lo, scale_hi, lo, hi);
-        if (live[b] && have) {
-          s_lo[b] = lo;
-          s_hi[b] = hi;
-        }
+                             w0, w1, sums[2 * b], sums[2 * b + 1]);
       }
+      float mine[kPer];
+      quad_sum<2 * kBatch>(sums, t, mine);
+      // A tile not copied scores -inf; a pool past its row's pools is not written with it.
+#pragma unroll
+      for (int i = 0; i < kPer; ++i)
+        if (have) v[i] = mine[i] * slot_scale(t * kPer + i, scale_lo, scale_hi);
     }
     if (j0 + kBatch >= rows) bulk::arrive(empty);  // the stage's reads are done
-    write_batch<kBatch>(a, r + j0, n, scored, pool_g, t, s_lo, s_hi);
+    write_batch<kBatch>(a, r + j0, n, pool_g, t, v);
   }
 }
 
@@ -514,6 +551,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     // so they do not depend on the unit.
     const int g = lane >> 2, t = lane & 3;
     int r = range.row, row = -1, rows = 1;
+    int32_t unit_n[kGroup];                // the unit's rows' written_pools
     float w0[kHeadTiles], w1[kHeadTiles];  // kGroup == 1: the row's weights, held
     float* const weights = reinterpret_cast<float*>(smem + L::kWeights);
     const uint32_t queries = base + L::kQueries;
@@ -530,6 +568,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         if (row >= 0) bulk::named_sync(1, kConsumerWarps * kWarp);
         row = r;
         rows = tables.rows_of(r);
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) unit_n[j] = written_pools(a, tables, r, j, rows);
         for (int j = 0; j < rows; ++j) {
           const uint8_t* qrow = a.q + static_cast<int64_t>(r + j) * L::kPadded * kDim;
           for (int c = threadIdx.x; c < L::kPadded * (kDim / 16); c += kConsumerWarps * kWarp) {
@@ -557,7 +597,6 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       }
       const int32_t first = (item - first_item[r]) * kItemPools;  // the item's first pool
       const int32_t p0 = first + warp * kWarpPools;
-      const int32_t mine = p0 + g + (t == 1 ? 8 : 0);  // t = 0: pool g, t = 1: pool g + 8
       bulk::wait(full + 8 * s, (k / kRingStages) & 1);
       // Tiles not copied hold stale bytes: their rows (this warp's, when so) are masked.
       const bool have = copied[s * kConsumerWarps + warp];
@@ -571,16 +610,15 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
         scale_hi = reinterpret_cast<const float*>(sc)[g + 8];
       }
       if constexpr (kGroup > 1) {
-        score_unit<kHeadTiles, kGroup>(a, tables, r, rows, first, p0 + g, t, have,
+        score_unit<kHeadTiles, kGroup>(a, unit_n, r, rows, first, p0 + g, t, have,
                                        base + L::kKeys + s * kConsumerWarps * kTileBytes,
                                        queries, weights, scale_lo, scale_hi, empty + 8 * s);
       } else {  // one row
-        const int32_t n = tables.pools[r];
-        // A row with no logits to write (the select path's skipped rows), or none in this
-        // item: no wgmma (the same branch in the whole warpgroup).
-        const bool scored = a.fill || n > a.skip_upto;
-        float s_lo = -INFINITY, s_hi = -INFINITY;
-        if (scored && first < n) {
+        // A row with none in this item, or none to write: no wgmma (the same branch in the
+        // whole warpgroup).
+        const int32_t n = unit_n[0];
+        float v[1] = {-INFINITY};
+        if (first < n) {
           float d[4 * kHeadTiles];
 #pragma unroll
           for (int i = 0; i < 4 * kHeadTiles; ++i) d[i] = 0.f;
@@ -589,12 +627,14 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
           wgmma::commit();
           wgmma::wait();
           bulk::arrive(empty + 8 * s);  // the stage's reads are done
-          head_sum<kHeadTiles>(d, w0, w1, scale_lo, scale_hi, s_lo, s_hi);
-          if (!have) s_lo = s_hi = -INFINITY;
+          float sums[2];
+          head_sum<kHeadTiles>(d, w0, w1, sums[0], sums[1]);
+          quad_sum<2>(sums, t, v);  // lane t < 2: pool g + 8t
+          v[0] = have ? v[0] * slot_scale(t, scale_lo, scale_hi) : -INFINITY;
         } else {
           bulk::arrive(empty + 8 * s);
         }
-        if (scored) write_logit(a, r, n, mine, t, s_lo, s_hi);
+        write_batch<1>(a, r, {n}, p0 + g, t, v);
       }
     }
   }

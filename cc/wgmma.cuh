@@ -33,6 +33,13 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr) {
          (uint64_t{kAtom >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+// desc(addr + bytes) from d = desc(addr), `bytes` a multiple of 16: the start address is the
+// low word's field addr >> 4 (14 bits), and addr + bytes stays below 2^18 (shared memory is
+// smaller), so one 32-bit add, where desc() masks and shifts the address again.
+__device__ __forceinline__ uint64_t advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(d) + (bytes >> 4));
+}
+
 // Orders the warpgroup's register accesses before the wgmma that follows.
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void commit() {

@@ -190,3 +190,29 @@ def test_logits_relu_is_one_instruction_an_accumulator(functions):
     maxima = sum("FMNMX.NAN" in x for x in instructions)
     assert maxima == 4 * tiles * batch * -(-group // batch), (name, maxima)
     assert not any("FSETP.GEU" in x for x in instructions), name
+
+
+def test_logits_quad_sums_shared_out_over_the_quad(functions):
+  """A pool's four lanes add their head sums once for every slot of a batch (2 * batch:
+  the batch's rows x pools g, g + 8) and share them out, each lane ending with its
+  ceil(slots / 4) slots to store: 2 * ceil(slots / 4) exchanges with lane t ^ 1 (fewer where
+  neither lane of a pair has a slot) and ceil(slots / 4) with lane t ^ 2, where a butterfly
+  in every lane took 2 shuffles per slot (SHFL.BFLY: 4 a row). Oracle restated from
+  select_logits.cuh's quad_sum: the exchange of round 1 at position i carries slots
+  (i // per) * 2 * per + i % per and that + per."""
+  for name, instructions, _tiles, group, batch in _logits_kernels(functions):
+    slots = 2 * batch
+    per = -(-slots // 4)
+    first = sum((i // per) * 2 * per + i % per < slots for i in range(2 * per))
+    exchanges = sum("SHFL.BFLY" in x for x in instructions)
+    assert exchanges == (first + per) * -(-group // batch), (name, exchanges)
+    assert exchanges < 4 * group, name
+
+
+def test_logits_descriptors_computed_once_a_chain(functions):
+  """A wgmma chain's operand descriptors are computed once (the address masked and shifted,
+  LOP3 with 0x3fff0, per operand) and advanced by one add a K step (wgmma::advance), where
+  each of the kDim / 32 = 4 steps masked and shifted both addresses again (8 a chain)."""
+  for name, instructions, _tiles, group, batch in _logits_kernels(functions):
+    masks = sum("0x3fff0" in x for x in instructions)
+    assert masks <= 2 * -(-group // batch), (name, masks)
