@@ -228,8 +228,8 @@ cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& arg
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
 // the GPU idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
 // to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1: the split is faster
-// at the widest rows (ncu) and no slower at narrower ones, except 17-64 rows of up to 8,192
-// pools (launch_topk).
+// at the widest rows (ncu) and no slower at narrower ones, except rows of up to 8,192 pools
+// (launch_topk).
 int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1; }
 
 // The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
@@ -259,16 +259,14 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 //   exchange (at 8 keys they cost less);
 // - at 9-16 rows (topk_parts: 4) of up to 2 CTAs' registers (GLM-5's window), 4 CTAs of 16
 //   keys, as narrower rows there: faster than 8 of 8 (docs/performance.md, section 5);
-// - past 16 rows of up to 8,192 pools (MTP's 16 requests x next_n 4 at 32K), one CTA of 8
-//   keys a row: the rows fill the SMs, and a 2-CTA cluster's exchange costs more than the
-//   halved key loop saves (a CTA of 16 warps and 16 keys loses to both).
+// - rows of up to 8,192 pools, one CTA of 8 keys a row at any rows: a 2-CTA cluster's
+//   exchange costs more than the halved key loop saves (a CTA of 16 warps and 16 keys loses
+//   to both).
 cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   constexpr int kParts = kTopkClusterParts;
   if (args.width <= 2048) return launch_topk_as<512, 4>(stream, pdl, args);
   if (args.width <= 4096) return launch_topk_as<512, 8>(stream, pdl, args);
-  if (args.width <= 8192 && args.rows > 16)
-    return launch_topk_as<kTopkMaxThreads, 8>(stream, pdl, args);
-  if (args.width <= 8192) return launch_topk_wide<8>(stream, pdl, args);
+  if (args.width <= 8192) return launch_topk_as<kTopkMaxThreads, 8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
   if (args.width <= 2 * kTopkCtaPools) {

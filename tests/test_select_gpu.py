@@ -51,12 +51,12 @@ def _logit_rows(rng, rows, width, kind):
 # Widths cover every launch shape of the kernel (threads x keys per thread by width: 2048,
 # 4096, 8192, 16384, 32768), the vector and scalar loads (width % 4) and a partial chunk;
 # rows every split of a row over a cluster (launch_topk: 8, 4 or 2 CTAs per row at up to 8,
-# 16 and 64 rows, one CTA past that, and one CTA at 17-64 rows of up to 8,192 pools: 40 x
-# 8192); "equal" rows keep every key (the one-CTA path inside the cluster).
+# 16 and 64 rows, one CTA past that, and one CTA at any rows of up to 8,192 pools: 1, 16, 40
+# x 8192); "equal" rows keep every key (the one-CTA path inside the cluster).
 @pytest.mark.parametrize("rows,width", [(1, 2048), (16, 8192), (64, 32768), (3, 8195),
                                         (5, 700), (2, 32768), (4, 4096), (3, 12002),
                                         (12, 32768), (20, 16384), (70, 8190), (66, 32768),
-                                        (40, 8192)])
+                                        (40, 8192), (1, 8192)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
 def test_topk_kernel_equals_reference(rows, width, kind):
   rng = np.random.default_rng(rows * 7 + width)
