@@ -8,8 +8,9 @@
 # BENCH=0 skips the timing; CONTEXTS (default 32768,202752) the M 1/16/64 rows' contexts.
 # Every variant's sources are extracted with fresh times, so each is rebuilt. Results:
 # $OUT/ab.tgz.
-# Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP ~37.9, M=1 / 16 / 64 at
-# 32K: 24.1-24.4 / 31.8-32.0 / 53.5, at 202,752: 27.2-27.6 / 67.6-68.6 / 201-206 µs per layer.
+# Expected: tests pass, 0 errors / 0 hazards; main on an H100: MTP ~37.4, M=1 / 16 / 64 at
+# 32K: 22.9-23.0 / 30.6-30.7 / 53.2-53.4, at 202,752: 27.0-27.4 / 67.4-67.6 / 200-201 µs per
+# layer.
 set -uo pipefail
 start=$(date +%s); R=/tmp/ab; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
 nvidia-smi -L | tee $R/gpu.txt

@@ -2,7 +2,7 @@
 # H200: pool_topk's sanitizer cases (the 16- and 4-CTA clusters included); the stage rows
 # still without their reference (MTP 16x4 at 32K, M=64 at 202,752), where a step's time goes
 # (timeline) at those and M=16 202,752; then the 1K-128K table with the reference.
-# Expected: 0 errors / 0 hazards, every case identical; MTP under 47.6 (37.9 on an H100),
+# Expected: 0 errors / 0 hazards, every case identical; MTP under 47.6 (37.4 on an H100),
 # M=64 202,752 ~158 µs/layer.
 set -uo pipefail
 start=$(date +%s); R=/tmp/rh; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/h200.tgz rh' EXIT
