@@ -42,6 +42,7 @@ struct Check {
 };
 
 constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic smem without opting in
+constexpr size_t kOptinSmem = 227 * 1024;  // sm_90's most dynamic smem a CTA may opt in to
 
 // Lets `kernel` take `smem` bytes of dynamic shared memory (past the default 48 KiB). The
 // attribute belongs to the current device: call it at every launch, never once per process.

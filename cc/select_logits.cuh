@@ -292,7 +292,7 @@ __device__ __forceinline__ void quad_sum(const float (&v)[kSlots], int t,
 // s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads h0 = 8j + 2t,
 // h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a pool add in
 // pairs, (t0 + t1) + (t2 + t3) (quad_sum); then times the entry's scale.
-constexpr int kRingStages = 4;
+constexpr int kRingStages = 6;
 constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
@@ -348,7 +348,7 @@ struct LogitsLayout {  // offsets from the 1024-aligned base of dynamic shared m
   static constexpr int kRowTables = kWeights + (kGroup > 1 ? kGroup * kPadded * 4 : 0);
   static_assert(kQueries % kAtom == 0 && kQueryBytes % kAtom == 0 && kScales % 16 == 0 &&
                 kBars % 8 == 0 && kWeights % 16 == 0);
-  static size_t bytes(int32_t rows) {  // + slack to align the base
+  static constexpr size_t bytes(int32_t rows) {  // + slack to align the base
     return kAtom + kRowTables + RowTables<kGroup>::bytes(rows);
   }
 };
@@ -679,7 +679,10 @@ cudaError_t launch_logits_as(cudaStream_t stream, bool pdl, const LogitsArgs& ar
   if (args.pages > 0)
     if (cudaError_t err = keys_tensor_map(args, &map); err != cudaSuccess) return err;
   const auto kernel = mqa_logits_kernel<kHeadTiles, kGroup>;
-  const size_t smem = LogitsLayout<kHeadTiles, kGroup>::bytes(args.rows);
+  using L = LogitsLayout<kHeadTiles, kGroup>;
+  // The row tables beside the ring at the most rows (LOGITS_MAX_ROWS) still fit a CTA.
+  static_assert(L::bytes(limits::kLogitsMaxRows) <= kOptinSmem);
+  const size_t smem = L::bytes(args.rows);
   if (cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return err;
   int per_sm = 0;  // CTAs per SM on this device (a cheap host query, asked every launch)
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLogitsThreads, smem);
