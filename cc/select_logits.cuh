@@ -292,7 +292,7 @@ __device__ __forceinline__ void quad_sum(const float (&v)[kSlots], int t,
 // s = fma(w[h1], relu(dot_h1), fma(w[h0], relu(dot_h0), s)) over its heads h0 = 8j + 2t,
 // h1 = h0 + 1 for j = 0.. in order, from s = +0; then the four threads of a pool add in
 // pairs, (t0 + t1) + (t2 + t3) (quad_sum); then times the entry's scale.
-constexpr int kRingStages = 6;
+constexpr int kRingStages = 4;
 constexpr int kLogitsWarps = kConsumerWarps + 1;          // consumers + the producer
 constexpr int kLogitsThreads = kLogitsWarps * kWarp;
 constexpr int kTileBytes = kWarpPools * kDim;            // a tile's fp8 entries: 2048 B
