@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 42's closing run on the H200, in three calls of under 10 minutes (PART=1/2/3), results
+# Issue 42's closing run on the H200, in three calls of under 10 minutes (PART=1/2/3; 0: short), results
 # under $OUT as each step ends (a call can die with nothing back):
 #   1: build, the whole GPU suite with GPU skips as failures, the sanitizer over the select
 #      kernels' cases (SAN=0 skips it), the MTP stage row with the reference (MTP=1).
 #   2: the stage rows with the reference at 202,752 (M 1/16/64) and 1M (M=1), MTP unless
 #      call 1 took it, then the select ops' rows at P 50,688 / 262,144.
 #   3: the 1K-131K stage table with the reference.
+#   0: short (about 5 minutes with the build): the MTP row, then M=1 at 202,752, with the
+#      reference.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
 # the MTP logits changes; 37.4 on an H100), 202,752 ~26 / ~57 / ~157, 1M ~40; the 1K-131K
 # rows within noise of BENCHMARKS (32K M=1/16 ~1.3 lower after the one-CTA top-k).
@@ -35,6 +37,8 @@ case $PART in
   [ "${MTP:-1}" = 1 ] && mtp
   bench_row ops 300 --groups ops --ops pool_topk,mqa_logits,select_slots \
     --select-pools 50688,262144 --select-rows 1,16,64 ;;
+0)
+  mtp; stage wide1 100 --stage-contexts 202752 --stage-rows 1 ;;
 3)
   stage table 540 --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64 ;;
 esac
