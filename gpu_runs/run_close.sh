@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 42's closing run on the H200, in three calls of under 10 minutes (PART=1/2/3; 0: short), results
-# under $OUT as each step ends (a call can die with nothing back):
+# Issue 42's closing run on the H200, in calls of under 10 minutes (PART=1/2/3; 0: short; 4:
+# timelines), results under $OUT as each step ends (a call can die with nothing back):
 #   1: build, the whole GPU suite with GPU skips as failures, the sanitizer over the select
 #      kernels' cases (SAN=0 skips it), the MTP stage row with the reference (MTP=1).
 #   2: the stage rows with the reference at 202,752 (M 1/16/64) and 1M (M=1), MTP unless
@@ -8,6 +8,8 @@
 #   3: the 1K-131K stage table with the reference.
 #   0: short (about 5 minutes with the build): the MTP row, then M=1 at 202,752, with the
 #      reference.
+#   4: where a step's time goes (bench.step_times --timeline, kernels only) at the MTP rows
+#      and at 202,752 (M 1/16/64), for docs/performance.md §5.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
 # the MTP logits changes; 37.4 on an H100), 202,752 ~26 / ~57 / ~157, 1M ~40; the 1K-131K
 # rows within noise of BENCHMARKS (32K M=1/16 ~1.3 lower after the one-CTA top-k).
@@ -41,4 +43,16 @@ case $PART in
   mtp; stage wide1 100 --stage-contexts 202752 --stage-rows 1 ;;
 3)
   stage table 540 --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64 ;;
+4)
+  # A first run fills the compilation cache, so the traced one times warm steps.
+  tl() {
+    local n=$1 l; l=$(lim $2); [ $l -lt 30 ] && { echo "$n skipped"; return; }
+    local st="python3 -m bench.step_times --runs 3 --steps 4 --variants kernel"
+    timeout $l $st "${@:3}" > $R/$n.fill.log 2>&1 &&
+      timeout $(lim $2) $st --timeline /tmp/tl_$n --json $R/$n.json "${@:3}" > $R/$n.log 2>&1
+    echo "timeline $n rc $? at $(el)"; snap
+    grep -vE "^\s*$|WARNING|^I0|^E0|^W0" $R/$n.log | tail -14
+  }
+  tl tl_mtp 120 --contexts 32768 --rows 64 --next-n 4
+  tl tl_wide 200 --contexts 202752 --rows 1,16,64 ;;
 esac
