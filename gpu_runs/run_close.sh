@@ -8,6 +8,8 @@
 #   3: the 1K-131K stage table with the reference.
 #   0: short (about 5 minutes with the build): the MTP row, then M=1 at 202,752, with the
 #      reference.
+#   5: one call for a short lease: the MTP row, 202,752 (M 1/16/64) and 1M with the
+#      reference, then the select path's GPU tests (GPU skips as failures) in the time left.
 #   4: where a step's time goes (bench.step_times --timeline, kernels only) at the MTP rows
 #      and at 202,752 (M 1/16/64), for docs/performance.md §5.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
@@ -41,6 +43,14 @@ case $PART in
     --select-pools 50688,262144 --select-rows 1,16,64 ;;
 0)
   mtp; stage wide1 100 --stage-contexts 202752 --stage-rows 1 ;;
+5)
+  mtp; stage wide 190 --stage-contexts 202752 --stage-rows 1,16,64
+  stage mil 110 --stage-contexts 1048576 --stage-rows 1
+  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim 300) python3 -m pytest -q -p no:cacheprovider \
+    -p no:benchmark -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_wide_gpu.py \
+    tests/test_stage_gpu.py tests/test_topk_chunks.py > $R/pytest.log 2>&1
+  echo "select tests rc $? at $(el)"; snap
+  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest.log | tail -12 ;;
 3)
   stage table 540 --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64 ;;
 4)
