@@ -8,10 +8,10 @@
 #   3: the 1K-131K stage table with the reference.
 #   0: short (about 5 minutes with the build): the MTP row, then M=1 at 202,752, with the
 #      reference.
-#   5: one call for a short lease: the MTP row, 202,752 (M 1/16/64) and 1M with the
-#      reference, then the select path's GPU tests (GPU skips as failures) in the time left.
 #   4: where a step's time goes (bench.step_times --timeline, kernels only) at the MTP rows
 #      and at 202,752 (M 1/16/64), for docs/performance.md §5.
+#   5: one call for a short lease: the MTP row, 202,752 (M 1/16/64) and 1M with the
+#      reference, then the select path's GPU tests (GPU skips as failures) in the time left.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
 # the MTP logits changes; 37.4 on an H100), 202,752 ~26 / ~57 / ~157, 1M ~40; the 1K-131K
 # rows within noise of BENCHMARKS (32K M=1/16 ~1.3 lower after the one-CTA top-k).
@@ -27,30 +27,28 @@ source gpu_runs/build.sh > $R/build.log 2>&1 || { tail -20 $R/build.log; exit 1;
 echo "built at $(el)"
 stage() { bench_row "$1" "$2" --groups stage "${@:3}"; snap; }
 mtp() { stage mtp 100 --stage-contexts 32768 --stage-rows 64 --stage-next-n 4; }
+wide() { stage wide 190 --stage-contexts 202752 --stage-rows 1,16,64; }
+mil() { stage mil 110 --stage-contexts 1048576 --stage-rows 1; }
+# gpu_tests NAME S FILES...: the GPU tests with GPU skips as failures, within lim S.
+gpu_tests() {
+  local n=$1 s=$2; shift 2
+  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim $s) python3 -m pytest -q -p no:cacheprovider \
+    -p no:benchmark --timeout 340 --durations 8 -n 15 --dist loadgroup "$@" > $R/pytest.log 2>&1
+  echo "$n rc $? at $(el)"; snap
+  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest.log | tail -12
+}
 case $PART in
 1)
-  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim 360) python3 -m pytest -q -p no:cacheprovider \
-    -p no:benchmark --timeout 340 --durations 8 -n 15 --dist loadgroup tests > $R/pytest.log 2>&1
-  echo "suite rc $? at $(el)"; snap
-  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest.log | tail -12
+  gpu_tests suite 360 tests
   [ "${SAN:-1}" = 1 ] && { sanitize sel 200 pool_topk mqa_logits select_pools; snap; }
   [ "${MTP:-0}" = 1 ] && mtp ;;
 2)
-  stage wide 190 --stage-contexts 202752 --stage-rows 1,16,64
-  stage mil 110 --stage-contexts 1048576 --stage-rows 1
+  wide; mil
   [ "${MTP:-1}" = 1 ] && mtp
   bench_row ops 300 --groups ops --ops pool_topk,mqa_logits,select_slots \
     --select-pools 50688,262144 --select-rows 1,16,64 ;;
 0)
   mtp; stage wide1 100 --stage-contexts 202752 --stage-rows 1 ;;
-5)
-  mtp; stage wide 190 --stage-contexts 202752 --stage-rows 1,16,64
-  stage mil 110 --stage-contexts 1048576 --stage-rows 1
-  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim 300) python3 -m pytest -q -p no:cacheprovider \
-    -p no:benchmark -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_wide_gpu.py \
-    tests/test_stage_gpu.py tests/test_topk_chunks.py > $R/pytest.log 2>&1
-  echo "select tests rc $? at $(el)"; snap
-  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest.log | tail -12 ;;
 3)
   stage table 540 --stage-contexts 1024,8192,32768,131072 --stage-rows 1,16,64 ;;
 4)
@@ -65,4 +63,8 @@ case $PART in
   }
   tl tl_mtp 120 --contexts 32768 --rows 64 --next-n 4
   tl tl_wide 200 --contexts 202752 --rows 1,16,64 ;;
+5)
+  mtp; wide; mil
+  gpu_tests select_tests 300 tests/test_select_gpu.py tests/test_wide_gpu.py \
+    tests/test_stage_gpu.py tests/test_topk_chunks.py ;;
 esac
