@@ -10,6 +10,7 @@
 #      reference.
 #   4: where a step's time goes (bench.step_times --timeline, kernels only) at the MTP rows
 #      and at 202,752 (M 1/16/64), for docs/performance.md §5.
+#   6: the GPU-marked tests alone (GPU skips as failures), in two batches.
 #   5: one call for a short lease: the MTP row, 202,752 (M 1/16/64) and 1M with the
 #      reference, then the select path's GPU tests (GPU skips as failures) in the time left.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
@@ -33,9 +34,9 @@ mil() { stage mil 110 --stage-contexts 1048576 --stage-rows 1; }
 gpu_tests() {
   local n=$1 s=$2; shift 2
   GLM5_JAX_REQUIRE_GPU=1 timeout $(lim $s) python3 -m pytest -q -p no:cacheprovider \
-    -p no:benchmark --timeout 340 --durations 8 -n 15 --dist loadgroup "$@" > $R/pytest.log 2>&1
+    -p no:benchmark --timeout 340 --durations 8 -n 15 --dist loadgroup "$@" > $R/pytest_$n.log 2>&1
   echo "$n rc $? at $(el)"; snap
-  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest.log | tail -12
+  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest_$n.log | tail -12
 }
 case $PART in
 1)
@@ -67,4 +68,9 @@ case $PART in
   mtp; wide; mil
   gpu_tests select_tests 300 tests/test_select_gpu.py tests/test_wide_gpu.py \
     tests/test_stage_gpu.py tests/test_topk_chunks.py ;;
+6)
+  # The GPU-marked tests alone, in two batches (the whole suite outruns one call):
+  # everything but the update path, then the update path.
+  gpu_tests gpu_rest 250 -m "gpu or cuda_build" --ignore tests/test_update_gpu.py tests
+  gpu_tests gpu_update 250 -m "gpu or cuda_build" tests/test_update_gpu.py ;;
 esac
