@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 42's closing run on the H200, in calls of under 10 minutes (PART=1/2/3; 0: short; 4:
 # timelines), results under $OUT as each step ends (a call can die with nothing back):
-#   1: build, the whole GPU suite with GPU skips as failures, the sanitizer over the select
-#      kernels' cases (SAN=0 skips it), the MTP stage row with the reference (MTP=1).
-#   2: the stage rows with the reference at 202,752 (M 1/16/64) and 1M (M=1), MTP unless
-#      call 1 took it, then the select ops' rows at P 50,688 / 262,144.
+#   1: build, the GPU-marked tests (-m "gpu or cuda_build") with GPU skips as failures,
+#      -v so a cut run still names each result; SAN=1 then runs the sanitizer over the
+#      select kernels' cases (about 2 minutes) in the time DEADLINE leaves.
+#   2: the stage rows with the reference at 202,752 (M 1/16/64), 1M (M=1) and MTP (MTP=0
+#      skips it), then the select ops' rows at P 50,688 / 262,144.
 #   3: the 1K-131K stage table with the reference.
 #   0: short (about 5 minutes with the build): the MTP row, then M=1 at 202,752, with the
 #      reference.
 #   4: where a step's time goes (bench.step_times --timeline, kernels only) at the MTP rows
 #      and at 202,752 (M 1/16/64), for docs/performance.md §5.
-#   6: the GPU-marked tests alone (GPU skips as failures), in two batches.
 #   5: one call for a short lease: the MTP row, 202,752 (M 1/16/64) and 1M with the
 #      reference, then the select path's GPU tests (GPU skips as failures) in the time left.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
@@ -33,16 +33,17 @@ mil() { stage mil 110 --stage-contexts 1048576 --stage-rows 1; }
 # gpu_tests NAME S FILES...: the GPU tests with GPU skips as failures, within lim S.
 gpu_tests() {
   local n=$1 s=$2; shift 2
-  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim $s) python3 -m pytest -q -p no:cacheprovider \
-    -p no:benchmark --timeout 340 --durations 8 -n 15 --dist loadgroup "$@" > $R/pytest_$n.log 2>&1
+  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim $s) python3 -m pytest -v -p no:cacheprovider \
+    -p no:benchmark --timeout 540 --durations 8 -n 15 --dist loadgroup "$@" > $R/pytest_$n.log 2>&1
   echo "$n rc $? at $(el)"; snap
   grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest_$n.log | tail -12
 }
 case $PART in
 1)
-  gpu_tests suite 360 tests
-  [ "${SAN:-1}" = 1 ] && { sanitize sel 200 pool_topk mqa_logits select_pools; snap; }
-  [ "${MTP:-0}" = 1 ] && mtp ;;
+  # The GPU-marked tests alone (with the CPU tests beside them the suite outran one call):
+  # the million-pool batches, collected first, take ~450 s while other workers take the rest.
+  gpu_tests gpu_all 500 -m "gpu or cuda_build" tests
+  [ "${SAN:-0}" = 1 ] && { sanitize sel 200 pool_topk mqa_logits select_pools; snap; } ;;
 2)
   wide; mil
   [ "${MTP:-1}" = 1 ] && mtp
@@ -68,9 +69,4 @@ case $PART in
   mtp; wide; mil
   gpu_tests select_tests 300 tests/test_select_gpu.py tests/test_wide_gpu.py \
     tests/test_stage_gpu.py tests/test_topk_chunks.py ;;
-6)
-  # The GPU-marked tests alone, in two batches (the whole suite outruns one call):
-  # everything but the update path, then the update path.
-  gpu_tests gpu_rest 250 -m "gpu or cuda_build" --ignore tests/test_update_gpu.py tests
-  gpu_tests gpu_update 250 -m "gpu or cuda_build" tests/test_update_gpu.py ;;
 esac
