@@ -4,7 +4,8 @@
 # within lim S, its rows printed (skipped under 30 s). sanitize NAME S OPS...: each of
 # TOOLS (default memcheck racecheck) over scripts/sanitize_kernels.py's cases of OPS into
 # $R/TOOL_NAME.log within lim S, its summary, case count and verdict printed; it fails
-# where any tool did.
+# where any tool did. gpu_pytest LOG S [pytest args]: the tests with GPU skips as failures
+# into LOG within lim S, its status returned, its totals printed.
 el() { echo "$(( $(date +%s) - start )) s"; }
 lim() {
   local l=$1 left
@@ -33,4 +34,18 @@ sanitize() {
       "$(grep -c 'the CPU reference' $log) cases; $(tail -1 $log)) at $(el)"
   done
   return $failed
+}
+# -v: a run cut by its limit still names each result (-q names them only in its summary).
+# --timeout names a hung test, above what the million-pool batches take while the workers
+# share the GPU and CPUs. --dist loadgroup hands out one test at a time (each ungrouped test
+# its own group), in the order tests/conftest.py gives: the default scheduler sent each
+# worker a run of consecutive tests, which put all the long ones on one worker.
+gpu_pytest() {
+  local log=$1 s=$2 rc; shift 2
+  GLM5_JAX_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $(lim $s) python3 -m \
+    pytest -v -p no:cacheprovider -p no:benchmark --timeout ${GLM5_JAX_TEST_TIMEOUT:-540} \
+    --durations 15 -n ${GLM5_JAX_TEST_WORKERS:-15} --dist loadgroup "$@" > $log 2>&1
+  rc=$?
+  grep -E "^FAILED|^ERROR| passed| failed|skipped" $log | tail -12
+  return $rc
 }

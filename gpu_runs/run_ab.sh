@@ -24,7 +24,10 @@ for v in "$@"; do
   source gpu_runs/build.sh > $R/build_$v.log 2>&1 || { echo "$v build failed"; tail -20 $R/build_$v.log; continue; }
   echo "== $v built at $(el)"
   if [[ " ${TESTS:-} " == *" $v "* ]]; then
-    GLM5_JAX_REQUIRE_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 190 -n 15 --dist loadgroup tests/test_select_gpu.py tests/test_stage_gpu.py tests/test_wide_gpu.py tests/test_topk_chunks.py tests/test_values.py::test_select_slots_kernel_closes_holes > $R/tests_$v.log 2>&1; echo "tests rc $? at $(el)"; grep -E "^FAILED|^ERROR| passed| failed" $R/tests_$v.log | tail -8
+    gpu_pytest $R/tests_$v.log 200 tests/test_select_gpu.py tests/test_stage_gpu.py \
+      tests/test_wide_gpu.py tests/test_topk_chunks.py \
+      tests/test_values.py::test_select_slots_kernel_closes_holes
+    echo "tests rc $? at $(el)"
     sanitize $v 170 ${OPS:-mqa_logits select_pools pool_topk}
   fi
   [ "${BENCH:-1}" = 0 ] && continue

@@ -30,19 +30,17 @@ stage() { bench_row "$1" "$2" --groups stage "${@:3}"; snap; }
 mtp() { stage mtp 100 --stage-contexts 32768 --stage-rows 64 --stage-next-n 4; }
 wide() { stage wide 190 --stage-contexts 202752 --stage-rows 1,16,64; }
 mil() { stage mil 110 --stage-contexts 1048576 --stage-rows 1; }
-# gpu_tests NAME S FILES...: the GPU tests with GPU skips as failures, within lim S.
+# gpu_tests NAME S [pytest args]: gpu_pytest into $R/pytest_NAME.log, then a snapshot.
 gpu_tests() {
-  local n=$1 s=$2; shift 2
-  GLM5_JAX_REQUIRE_GPU=1 timeout $(lim $s) python3 -m pytest -v -p no:cacheprovider \
-    -p no:benchmark --timeout 540 --durations 8 -n 15 --dist loadgroup "$@" > $R/pytest_$n.log 2>&1
-  echo "$n rc $? at $(el)"; snap
-  grep -E "^FAILED|^ERROR| passed| failed|skipped" $R/pytest_$n.log | tail -12
+  local n=$1 s=$2 rc; shift 2
+  gpu_pytest $R/pytest_$n.log $s "$@"; rc=$?
+  echo "$n rc $rc at $(el)"; snap
 }
 case $PART in
 1)
   # The GPU-marked tests alone (with the CPU tests beside them the suite outran one call):
-  # the million-pool batches, collected first, take ~450 s while other workers take the rest.
-  # The two-GPU test belongs to the two-GPU run (one GPU here: it would skip).
+  # the million-pool batches take ~500 s while the other workers take the rest. The
+  # two-GPU test belongs to the two-GPU run (one GPU here: it would skip).
   gpu_tests gpu_all 500 -m "(gpu or cuda_build) and not two_gpus" tests
   # An if, not &&: the call's last command, its status the script's (SAN unset is no error).
   if [ "${SAN:-0}" = 1 ]; then sanitize sel 200 pool_topk mqa_logits select_pools; snap; fi ;;

@@ -24,6 +24,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 status=0
+# gpu_pytest and sanitize; R: where sanitize writes its logs.
+start=$(date +%s) R="$out"
+source gpu_runs/lib.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ "$build" = 1 ]; then
   GLM5_JAX_ENABLE_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
@@ -31,25 +34,12 @@ if [ "$build" = 1 ]; then
 fi
 python3 -m glm5_jax.info || exit 1
 if [ "$tests" = 1 ]; then
-  # -v: a run stopped by a time limit still names the tests that failed before it
-  # (-q prints their names only in the final summary); --timeout names a hung test, above
-  # what the million-pool batches take while 15 workers share the GPU and CPUs (~450 s).
-  # --dist loadgroup hands out one test at a time (each ungrouped test is its own group),
-  # so the `long` tests that conftest collects first start on different workers; the
-  # default load scheduler sends each worker a run of consecutive tests, which put all
-  # eight million-pool batches on one worker (the suite's tail).
-  GLM5_JAX_REQUIRE_GPU=1 timeout "${GLM5_JAX_TEST_SECONDS:-560}" python3 -m pytest -v \
-    -p no:cacheprovider -p no:benchmark --timeout 600 --durations 15 --dist loadgroup \
-    -n "${GLM5_JAX_TEST_WORKERS:-15}" $targets > "$out/pytest.log" 2>&1
-  [ $? = 0 ] || status=1
-  grep -E "^FAILED|^ERROR| passed| failed" "$out/pytest.log" | tail -25
+  gpu_pytest "$out/pytest.log" "${GLM5_JAX_TEST_SECONDS:-560}" $targets || status=1
 fi
 if [ "$sanitize" = 1 ]; then
   # scripts/sanitize_kernels.py, not the test suite: compute-sanitizer crashes
   # (segfault) inside pytest runs that execute XLA's reference programs. Every kernel's
   # cases, no time limit, into $out/{memcheck,racecheck}_all.log (gpu_runs/lib.sh).
-  start=$(date +%s) R="$out"
-  source gpu_runs/lib.sh
   sanitize all 1000000 || status=1
 fi
 if [ "$ncu" = 1 ]; then

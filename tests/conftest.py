@@ -56,12 +56,19 @@ def pytest_runtest_setup(item):
     missing("glm5_jax._glm5_cuda is not built (GLM5_JAX_ENABLE_CUDA=ON)")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselect: the order of what runs
 def pytest_collection_modifyitems(session, config, items):
-  """Tests marked `long` first (stable otherwise): pytest-xdist hands tests out in
-  collection order, and long ones collected last ran one after another on one worker,
-  the suite's tail. Under `--dist loadgroup` (scripts/gpu_check.sh), one test at a time,
-  so each long one starts on its own worker."""
-  items.sort(key=lambda item: "long" not in item.keywords)
+  """Tests marked `long` first, one on each worker, then as many short ones, then the other
+  long ones (stable otherwise). Under `--dist loadgroup` (gpu_runs/lib.sh's gpu_pytest)
+  pytest-xdist hands out tests in this order one at a time, but keeps a second one queued
+  on each worker behind the one it runs: the first `workers` tests start at once and the
+  next `workers` wait behind them. A long test queued there waited out a million-pool
+  batch and ran past the call's limit, so short ones take those places, and the long ones
+  left go to whichever workers free up first."""
+  workers = getattr(config, "workerinput", {}).get("workercount", 1)
+  long = [item for item in items if "long" in item.keywords]
+  short = [item for item in items if "long" not in item.keywords]
+  items[:] = long[:workers] + short[:workers] + long[workers:] + short[workers:]
 
 
 def pytest_sessionfinish(session, exitstatus):
