@@ -1,5 +1,6 @@
 """Project tooling: one version source, the GPU capability guard of the kernels, the
-profiling script that maps ncu's stall samples to source lines."""
+profiling script that maps ncu's stall samples to source lines, the order conftest gives
+pytest-xdist."""
 import importlib.util
 import os
 import re
@@ -141,3 +142,27 @@ def test_ncu_source_sums_samples_between_offsets(tmp_path):
   (lo0, hi0, n0, lines0), (lo1, hi1, n1, lines1) = ncu_source.regions(listing, [0x10])
   assert (lo0, hi0, n0, dict(lines0)) == (0, 0x10, 1, {("a.cuh", 7): 1})
   assert (lo1, n1, dict(lines1)) == (0x10, 8, {("a.cuh", 7): 5, ("b.cuh", 9): 3})
+
+
+@pytest.mark.parametrize("workers", [1, 3, 15])
+def test_long_tests_past_the_first_wave_wait_behind_short_ones(workers):
+  """conftest's order for pytest-xdist: the first `workers` long tests, as many short ones
+  (queued behind them, one a worker), then the other long ones, the rest in collection
+  order; nothing dropped or repeated."""
+  import conftest
+
+  def item(name, long):
+    return types.SimpleNamespace(name=name, keywords={"long": True} if long else {})
+
+  items = [item(f"s{i}", False) for i in range(20)] + [item(f"l{i}", True) for i in range(8)]
+  config = types.SimpleNamespace(workerinput={"workercount": workers})
+  if workers == 1:
+    config = types.SimpleNamespace()          # no xdist: one worker
+  conftest.pytest_collection_modifyitems(None, config, items)
+  order = [i.name for i in items]
+  w = min(workers, 8)
+  longs, shorts = [f"l{i}" for i in range(8)], [f"s{i}" for i in range(20)]
+  assert order == longs[:w] + shorts[:workers] + longs[w:] + shorts[workers:]
+  assert sorted(order) == sorted(longs + shorts)
+  if workers == 3:
+    assert order[:11] == ["l0", "l1", "l2", "s0", "s1", "s2", "l3", "l4", "l5", "l6", "l7"]
