@@ -42,8 +42,9 @@ case $PART in
   # The GPU-marked tests alone (with the CPU tests beside them the suite outran one call):
   # the million-pool batches take ~500 s while the other workers take the rest (the build's
   # ~40 s before them: DEADLINE 580 leaves them ~540). The two-GPU test belongs to the
-  # two-GPU run (one GPU here: it would skip).
-  gpu_tests gpu_all 540 -m "(gpu or cuda_build) and not two_gpus" tests
+  # two-GPU run (one GPU here: it would skip). -rP: the passed tests' prints (the D2 rates,
+  # the million-pool batches' phase times).
+  gpu_tests gpu_all 540 -rP -m "(gpu or cuda_build) and not two_gpus" tests
   # An if, not &&: the call's last command, its status the script's (SAN unset is no error).
   if [ "${SAN:-0}" = 1 ]; then sanitize sel 200 pool_topk mqa_logits select_pools; snap; fi ;;
 2)

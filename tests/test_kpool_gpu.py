@@ -11,6 +11,7 @@
     continues from the first.
 """
 import functools
+import time
 
 import numpy as np
 import jax
@@ -338,6 +339,7 @@ def test_million_pools_bit_identical_to_triton(i):
   gates * 6), positions wrapping the ring: the kernel's cache bytes and tail rows equal
   the Triton oracle's; against the reference at most bounds.POOL_RATE of a batch's pools
   differ (with a Poisson margin: bounds.pool_rate_limit)."""
+  t0 = time.perf_counter()
   T = triton_oracle.require()
   import torch
   dev = T.device()
@@ -370,14 +372,17 @@ def test_million_pools_bit_identical_to_triton(i):
   want_kv, want_tail, n = T.decode_expected(kv0, tail0, tslot, key, gate, ape, loc, pos,
                                             scale_format=fmt, round_scale=rs)
   assert n == POOLS_PER_CALL
+  t1 = time.perf_counter()
   fused = T.decode_update(kv0.clone(), tail0.clone(), tslot, key, gate, ape, loc, pos,
                           scale_format=fmt, round_scale=rs)
   assert torch.equal(fused[0], want_kv) and torch.equal(fused[1], want_tail), \
       f"batch {i}: the one-kernel Triton decode update differs from decode_expected"
+  t2 = time.perf_counter()
   np_args = [triton_oracle.to_numpy(x) for x in (kv0, tail0, tslot, key, gate, ape, loc, pos)]
   got_kv, got_tail = jax.jit(functools.partial(glm5_jax.kpool_update, scale_format=fmt,
                                                round_scale=rs))(*map(jnp.asarray, np_args))
   got_kv, got_tail = np.asarray(got_kv), np.asarray(got_tail)
+  t3 = time.perf_counter()
   label = f"batch {i} (ring {ring}, next_n {N}, {fmt}, round_scale {rs}, wide {wide})"
   np.testing.assert_array_equal(O.bits(got_tail), O.bits(triton_oracle.to_numpy(want_tail)),
                                 err_msg=f"{label}: tail")
@@ -386,12 +391,16 @@ def test_million_pools_bit_identical_to_triton(i):
   # D2: against the reference only the exp/div allowance (report the rate).
   rkv, rtail = jax.jit(functools.partial(ref.kpool_update, scale_format=fmt,
                                          round_scale=rs))(*map(jnp.asarray, np_args))
+  rtail = np.asarray(rtail)
+  t4 = time.perf_counter()
   np.testing.assert_array_equal(O.bits(got_tail), O.bits(rtail), err_msg=f"{label}: ref tail")
   written = np_args[6][np_args[6] >= 0]
   bad, w = check_cache_d2(got_kv, rkv, np_args[0], written, label, STATS, plain_scales=not rs)
   assert w == n
+  # Where a batch's time goes (its phases differ by next_n under a shared GPU): -rP shows it.
   print(f"\n[{label}] {n} pools bit-identical to Triton; vs reference {bad} pools differ "
-        f"({bad / n:.4%})")
+        f"({bad / n:.4%}); s: data + expected {t1 - t0:.1f}, Triton's update {t2 - t1:.1f}, "
+        f"kernel {t3 - t2:.1f}, reference {t4 - t3:.1f}, checks {time.perf_counter() - t4:.1f}")
   assert len(TRITON_BATCHES) * POOLS_PER_CALL >= 1_000_000
 
 
