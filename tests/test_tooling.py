@@ -160,9 +160,8 @@ def test_long_tests_past_the_first_wave_wait_behind_short_ones(workers):
     config = types.SimpleNamespace()          # no xdist: one worker
   conftest.pytest_collection_modifyitems(None, config, items)
   order = [i.name for i in items]
-  w = min(workers, 8)
   longs, shorts = [f"l{i}" for i in range(8)], [f"s{i}" for i in range(20)]
-  assert order == longs[:w] + shorts[:workers] + longs[w:] + shorts[workers:]
+  assert order == longs[:workers] + shorts[:workers] + longs[workers:] + shorts[workers:]
   assert sorted(order) == sorted(longs + shorts)
   if workers == 3:
     assert order[:11] == ["l0", "l1", "l2", "s0", "s1", "s2", "l3", "l4", "l5", "l6", "l7"]
