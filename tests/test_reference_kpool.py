@@ -10,6 +10,7 @@ model); such entries are bounded by that mechanism and counted. Tail rings, and
 every entry not written, must be bit-identical.
 """
 import functools
+import re
 
 import numpy as np
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from glm5_jax import reference as R
+from glm5_jax.reference import kpool as RK
 from glm5_testing import oracle as O
 from glm5_testing.cases import i32
 
@@ -257,6 +259,28 @@ def test_update_empty(B, N):
       jnp.asarray(ape), i32(tslot), i32(tslot))
   np.testing.assert_array_equal(np.asarray(rkv), kv)
   np.testing.assert_array_equal(np.asarray(rtail).view(np.uint16), tail.view(np.uint16))
+
+
+def test_update_graph_does_not_grow_with_next_n():
+  """At most RK.UNROLL_TOKENS tokens a loop trip: a call's compiled graph, and so the GPU
+  compiler's time (which grows with the traced tokens times the batch: fully unrolled, the
+  GPU suite's next_n 16 batches spent minutes compiling the reference), stays that of
+  next_n 4 however long the call; next_n <= RK.UNROLL_TOKENS (MTP) runs every token
+  straight, no loop (three scatters a token: the entry's data and scales, the tail row)."""
+  def compiled(N):
+    rng = np.random.default_rng(17)
+    kv, tail, ape = _state(rng, pages=2, page=32, blocks=3, ring=8)
+    z = i32(np.zeros((3, N)))
+    key = jnp.asarray(O.random_bf16(rng, (3, N, 128)))
+    hlo = _update_fn("fp32", True).lower(jnp.asarray(kv), jnp.asarray(tail), z, key, key,
+                                         jnp.asarray(ape), z, z).compile().as_text()
+    return len(re.findall(r" scatter\(", hlo)), len(re.findall(r" while\(", hlo))
+
+  assert RK.UNROLL_TOKENS == 4               # next_n of MTP with 3 draft tokens
+  for N in (1, 2, RK.UNROLL_TOKENS):
+    assert compiled(N) == (3 * N, 0), N
+  for N in (16, 64):
+    assert compiled(N) == (3 * RK.UNROLL_TOKENS, 1), N
 
 
 def test_update_wide_inputs():

@@ -12,6 +12,10 @@ from jax import lax
 
 from .numerics import DIM, LOG2E, POOL, exp2, fma_bf16, rotate_quant, round_bf16, scale_bytes
 
+# Tokens of a call traced per loop trip: MTP's next_n <= 4 runs as one straight graph; longer
+# calls loop, since the GPU compiler's time grows with the unrolled tokens times the batch.
+UNROLL_TOKENS = 4
+
 
 def compress_pools(keys, gates, ape, *, scale_format="fp32", round_scale=True):
   """Softmax-pool four tokens and quantise (SPEC §3, the completion branch).
@@ -82,7 +86,9 @@ def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, positions, *,
   """
   blocks, _, ring, _ = tail.shape
   apef = ape.astype(jnp.float32)
-  for t in range(key.shape[1]):
+
+  def token(t, carry):
+    kv_cache, tail = carry
     p, slot, ts = positions[:, t], loc[:, t], tslot[:, t]
     sp = jnp.maximum(p, 0)
     blk = jnp.maximum(ts, 0) // ring
@@ -101,8 +107,12 @@ def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, positions, *,
     complete = live & (slot >= 0) & (sp % POOL == POOL - 1)
     kv_cache = write_entries(kv_cache, slot, data, scales, complete)
     stash = live & (ts >= 0)
-    tail = _stash(tail, jnp.where(stash, blk, blocks), sp % ring, key[:, t], gate[:, t])
-  return kv_cache, tail
+    return kv_cache, _stash(tail, jnp.where(stash, blk, blocks), sp % ring, key[:, t], gate[:, t])
+
+  n = key.shape[1]
+  if n == 0:                       # traced even at no trips, where key[:, t] has no column
+    return kv_cache, tail
+  return lax.fori_loop(0, n, token, (kv_cache, tail), unroll=min(n, UNROLL_TOKENS))
 
 
 def kpool_compress(kv_cache, slot_key, slot_gate, ape, loc, write_mask, *,
