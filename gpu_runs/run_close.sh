@@ -40,10 +40,9 @@ gpu_tests() {
 case $PART in
 1)
   # The GPU-marked tests alone (with the CPU tests beside them the suite outran one call):
-  # the million-pool batches at next_n 8 / 16 were its tail (~140 / ~390 s compiling the
-  # reference under 15 workers, before it looped over tokens); the build's ~40 s come first
-  # (DEADLINE 580 leaves the tests ~540). The two-GPU test belongs to the
-  # two-GPU run (one GPU here: it would skip). -rP: the passed tests' prints (the D2 rates,
+  # the million-pool batches are its longest tests; the build's ~40 s come first (DEADLINE
+  # 580 leaves the tests ~540). The two-GPU test belongs to the two-GPU run (one GPU here:
+  # it would skip). -rP: the passed tests' prints (the D2 rates,
   # the million-pool batches' phase times).
   gpu_tests gpu_all 540 -rP -m "(gpu or cuda_build) and not two_gpus" tests
   # An if, not &&: the call's last command, its status the script's (SAN unset is no error).

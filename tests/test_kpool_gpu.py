@@ -397,8 +397,7 @@ def test_million_pools_bit_identical_to_triton(i):
   written = np_args[6][np_args[6] >= 0]
   bad, w = check_cache_d2(got_kv, rkv, np_args[0], written, label, STATS, plain_scales=not rs)
   assert w == n
-  # Where a batch's time goes (-rP shows it): the reference's compile once took minutes at
-  # next_n 8 and 16, before it looped over tokens (reference.kpool.UNROLL_TOKENS).
+  # Where a batch's time goes (-rP shows it).
   print(f"\n[{label}] {n} pools bit-identical to Triton; vs reference {bad} pools differ "
         f"({bad / n:.4%}); s: data + expected {t1 - t0:.1f}, Triton's update {t2 - t1:.1f}, "
         f"kernel {t3 - t2:.1f}, reference {t4 - t3:.1f}, checks {time.perf_counter() - t4:.1f}")
