@@ -283,6 +283,24 @@ def test_update_graph_does_not_grow_with_next_n():
     assert compiled(N) == (3 * RK.UNROLL_TOKENS, 1), N
 
 
+@pytest.mark.parametrize("N", [2, 6])
+def test_update_runs_eagerly_on_numpy_inputs(N):
+  """Called outside jit with numpy arrays (as a test or a script would), straight (N 2) and
+  looped with a remainder trip (N 6): the same bits as the jitted call on jax arrays."""
+  rng = np.random.default_rng(23)
+  kv, tail, ape = _state(rng, pages=2, page=32, blocks=6, ring=8)
+  tslot, key, gate, loc, pos = _decode_batch(rng, 4, N, ring=8, blocks=6, pages=2, page=32)
+  tslot, loc, pos = (np.asarray(a, np.int32) for a in (tslot, loc, pos))
+  args = (kv, tail, tslot, key, gate, ape, loc, pos)
+  eager = R.kpool_update(*args)
+  jitted = _update_fn("fp32", True)(*map(jnp.asarray, args))
+  assert (loc >= 0).sum() > 0
+  np.testing.assert_array_equal(np.asarray(eager[0]), np.asarray(jitted[0]))
+  np.testing.assert_array_equal(np.asarray(eager[1]).view(np.uint16),
+                                np.asarray(jitted[1]).view(np.uint16))
+  assert not np.array_equal(np.asarray(eager[0]), kv)   # pools were written
+
+
 def test_update_wide_inputs():
   """k * 8, gates * 6 (SPEC §11.2 'wide inputs'); same shapes as the next_n 8 case."""
   rng = np.random.default_rng(16)

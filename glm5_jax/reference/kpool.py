@@ -85,7 +85,9 @@ def kpool_update(kv_cache, tail, tslot, key, gate, ape, loc, positions, *,
   stashes into block 0.
   """
   blocks, _, ring, _ = tail.shape
-  apef = ape.astype(jnp.float32)
+  apef = jnp.asarray(ape, jnp.float32)
+  # Arrays, not numpy: the loop indexes them with a traced token (the op also runs eagerly).
+  tslot, key, gate, loc, positions = map(jnp.asarray, (tslot, key, gate, loc, positions))
 
   def token(t, carry):
     kv_cache, tail = carry
