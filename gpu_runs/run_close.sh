@@ -40,8 +40,9 @@ gpu_tests() {
 case $PART in
 1)
   # The GPU-marked tests alone (with the CPU tests beside them the suite outran one call):
-  # the million-pool batches are its longest tests; the build's ~40 s come first (DEADLINE
-  # 580 leaves the tests ~540). The two-GPU test belongs to the two-GPU run (one GPU here:
+  # the kpool edge chains and million-pool batches are its longest tests (each up to about
+  # two minutes beside the others; the whole about 5.5 minutes on an H100, the sanitizer
+  # about 2 more); the build's ~50 s come first (DEADLINE 580 leaves the tests ~530). The two-GPU test belongs to the two-GPU run (one GPU here:
   # it would skip). -rP: the passed tests' prints (the D2 rates,
   # the million-pool batches' phase times).
   gpu_tests gpu_all 540 -rP -m "(gpu or cuda_build) and not two_gpus" tests
