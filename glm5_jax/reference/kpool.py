@@ -43,7 +43,7 @@ def write_entries(kv_cache, loc, data, scales, write):
   kv_cache u8[pages, PAGE, 132]; loc i32[n]; data u8[n, 128]; scales u8[n, 4].
   """
   pages, page = kv_cache.shape[:2]
-  flat = kv_cache.reshape(pages, page * (DIM + 4))
+  flat = jnp.asarray(kv_cache).reshape(pages, page * (DIM + 4))
   ok = write & (loc >= 0) & (loc < pages * page)
   pg = jnp.where(ok, loc // page, pages)          # `pages` is dropped
   entry = jnp.where(ok, loc % page, 0)

@@ -118,6 +118,8 @@ def select_pools(q_fp8, w_out, kv_cache, page_table, req_ids, positions, *, k, m
   altogether when every row fits). A req_id outside [0, R) has no pages: its pools
   score -inf (still eligible, so they are selected by ascending id).
   """
+  # Arrays, not numpy: the branches close over them (the op also runs eagerly).
+  q_fp8, w_out, kv_cache = map(jnp.asarray, (q_fp8, w_out, kv_cache))
   table, n = row_pages(page_table, req_ids, positions, max_pools)
 
   def fill(_):
