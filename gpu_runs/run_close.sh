@@ -42,9 +42,9 @@ case $PART in
   # The GPU-marked tests alone (with the CPU tests beside them the suite outran one call):
   # the kpool edge chains and million-pool batches are its longest tests (each up to about
   # two minutes beside the others; the whole about 5.5 minutes on an H100, the sanitizer
-  # about 2 more); the build's ~50 s come first (DEADLINE 580 leaves the tests ~530). The two-GPU test belongs to the two-GPU run (one GPU here:
-  # it would skip). -rP: the passed tests' prints (the D2 rates,
-  # the million-pool batches' phase times).
+  # about 2 more); the build's ~50 s come first (DEADLINE 580 leaves the tests ~530). The
+  # two-GPU test belongs to the two-GPU run (one GPU here: it would skip). -rP: the passed
+  # tests' prints (the D2 rates, the million-pool batches' phase times).
   gpu_tests gpu_all 540 -rP -m "(gpu or cuda_build) and not two_gpus" tests
   # An if, not &&: the call's last command, its status the script's (SAN unset is no error).
   if [ "${SAN:-0}" = 1 ]; then sanitize sel 200 pool_topk mqa_logits select_pools; snap; fi ;;
