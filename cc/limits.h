@@ -35,6 +35,8 @@ inline constexpr int kLogitsMaxRows = 8192;  // LOGITS_MAX_ROWS
 inline constexpr int kLogitsItemPools = 64;  // LOGITS_ITEM_POOLS
 inline constexpr int kTopkCtaPools = 32768;  // TOPK_CTA_POOLS
 inline constexpr int kTopkMaxPools = 262144;  // TOPK_MAX_POOLS
+inline constexpr int kTopkClusterMaxRows = 16;  // TOPK_CLUSTER_MAX_ROWS
+inline constexpr int kTopkPairMaxRows = 64;  // TOPK_PAIR_MAX_ROWS
 inline constexpr int kLogitsGroupRows = 4;  // LOGITS_GROUP_ROWS
 
 }  // namespace glm5::limits

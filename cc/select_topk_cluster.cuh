@@ -226,11 +226,16 @@ cudaError_t launch_topk_parts(cudaStream_t stream, bool pdl, const TopkArgs& arg
 }
 
 // CTAs per row (a cluster) from the rows (a static shape): one SM per row leaves most of
-// the GPU idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to 16, 2 up
-// to 64 (at most 128 CTAs of 1024 threads: one wave on 132 SMs), then 1: the split is faster
-// at the widest rows (ncu) and no slower at narrower ones, except rows of up to 8,192 pools
-// (launch_topk).
-int topk_parts(int32_t rows) { return rows <= 8 ? 8 : rows <= 16 ? 4 : rows <= 64 ? 2 : 1; }
+// the GPU idle at few rows. 8 (the portable cluster size) up to 8 rows, 4 up to
+// TOPK_CLUSTER_MAX_ROWS, 2 up to TOPK_PAIR_MAX_ROWS (at most 128 CTAs of 1024 threads: one
+// wave on 132 SMs), then 1: the split is faster at the widest rows (ncu) and no slower at
+// narrower ones, except rows of up to 8,192 pools (launch_topk).
+int topk_parts(int32_t rows) {
+  return rows <= 8                              ? 8
+         : rows <= limits::kTopkClusterMaxRows ? 4
+         : rows <= limits::kTopkPairMaxRows    ? 2
+                                               : 1;
+}
 
 // The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
 // topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
@@ -252,13 +257,16 @@ cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args
 // 16 warps there is no bound, and the key loops of the fewer threads are longer than what
 // the fewer warps save at the barriers.
 // Past one CTA's registers a cluster of kTopkClusterParts holds the row, 8 to 32 keys per
-// thread, at any rows (the plan cuts more than plan.TOPK_CLUSTER_MAX_ROWS such rows into
-// chunks of one CTA's width: their clusters would take several waves of the SMs), except:
+// thread, at any rows (the plan, plan.topk_row_pools, cuts more than TOPK_CLUSTER_MAX_ROWS
+// such rows into chunks, except rows of two CTAs' width at up to TOPK_PAIR_MAX_ROWS: their
+// clusters would take several waves of the SMs), except:
 // - up to kTopkWideRows rows wider than 4 CTAs' registers (1M tokens), kTopkWideParts CTAs
 //   of 16 keys: past 16 keys a thread the CTAs' key loops cost more than the wider cluster's
 //   exchange (at 8 keys they cost less);
 // - at 9-16 rows (topk_parts: 4) of up to 2 CTAs' registers (GLM-5's window), 4 CTAs of 16
 //   keys, as narrower rows there: faster than 8 of 8 (docs/performance.md, section 5);
+// - at more rows of up to 2 CTAs' registers, a pair of CTAs of 32 keys: one wave of the SMs
+//   up to TOPK_PAIR_MAX_ROWS rows, where the plan's one call replaces its chunks;
 // - rows of up to 8,192 pools, one CTA of 8 keys a row at any rows: a 2-CTA cluster's
 //   exchange costs more than the halved key loop saves (a CTA of 16 warps and 16 keys loses
 //   to both).
@@ -270,8 +278,10 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
   if (args.width <= 2 * kTopkCtaPools) {
-    if (topk_parts(args.rows) == 4) return launch_topk_parts<4, 16>(stream, pdl, args);
-    return launch_topk_parts<kParts, 8>(stream, pdl, args);
+    const int parts = topk_parts(args.rows);
+    if (parts == 8) return launch_topk_parts<kParts, 8>(stream, pdl, args);
+    if (parts == 4) return launch_topk_parts<4, 16>(stream, pdl, args);
+    return launch_topk_parts<2, kTopkMaxKeys>(stream, pdl, args);
   }
   if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
   if (args.rows <= kTopkWideRows)

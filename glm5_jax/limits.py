@@ -73,6 +73,13 @@ LOGITS_MAX_ROWS = 8192
 LOGITS_ITEM_POOLS = 64
 TOPK_CTA_POOLS = 32768
 TOPK_MAX_POOLS = 262144
+# A row wider than TOPK_CTA_POOLS takes a cluster whose CTAs fit one wave of the SMs with
+# the other rows' (cc launch_topk's topk_parts; plan.topk_row_pools): 4-8 CTAs a row (16 at
+# one row of 1M tokens) up to TOPK_CLUSTER_MAX_ROWS rows, rows of up to TOPK_MAX_POOLS; a
+# pair of CTAs a row up to TOPK_PAIR_MAX_ROWS rows (128 CTAs at 64), rows of up to two CTAs'
+# TOPK_CTA_POOLS. Past them the plan cuts the rows into chunks of one CTA's width.
+TOPK_CLUSTER_MAX_ROWS = 16
+TOPK_PAIR_MAX_ROWS = 64
 # The select path's logits score the rows of one request (next_n consecutive rows, MTP) from
 # one read of its K tiles, in units of at most LOGITS_GROUP_ROWS rows.
 LOGITS_GROUP_ROWS = 4

@@ -16,7 +16,13 @@ from typing import NamedTuple
 import jax
 
 from ._primitive import Op, Routing
-from .limits import LOGITS_ITEM_POOLS, TOPK_CTA_POOLS, TOPK_MAX_POOLS
+from .limits import (
+  LOGITS_ITEM_POOLS,
+  TOPK_CLUSTER_MAX_ROWS,
+  TOPK_CTA_POOLS,
+  TOPK_MAX_POOLS,
+  TOPK_PAIR_MAX_ROWS,
+)
 
 
 class Rows(NamedTuple):
@@ -104,22 +110,27 @@ class TopkChunks(NamedTuple):
     return self.chunks * self.pools
 
 
-# Rows wider than one CTA holds (TOPK_CTA_POOLS) take the top-k kernel's cluster (4-16 CTAs) up to
-# this many rows: their clusters fit one wave of the GPU's SMs. More rows are cut into chunks
-# of one CTA's width, a CTA per chunk row, and a top-k of the chunks' candidates. Decided by the
-# stage bench at 202,752 tokens, M=1/16/64, the cluster against the chunks (docs/performance.md).
-TOPK_CLUSTER_MAX_ROWS = 16
+def topk_row_pools(rows: int) -> int:
+  """The widest row pool_topk's kernel takes in one call at `rows` rows: a cluster of up to
+  8 CTAs a row (TOPK_MAX_POOLS) up to TOPK_CLUSTER_MAX_ROWS rows, a pair (two CTAs' width)
+  up to TOPK_PAIR_MAX_ROWS: their clusters fit one wave of the GPU's SMs; one CTA's width at
+  more rows. Decided by the stage bench at 202,752 tokens, M=1/16/64, the cluster against
+  the chunks (docs/performance.md)."""
+  if rows <= TOPK_CLUSTER_MAX_ROWS:
+    return TOPK_MAX_POOLS
+  if rows <= TOPK_PAIR_MAX_ROWS:
+    return min(2 * TOPK_CTA_POOLS, TOPK_MAX_POOLS)
+  return TOPK_CTA_POOLS
 
 
 def topk_chunks(width: int, k: int, rows: int) -> TopkChunks:
   """The top-k's chunks at `rows` rows of `width` pools: one call holds a row of at most
-  TOPK_MAX_POOLS pools (an 8-CTA cluster) at up to TOPK_CLUSTER_MAX_ROWS rows, of at most
-  TOPK_CTA_POOLS (one CTA) at more; a wider row is cut into the fewest chunks that fit, of
+  topk_row_pools(rows) pools; a wider row is cut into the fewest chunks that fit, of
   equal width (a multiple of LOGITS_ITEM_POOLS: the logits kernel's item, 16-byte aligned
   rows). A pool of the row's top-k is in its chunk's top-k, and the chunks' candidates keep
   ascending ids, so the second top-k (ties by ascending position) is the row's, exactly.
   Chunks only shrink the row where k is below half the limit (every chunk is wider than k)."""
-  limit = TOPK_MAX_POOLS if rows <= TOPK_CLUSTER_MAX_ROWS else TOPK_CTA_POOLS
+  limit = topk_row_pools(rows)
   if width <= limit or 2 * k >= limit:
     return TopkChunks(1, width)
   chunks = -(-width // limit)
@@ -135,7 +146,8 @@ def select_kernel_default() -> dict:
       kernel_default=lambda q, *rest, k, max_pools, **params:
           topk_chunks(max_pools, k, q.shape[0]).chunks == 1,
       kernel_default_note=f"max_pools <= {TOPK_CTA_POOLS}, or <= {TOPK_MAX_POOLS} at up to "
-                          f"{TOPK_CLUSTER_MAX_ROWS} rows (topk_chunks: one chunk)")
+                          f"{TOPK_CLUSTER_MAX_ROWS} rows, or <= {2 * TOPK_CTA_POOLS} at up to "
+                          f"{TOPK_PAIR_MAX_ROWS} rows (topk_chunks: one chunk)")
 
 
 class TacticKind(enum.Enum):

@@ -104,9 +104,12 @@ def _variants():
                 None, True))
   out.append(("pool_topk cluster of 4", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=16, width=50688), None, True))
-  # 40 rows of 50,688 pools: chunks of one CTA's width (plan.py's rule past 16 rows).
+  # 40 rows of 50,688 pools: a pair of CTAs a row; 65 rows: chunks of one CTA's width
+  # (plan.topk_row_pools past 16 and 64 rows).
   out.append(("pool_topk 40 rows", functools.partial(glm5_jax.pool_topk, k=512),
               functools.partial(topk_parts_args, rows=40, width=50688), None, True))
+  out.append(("pool_topk 65 rows", functools.partial(glm5_jax.pool_topk, k=512),
+              functools.partial(topk_parts_args, rows=65, width=40000), None, True))
   out.append(("select_slots cluster", functools.partial(
       glm5_jax.select_slots, k=512, max_pools=50688, block_size=128, width=2053,
       stride_rows=160), lambda rng: slots_wide_args(rng, rows=2, pools=50688),

@@ -68,10 +68,13 @@ def test_update_modes(update_mode, fused, routing, kernels, want):
     (16, 8192, Routing(), False, SelectPath.SELECT_POOLS_EXPAND),
     (256, 131072, Routing(), True, SelectPath.SELECT_SLOTS),   # one CTA's row at any rows
     # GLM-5's window and 1M tokens: one select_slots call up to 16 rows (the top-k's
-    # clusters), chunks past them or past the top-k kernel's pools; named: one call.
+    # clusters), up to 64 at GLM-5's window (a pair of CTAs a row), chunks past them or
+    # past the top-k kernel's pools; named: one call.
     (16, 202752, Routing(), True, SelectPath.SELECT_SLOTS),
-    (17, 202752, Routing(), True, SelectPath.SELECT_POOLS_EXPAND),
-    (64, 202752, Routing(ops={"select_slots": True}), True, SelectPath.SELECT_SLOTS),
+    (64, 202752, Routing(), True, SelectPath.SELECT_SLOTS),
+    (65, 202752, Routing(), True, SelectPath.SELECT_POOLS_EXPAND),
+    (17, 4 * 65537, Routing(), True, SelectPath.SELECT_POOLS_EXPAND),
+    (128, 202752, Routing(ops={"select_slots": True}), True, SelectPath.SELECT_SLOTS),
     (1, 4 * 262144, Routing(), True, SelectPath.SELECT_SLOTS),
     (1, 4 * (262144 + 64), Routing(), True, SelectPath.SELECT_POOLS_EXPAND)])
 def test_select_path(rows, context, routing, kernels, want):
@@ -120,19 +123,21 @@ def test_ops_without_rows_default_everywhere():
 
 @pytest.mark.parametrize("op", WIDTH_DEFAULTS)
 @pytest.mark.parametrize("rows,pools,want", [
-    (1, 262144, True), (16, 50688, True), (17, 50688, False), (64, 50688, False),
-    (4096, 32768, True), (64, 32769, False), (1, 262145, False)])
+    (1, 262144, True), (16, 50688, True), (16, 65537, True), (17, 50688, True),
+    (64, 65536, True), (17, 65537, False), (65, 50688, False), (4096, 32768, True),
+    (65, 32769, False), (1, 262145, False)])
 def test_select_defaults_follow_the_chunks(op, rows, pools, want):
   """select_pools and select_slots run their one call by default wherever the top-k takes
   the row whole (plan.topk_chunks: one chunk): one CTA's width at any rows, the cluster's
-  up to TOPK_CLUSTER_MAX_ROWS rows."""
+  up to TOPK_CLUSTER_MAX_ROWS rows, a pair's (two CTAs' width) up to TOPK_PAIR_MAX_ROWS."""
   spec = Op.registry[op]
   assert bool(spec.kernel_default(_first(rows), k=512, max_pools=pools)) is want
   assert (plan.topk_chunks(pools, 512, rows).chunks == 1) is want
   # The note (README, BENCHMARKS.md, glm5_jax.info) names the three limits of that rule.
   note = spec.kernel_default_note
   assert "topk_chunks" in note and all(f" {n} " in f" {note} ".replace(",", " ") for n in (
-      TOPK_CTA_POOLS, TOPK_MAX_POOLS, plan.TOPK_CLUSTER_MAX_ROWS)), note
+      TOPK_CTA_POOLS, TOPK_MAX_POOLS, plan.TOPK_CLUSTER_MAX_ROWS, 2 * TOPK_CTA_POOLS,
+      plan.TOPK_PAIR_MAX_ROWS)), note
   assert spec.otherwise.startswith("mqa_logits, then pool_topk over chunks")
 
 
@@ -193,9 +198,11 @@ def test_info_plan_command(monkeypatch):
     # past the top-k kernel's pools (limits.TOPK_MAX_POOLS): its kernel over chunks
     (4 * 300000, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
      "glm5_expand_and_remap", "none besides fusions"),
-    # past the top-k's cluster rows (plan.TOPK_CLUSTER_MAX_ROWS): chunks of one CTA's width
-    ((202752, 17), "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
-     "glm5_expand_and_remap", "none besides fusions")])
+    # up to a pair's rows (plan.TOPK_PAIR_MAX_ROWS) one call; past them chunks of one CTA's
+    # width
+    ((202752, 64), "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
+    ((202752, 65), "glm5_update_epilogue_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
+     "glm5_expand_and_remap", "dot_general x1")])
 def test_info_plan_names_what_the_lowering_runs(context, calls, xla):
   """info --plan prints the CUDA lowering's FFI calls and any XLA sort or GEMM beside them:
   a fallback to XLA code is visible."""

@@ -27,19 +27,23 @@ I32 = np.int32
 @pytest.mark.parametrize("width,k,rows,want", [
     (TOPK_MAX_POOLS, 512, 1, (1, TOPK_MAX_POOLS)),      # one call holds it: 1M tokens
     (202752 // 4, 512, 16, (1, 50688)),                 # GLM-5's window, clusters in one wave
-    (202752 // 4, 512, 17, (2, 25344)),                 # more rows: chunks of one CTA's width
+    (202752 // 4, 512, 17, (1, 202752 // 4)),           # a pair of CTAs a row
+    (2 * TOPK_CTA_POOLS, 512, 64, (1, 2 * TOPK_CTA_POOLS)),
+    (2 * TOPK_CTA_POOLS + 1, 512, 17, (2, 32832)),      # past a pair's width: chunks
+    (202752 // 4, 512, 65, (2, 25344)),                 # more rows: chunks of one CTA's width
     (TOPK_CTA_POOLS, 512, 4096, (1, TOPK_CTA_POOLS)),   # one CTA a row at any rows
-    (TOPK_CTA_POOLS + 1, 512, 64, (2, 16448)),
+    (TOPK_CTA_POOLS + 1, 512, 65, (2, 16448)),
     (TOPK_MAX_POOLS + 1, 512, 1, (2, 131136)),          # the first width cut
     (4 * TOPK_MAX_POOLS, 512, 2, (4, TOPK_MAX_POOLS)),  # 4M tokens
     (300000, TOPK_MAX_POOLS // 2, 1, (1, 300000)),      # k too large: chunks would not shrink
     (300000, TOPK_MAX_POOLS // 2 - 1, 1, (2, 150016)),
-    (300000, TOPK_CTA_POOLS // 2, 64, (1, 300000)),
-    (300000, TOPK_CTA_POOLS // 2 - 1, 64, (10, 30016))])
+    (300000, TOPK_CTA_POOLS // 2, 65, (1, 300000)),
+    (300000, TOPK_CTA_POOLS // 2 - 1, 65, (10, 30016))])
 def test_chunks(width, k, rows, want):
   chunks = plan.topk_chunks(width, k, rows)
   assert tuple(chunks) == want
-  limit = TOPK_MAX_POOLS if rows <= plan.TOPK_CLUSTER_MAX_ROWS else TOPK_CTA_POOLS
+  limit = (TOPK_MAX_POOLS if rows <= 16 else 2 * TOPK_CTA_POOLS if rows <= 64 else
+           TOPK_CTA_POOLS)
   if chunks.chunks > 1:
     assert chunks.pools <= limit and chunks.pools % LOGITS_ITEM_POOLS == 0
     assert chunks.padded >= width and chunks.padded - width < chunks.chunks * LOGITS_ITEM_POOLS

@@ -44,18 +44,22 @@ def _targets(fn, *args):
 
 def _split(width, rows):
   """Where a row of `width` pools is cut: between chunks where plan.topk_chunks cuts it,
-  else between the cluster's CTAs (pool_topk_parts_kernel's span)."""
+  else between the cluster's first two CTAs (pool_topk_parts_kernel's span: 8 CTAs a row
+  at up to 8 rows, 2 past plan.TOPK_CLUSTER_MAX_ROWS; a split inside the first CTA's part
+  where 4 or 16 hold the row)."""
   chunks = plan.topk_chunks(width, 512, rows)
-  return chunks.pools if chunks.chunks > 1 else ((width + 7) // 8 + 3) // 4 * 4
+  parts = 2 if rows > plan.TOPK_CLUSTER_MAX_ROWS else 8
+  return chunks.pools if chunks.chunks > 1 else ((width + parts - 1) // parts + 3) // 4 * 4
 
 
-# The cluster's widths (8, 16 and 32 keys a thread) at up to 16 rows; the chunks at 64 and
-# 130 rows (past plan.TOPK_CLUSTER_MAX_ROWS) and past the limit; "equal", "ties" and
-# "special" rows keep more keys than one CTA gathers, so in a cluster they take its radix
-# select.
+# The cluster's widths (8, 16 and 32 keys a thread) at up to 16 rows; a pair of CTAs a row
+# at 17 and 64 rows (up to plan.TOPK_PAIR_MAX_ROWS); the chunks at 65 and 130 rows and past
+# the limit; "equal", "ties" and "special" rows keep more keys than one CTA gathers, so in a
+# cluster they take its radix select.
 @pytest.mark.parametrize("rows,width", [(1, 262144), (2, 50688), (3, 32769), (16, 65536),
-                                        (64, 50688), (1, 202752 // 4 + 7), (5, 131072),
-                                        (130, 40000), (1, 300000), (2, 2 * 262144 + 64)])
+                                        (17, 65536), (64, 50688), (65, 50688),
+                                        (1, 202752 // 4 + 7), (5, 131072), (130, 40000),
+                                        (1, 300000), (2, 2 * 262144 + 64)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "rising", "falling", "equal", "special"])
 def test_wide_topk_equals_reference(rows, width, kind):
   rng = np.random.default_rng(rows * 13 + width)
@@ -81,6 +85,7 @@ WIDE_SLOTS = [
     (2, 2, 512, 50688, 64, 80, 3, "ue8m0"),           # GLM-5's window, MTP rows
     (5, 1, 64, 40000, 128, None, 1, "fp32"),
     (3, 4, 512, 50688, 48, None, 2, "fp32"),
+    (16, 4, 512, 50688, 64, None, 1, "ue8m0"),        # 64 MTP rows: a pair of CTAs a row
     (1, 2, 512, 300032, 64, None, 0, "fp32"),         # past the limit: over chunks
 ]
 
