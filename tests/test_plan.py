@@ -133,7 +133,7 @@ def test_select_defaults_follow_the_chunks(op, rows, pools, want):
   spec = Op.registry[op]
   assert bool(spec.kernel_default(_first(rows), k=512, max_pools=pools)) is want
   assert (plan.topk_chunks(pools, 512, rows).chunks == 1) is want
-  # The note (README, BENCHMARKS.md, glm5_jax.info) names the three limits of that rule.
+  # The note (README, BENCHMARKS.md, glm5_jax.info) names the limits of that rule.
   note = spec.kernel_default_note
   assert "topk_chunks" in note and all(f" {n} " in f" {note} ".replace(",", " ") for n in (
       TOPK_CTA_POOLS, TOPK_MAX_POOLS, plan.TOPK_CLUSTER_MAX_ROWS, 2 * TOPK_CTA_POOLS,
