@@ -378,8 +378,9 @@ def test_slots_attributes(scale_format, stride_rows, want):
 
 
 @pytest.mark.parametrize("rows,width,calls", [
-    (16, 50688, 1), (17, 50688, 2),          # GLM-5's window: the cluster up to 16 rows
-    (4096, 32768, 1), (64, 32769, 2),        # one CTA's width at any rows, chunks past it
+    (16, 50688, 1), (17, 65537, 2),          # the cluster up to 16 rows, 8 CTAs' width
+    (64, 50688, 1), (65, 50688, 2),          # GLM-5's window: a pair up to 64 rows
+    (4096, 32768, 1), (65, 32769, 2),        # one CTA's width at any rows, chunks past it
     (1, 262144, 1), (1, 262145, 2),          # 1M tokens in one call, chunks past it
     (8192, 2048, 1), (8192, 262144, 2)])     # the most rows the select kernels take
 def test_pool_topk_lowering_follows_the_chunks(rows, width, calls, monkeypatch):
