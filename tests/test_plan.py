@@ -14,7 +14,12 @@ import glm5_jax
 from glm5_jax import IndexerConfig, Routing, indexer, plan, update
 from glm5_jax._primitive import Op
 from glm5_jax.info import plan_report, stage_args
-from glm5_jax.limits import TOPK_CTA_POOLS, TOPK_MAX_POOLS
+from glm5_jax.limits import (
+  TOPK_CLUSTER_MAX_ROWS,
+  TOPK_CTA_POOLS,
+  TOPK_MAX_POOLS,
+  TOPK_PAIR_MAX_ROWS,
+)
 from glm5_jax.plan import SelectPath, TacticKind, UpdatePath
 from glm5_jax.stage import stage_plan
 
@@ -136,8 +141,8 @@ def test_select_defaults_follow_the_chunks(op, rows, pools, want):
   # The note (README, BENCHMARKS.md, glm5_jax.info) names the limits of that rule.
   note = spec.kernel_default_note
   assert "topk_chunks" in note and all(f" {n} " in f" {note} ".replace(",", " ") for n in (
-      TOPK_CTA_POOLS, TOPK_MAX_POOLS, plan.TOPK_CLUSTER_MAX_ROWS, 2 * TOPK_CTA_POOLS,
-      plan.TOPK_PAIR_MAX_ROWS)), note
+      TOPK_CTA_POOLS, TOPK_MAX_POOLS, TOPK_CLUSTER_MAX_ROWS, 2 * TOPK_CTA_POOLS,
+      TOPK_PAIR_MAX_ROWS)), note
   assert spec.otherwise.startswith("mqa_logits, then pool_topk over chunks")
 
 
@@ -198,7 +203,7 @@ def test_info_plan_command(monkeypatch):
     # past the top-k kernel's pools (limits.TOPK_MAX_POOLS): its kernel over chunks
     (4 * 300000, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
      "glm5_expand_and_remap", "none besides fusions"),
-    # up to a pair's rows (plan.TOPK_PAIR_MAX_ROWS) one call; past them chunks of one CTA's
+    # up to a pair's rows (TOPK_PAIR_MAX_ROWS) one call; past them chunks of one CTA's
     # width
     ((202752, 64), "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
     ((202752, 65), "glm5_update_epilogue_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "

@@ -28,7 +28,7 @@ from test_select_gpu import (
 import glm5_jax
 from glm5_jax import plan
 from glm5_jax import reference as ref
-from glm5_jax.limits import TOPK_MAX_POOLS
+from glm5_jax.limits import TOPK_CLUSTER_MAX_ROWS, TOPK_MAX_POOLS
 from glm5_testing import oracle as O
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_kernels")]
@@ -45,15 +45,15 @@ def _targets(fn, *args):
 def _split(width, rows):
   """Where a row of `width` pools is cut: between chunks where plan.topk_chunks cuts it,
   else between the cluster's first two CTAs (pool_topk_parts_kernel's span: 8 CTAs a row
-  at up to 8 rows, 2 past plan.TOPK_CLUSTER_MAX_ROWS; a split inside the first CTA's part
+  at up to 8 rows, 2 past TOPK_CLUSTER_MAX_ROWS; a split inside the first CTA's part
   where 4 or 16 hold the row)."""
   chunks = plan.topk_chunks(width, 512, rows)
-  parts = 2 if rows > plan.TOPK_CLUSTER_MAX_ROWS else 8
+  parts = 2 if rows > TOPK_CLUSTER_MAX_ROWS else 8
   return chunks.pools if chunks.chunks > 1 else ((width + parts - 1) // parts + 3) // 4 * 4
 
 
 # The cluster's widths (8, 16 and 32 keys a thread) at up to 16 rows; a pair of CTAs a row
-# at 17 and 64 rows (up to plan.TOPK_PAIR_MAX_ROWS); the chunks at 65 and 130 rows and past
+# at 17 and 64 rows (up to TOPK_PAIR_MAX_ROWS); the chunks at 65 and 130 rows and past
 # the limit; "equal", "ties" and "special" rows keep more keys than one CTA gathers, so in a
 # cluster they take its radix select.
 @pytest.mark.parametrize("rows,width", [(1, 262144), (2, 50688), (3, 32769), (16, 65536),
