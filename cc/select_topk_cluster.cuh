@@ -237,17 +237,21 @@ int topk_parts(int32_t rows) {
                                                : 1;
 }
 
-// The 1024-thread shapes, kRowPer keys per thread when one CTA holds the row: split over
-// topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at least, one 16-byte load).
+// The 1024-thread shapes, kRowPer keys per thread were one CTA to hold the row (up to twice
+// kTopkMaxKeys): split over topk_parts CTAs, at most kRowPer / 4 (4 keys per thread at
+// least, one 16-byte load); one CTA past TOPK_PAIR_MAX_ROWS rows where it holds the row,
+// else still a pair.
 template <int kRowPer>
 cudaError_t launch_topk_wide(cudaStream_t stream, bool pdl, const TopkArgs& args) {
+  static_assert(kRowPer <= 2 * kTopkMaxKeys);
   const int parts = std::min(topk_parts(args.rows), kRowPer / 4);
   if constexpr (kRowPer / 4 >= 8)
     if (parts == 8) return launch_topk_parts<8, kRowPer / 8>(stream, pdl, args);
   if constexpr (kRowPer / 4 >= 4)
     if (parts == 4) return launch_topk_parts<4, kRowPer / 4>(stream, pdl, args);
-  if (parts == 2) return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
-  return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
+  if constexpr (kRowPer <= kTopkMaxKeys)
+    if (parts == 1) return launch_topk_as<kTopkMaxThreads, kRowPer>(stream, pdl, args);
+  return launch_topk_parts<2, kRowPer / 2>(stream, pdl, args);
 }
 
 // Threads and keys per thread from the logits width (a static shape): at least 16 warps
@@ -277,12 +281,7 @@ cudaError_t launch_topk(cudaStream_t stream, bool pdl, const TopkArgs& args) {
   if (args.width <= 8192) return launch_topk_as<kTopkMaxThreads, 8>(stream, pdl, args);
   if (args.width <= 16384) return launch_topk_wide<16>(stream, pdl, args);
   if (args.width <= kTopkCtaPools) return launch_topk_wide<kTopkMaxKeys>(stream, pdl, args);
-  if (args.width <= 2 * kTopkCtaPools) {
-    const int parts = topk_parts(args.rows);
-    if (parts == 8) return launch_topk_parts<kParts, 8>(stream, pdl, args);
-    if (parts == 4) return launch_topk_parts<4, 16>(stream, pdl, args);
-    return launch_topk_parts<2, kTopkMaxKeys>(stream, pdl, args);
-  }
+  if (args.width <= 2 * kTopkCtaPools) return launch_topk_wide<2 * kTopkMaxKeys>(stream, pdl, args);
   if (args.width <= 4 * kTopkCtaPools) return launch_topk_parts<kParts, 16>(stream, pdl, args);
   if (args.rows <= kTopkWideRows)
     return launch_topk_parts<kTopkWideParts, kTopkMaxPools / kTopkWideParts / kTopkMaxThreads>(
