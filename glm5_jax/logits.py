@@ -13,12 +13,9 @@ from .limits import (
   LOGITS_ITEM_POOLS,
   LOGITS_MAX_ROWS,
   LOGITS_PAGE_MULTIPLE,
-  TOPK_CLUSTER_MAX_ROWS,
-  TOPK_CTA_POOLS,
   TOPK_MAX_POOLS,
-  TOPK_PAIR_MAX_ROWS,
 )
-from .plan import TopkChunks, select_kernel_default, topk_chunks
+from .plan import TopkChunks, select_kernel_default, topk_chunks, topk_row_words
 from .reference.expand import remap_stride
 from .reference.numerics import DIM
 
@@ -118,9 +115,7 @@ def _topk_shapes(logits, pool_lens, *, k):
 _topk = Op("pool_topk", ref.pool_topk, _topk_shapes, rows=((0, 0), (0,)),
            kernel="glm5_pool_topk",
            kernel_supports=lambda logits, pool_lens, **params: logits.shape[1] <= TOPK_MAX_POOLS,
-           kernel_limits=f"P <= {TOPK_MAX_POOLS} a call up to {TOPK_CLUSTER_MAX_ROWS} rows, "
-                         f"{2 * TOPK_CTA_POOLS} up to {TOPK_PAIR_MAX_ROWS}, {TOPK_CTA_POOLS} "
-                         "past them (wider rows: over chunks)",
+           kernel_limits=f"{topk_row_words('P')} a call (wider rows: over chunks)",
            otherwise="the kernel over chunks of the row, then over the chunks' candidates, "
                      "where plan.topk_chunks cuts the row; else the reference",
            split=Split(("rows", "rows"), ("rows",)))
@@ -219,9 +214,7 @@ def _localize_select(index, q_fp8, w_out, kv_cache, page_table, req_ids, *rest):
 
 
 _SELECT_OPERANDS = ("rows", "rows", "pages", "requests", "rows", "rows")
-_SELECT_LIMITS = (f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS} (by default "
-                  f"{2 * TOPK_CTA_POOLS} past {TOPK_CLUSTER_MAX_ROWS} rows, {TOPK_CTA_POOLS} "
-                  f"past {TOPK_PAIR_MAX_ROWS}; wider: over chunks)")
+_SELECT_LIMITS = f"{_LOGITS_LIMITS}, max_pools <= {TOPK_MAX_POOLS}"
 _SELECT_OTHERWISE = ("mqa_logits, then pool_topk over chunks{} where plan.topk_chunks cuts the "
                      "row; else the reference")
 

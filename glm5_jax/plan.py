@@ -110,17 +110,27 @@ class TopkChunks(NamedTuple):
     return self.chunks * self.pools
 
 
+# The top-k's widest row a call by rows, widest first: (up to this many rows, or None for
+# any; pools). A cluster of up to 8 CTAs a row while the clusters fit one wave of the GPU's
+# SMs, then a pair of CTAs a row (two CTAs' width, one wave at 64 rows), then one CTA's.
+# Decided by the stage bench at 202,752 tokens, M=1/16/64, against the chunks
+# (docs/performance.md).
+TOPK_ROW_TIERS = ((TOPK_CLUSTER_MAX_ROWS, TOPK_MAX_POOLS),
+                  (TOPK_PAIR_MAX_ROWS, min(2 * TOPK_CTA_POOLS, TOPK_MAX_POOLS)),
+                  (None, TOPK_CTA_POOLS))
+
+
 def topk_row_pools(rows: int) -> int:
-  """The widest row pool_topk's kernel takes in one call at `rows` rows: a cluster of up to
-  8 CTAs a row (TOPK_MAX_POOLS) up to TOPK_CLUSTER_MAX_ROWS rows, a pair (two CTAs' width)
-  up to TOPK_PAIR_MAX_ROWS: their clusters fit one wave of the GPU's SMs; one CTA's width at
-  more rows. Decided by the stage bench at 202,752 tokens, M=1/16/64, the cluster against
-  the chunks (docs/performance.md)."""
-  if rows <= TOPK_CLUSTER_MAX_ROWS:
-    return TOPK_MAX_POOLS
-  if rows <= TOPK_PAIR_MAX_ROWS:
-    return min(2 * TOPK_CTA_POOLS, TOPK_MAX_POOLS)
-  return TOPK_CTA_POOLS
+  """The widest row pool_topk's kernel takes in one call at `rows` rows (TOPK_ROW_TIERS)."""
+  return next(pools for high, pools in TOPK_ROW_TIERS if high is None or rows <= high)
+
+
+def topk_row_words(width: str) -> str:
+  """TOPK_ROW_TIERS in words, for the ops' limits and default notes: "`width` <= a up to r
+  rows, b up to s rows, c past them"."""
+  words = [f"{pools} up to {high} rows" if high is not None else f"{pools} past them"
+           for high, pools in TOPK_ROW_TIERS]
+  return f"{width} <= " + ", ".join(words)
 
 
 def topk_chunks(width: int, k: int, rows: int) -> TopkChunks:
@@ -145,9 +155,7 @@ def select_kernel_default() -> dict:
   return dict(
       kernel_default=lambda q, *rest, k, max_pools, **params:
           topk_chunks(max_pools, k, q.shape[0]).chunks == 1,
-      kernel_default_note=f"max_pools <= {TOPK_CTA_POOLS}, or <= {TOPK_MAX_POOLS} at up to "
-                          f"{TOPK_CLUSTER_MAX_ROWS} rows, or <= {2 * TOPK_CTA_POOLS} at up to "
-                          f"{TOPK_PAIR_MAX_ROWS} rows (topk_chunks: one chunk)")
+      kernel_default_note=f"{topk_row_words('max_pools')} (topk_chunks: one chunk)")
 
 
 class TacticKind(enum.Enum):

@@ -53,7 +53,7 @@ def test_chunks(width, k, rows, want):
 @pytest.fixture
 def small_limit(monkeypatch):
   """TOPK_MAX_POOLS at 32,768 (one CTA's row) where the routing and the chunks read it."""
-  monkeypatch.setattr(plan, "TOPK_MAX_POOLS", TOPK_CTA_POOLS)
+  monkeypatch.setattr(plan, "TOPK_ROW_TIERS", ((None, TOPK_CTA_POOLS),))
   monkeypatch.setattr(glm5_jax.logits, "TOPK_MAX_POOLS", TOPK_CTA_POOLS)
 
 
