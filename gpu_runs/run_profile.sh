@@ -4,7 +4,7 @@
 # and the top-k's ncu sections (bandwidth, occupancy, stall reasons) at those shapes.
 # `source`: the same kernels' stall samples per SASS instruction (scripts/ncu_source.py maps
 # them to source lines).
-# bash gpu_runs/run_profile.sh [node] [sections] [source]  (default the first two); SOURCES
+# bash gpu_runs/run_profile.sh [node] [sections] [wide] [source]  (default the first two); SOURCES
 # names the source pages.
 # Results: $OUT/prof.tgz.
 # Expected (H100): MTP 16x4's logits kernel alone ~15.1 µs a layer, the top-k ~9.9 (node mode;
@@ -57,6 +57,14 @@ if [[ " $parts " == *" sections "* ]]; then
   sections mtp_topk pool_topk --contexts 32768 --rows 64 --next-n 4
 fi
 # SOURCES: which source pages (default all but small_topk_src).
+# wide: the logits kernel's sections at 16 and 64 rows of GLM-5's window, where its bytes are
+# most of the step (how near the copy bandwidth it streams, and what its warps wait on).
+if [[ " $parts " == *" wide "* ]]; then
+  for m in 16 64; do
+    fill wide$m --contexts 202752 --rows $m
+    sections wide${m}_logits mqa_logits --contexts 202752 --rows $m
+  done
+fi
 src() { [[ " ${SOURCES:-wide1_topk_src mtp_src rows64_src mtp_topk_src} " == *" $1 "* ]] && source_page "$@"; }
 if [[ " $parts " == *" source "* ]]; then
   src wide1_topk_src pool_topk --contexts 202752 --rows 1
