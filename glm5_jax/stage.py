@@ -27,10 +27,12 @@ from .indexer import (
 )
 from .kpool import kpool_update
 from .limits import LOGITS_HEADS
-from .logits import select_chunks, select_pools, select_slots
+from .logits import _slots_params, select_chunks, select_pools, select_slots
 from .plan import SelectPath, StagePlan, UpdatePath
 from .reference.numerics import DIM, POOL
+from .step import indexer_step
 from .update import (
+  _update_q_params,
   indexer_update,
   indexer_update_q,
   update_epilogue,
@@ -368,10 +370,29 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   batch = pad_past_capacity(cache, batch, config)
   ops = _ops(config, use_reference)
   plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
+  if (ops.kernels and plan.update is UpdatePath.UPDATE_Q
+      and plan.select is SelectPath.SELECT_SLOTS
+      and np.dtype(config.w_out_dtype) == np.float32):
+    return _step_in_one_call(config, weights, cache, x, qr, batch)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)
   slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n,
                               plan=plan)
   return IndexerOutput(q_fp8, w_out, slots, counts), cache
+
+
+def _step_in_one_call(config, weights, cache, x, qr, batch):
+  """Both kernels' paths as one FFI call (glm5_jax.step.indexer_step): the same results as
+  indexer_update_q then select_slots."""
+  update = _update_q_params(weights.wq_b, config.scale, config.eps, config.padded,
+                            np.dtype(config.w_out_dtype), config.scale_format, True, None,
+                            None)
+  select = _slots_params(config.topk_tokens // POOL, config.max_pools, config.block_size,
+                         config.width, None, config.scale_format, batch.positions.shape[1])
+  out = indexer_step((x, weights.w_cat, qr, weights.wq_b, *_cache_args(weights, cache, batch)),
+                     batch.page_table, batch.req_ids, batch.block_table,
+                     update_params=update, select_params=select, routing=config.routing)
+  *_, q_fp8, w_out, _, kv_cache, tail, slots, counts, _ = out
+  return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)
 
 
 def _shaped(a):
