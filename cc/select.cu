@@ -24,7 +24,7 @@
 #include "select.cuh"
 #include "select_logits.cuh"
 #include "select_topk_cluster.cuh"
-#include "stage_parts.h"
+#include "update_select.h"
 
 namespace glm5 {
 namespace {
@@ -182,8 +182,8 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
 
 }  // namespace
 
-// select_slots' checks and launches under `check` (its own handler's, or indexer_step's,
-// cc/stage_parts.h).
+// select_slots' checks and launches under `check` (its own handler's, or indexer_update_select's,
+// cc/update_select.h).
 ffi::Error run_select_slots(const Check& check, cudaStream_t stream, ffi::AnyBuffer q,
                             ffi::BufferR2<ffi::F32> w_out, ffi::BufferR3<ffi::U8> kv,
                             ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> req_ids,

@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
   }
   // The row tables and the first round's pages read only indices (row lengths, requests,
   // the page table), which no kernel of the chain writes: before the PDL wait, so that they
-  // overlap the predecessor where one FFI call launches it (indexer_step's epilogue).
+  // overlap the predecessor where one FFI call launches it (indexer_update_select's epilogue).
   const ItemRange range = cta_items<kLogitsThreads, kGroup>(a, tables);  // barriers inside
   const int32_t begin = range.begin, end = range.end;
 

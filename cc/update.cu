@@ -28,7 +28,7 @@
 #include "projection.cuh"
 #include "q_gemm.cuh"
 #include "query.cuh"
-#include "stage_parts.h"
+#include "update_select.h"
 
 namespace glm5 {
 namespace {
@@ -190,12 +190,12 @@ ffi::Error IndexerUpdateQImpl(
                       scale, eps, ue8m0, round_scale, pdl);
 }
 
-// indexer_step: indexer_update_q's three launches, then select_slots' two, in one FFI call
+// indexer_update_select: indexer_update_q's three launches, then select_slots' two, in one FFI call
 // with PDL between all five. Across two FFI calls the logits kernel could start only once the
 // epilogue's child graph had completed; in one, its row tables and first page lookups (only
 // indices, before its PDL wait) overlap the epilogue. The select path reads the update's
 // q_fp8, w_out (f32) and updated cache in place; bit for bit the two calls' results.
-ffi::Error IndexerStepImpl(
+ffi::Error IndexerUpdateSelectImpl(
     cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
     ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
@@ -208,11 +208,11 @@ ffi::Error IndexerStepImpl(
     ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
     ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
     ffi::ResultBufferR4<ffi::BF16> tail_out, ffi::ResultBufferR2<ffi::S32> slots,
-    ffi::ResultBufferR1<ffi::S32> counts, ffi::ResultBufferR2<ffi::F32> logits, int32_t warps,
+    ffi::ResultBufferR1<ffi::S32> counts, ffi::ResultBufferR2<ffi::F32> logits, int64_t k,
+    int64_t block_size, int64_t stride_rows, int64_t max_block, int64_t next_n, int32_t warps,
     int32_t split, int32_t tactic, float scale, float eps, bool ue8m0, bool round_scale,
-    int64_t k, int64_t block_size, int64_t stride_rows, int64_t max_block, int64_t next_n,
     bool pdl) {
-  const Check check{targets::glm5_indexer_step};
+  const Check check{targets::glm5_indexer_update_select};
   const auto wd = w_out->dimensions();
   if (w_out->element_type() != ffi::DataType::F32 || wd.size() != 2)
     return check.fail("w_out must be f32 (the select path reads it)");
@@ -372,6 +372,26 @@ auto bind_epilogue_attrs(Binding binding) {
       .template Attr<bool>("pdl");
 }
 
+// indexer_update_q's operands (x, w_cat, qr, wq_b, then the epilogue's) and results
+// (key_raw, head_w, gate, q, then the epilogue's): indexer_update_select's first ones too.
+template <typename Binding>
+auto bind_update_q_args(Binding binding) {
+  return bind_epilogue_args(std::move(binding)
+                                .template Arg<ffi::BufferR2<ffi::BF16>>()    // x
+                                .template Arg<ffi::BufferR2<ffi::BF16>>()    // w_cat
+                                .template Arg<ffi::BufferR2<ffi::BF16>>()    // qr
+                                .template Arg<ffi::BufferR2<ffi::BF16>>());  // wq_b
+}
+
+template <typename Binding>
+auto bind_update_q_results(Binding binding) {
+  return bind_epilogue_results(std::move(binding)
+                                   .template Ret<ffi::BufferR2<ffi::BF16>>()    // key_raw
+                                   .template Ret<ffi::BufferR2<ffi::F32>>()     // head_w
+                                   .template Ret<ffi::BufferR2<ffi::BF16>>()    // gate
+                                   .template Ret<ffi::BufferR2<ffi::BF16>>());  // q
+}
+
 }  // namespace
 }  // namespace glm5
 
@@ -400,17 +420,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     Glm5IndexerUpdateQ, glm5::IndexerUpdateQImpl,
     glm5::bind_epilogue_attrs(
-        glm5::bind_epilogue_results(
-            glm5::bind_epilogue_args(ffi::Ffi::Bind()
-                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // x
-                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // w_cat
-                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // qr
-                                         .Arg<ffi::BufferR2<ffi::BF16>>())  // wq_b
-                .Ret<ffi::BufferR2<ffi::BF16>>()                            // key_raw
-                .Ret<ffi::BufferR2<ffi::F32>>()                             // head_w
-                .Ret<ffi::BufferR2<ffi::BF16>>()                            // gate
-                .Ret<ffi::BufferR2<ffi::BF16>>())                           // q
+        glm5::bind_update_q_results(
+            glm5::bind_update_q_args(
+                ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()))
             .Attr<int32_t>("warps")
             .Attr<int32_t>("split")
             .Attr<int32_t>("tactic")),
@@ -433,35 +445,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    Glm5IndexerStep, glm5::IndexerStepImpl,
-    glm5::bind_epilogue_results(
-        glm5::bind_epilogue_args(ffi::Ffi::Bind()
-                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                     .Arg<ffi::BufferR2<ffi::BF16>>()   // x
-                                     .Arg<ffi::BufferR2<ffi::BF16>>()   // w_cat
-                                     .Arg<ffi::BufferR2<ffi::BF16>>()   // qr
-                                     .Arg<ffi::BufferR2<ffi::BF16>>())  // wq_b
-            .Arg<ffi::BufferR2<ffi::S32>>()                             // page_table
-            .Arg<ffi::BufferR1<ffi::S32>>()                             // req_ids
-            .Arg<ffi::BufferR2<ffi::S32>>()                             // block_table
-            .Ret<ffi::BufferR2<ffi::BF16>>()                            // key_raw
-            .Ret<ffi::BufferR2<ffi::F32>>()                             // head_w
-            .Ret<ffi::BufferR2<ffi::BF16>>()                            // gate
-            .Ret<ffi::BufferR2<ffi::BF16>>())                           // q
-        .Ret<ffi::BufferR2<ffi::S32>>()                                 // slots
-        .Ret<ffi::BufferR1<ffi::S32>>()                                 // counts
-        .Ret<ffi::BufferR2<ffi::F32>>()                                 // logits
-        .Attr<int32_t>("warps")
-        .Attr<int32_t>("split")
-        .Attr<int32_t>("tactic")
-        .Attr<float>("scale")
-        .Attr<float>("eps")
-        .Attr<bool>("ue8m0")
-        .Attr<bool>("round_scale")
-        .Attr<int64_t>("k")
-        .Attr<int64_t>("block_size")
-        .Attr<int64_t>("stride_rows")
-        .Attr<int64_t>("max_block")
-        .Attr<int64_t>("next_n")
-        .Attr<bool>("pdl"),
+    Glm5IndexerUpdateSelect, glm5::IndexerUpdateSelectImpl,
+    glm5::bind_epilogue_attrs(
+        glm5::bind_update_q_results(
+            glm5::bind_update_q_args(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
+                .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
+                .Arg<ffi::BufferR2<ffi::S32>>())  // block_table
+            .Ret<ffi::BufferR2<ffi::S32>>()       // slots
+            .Ret<ffi::BufferR1<ffi::S32>>()       // counts
+            .Ret<ffi::BufferR2<ffi::F32>>()       // logits
+            .Attr<int64_t>("k")
+            .Attr<int64_t>("block_size")
+            .Attr<int64_t>("stride_rows")
+            .Attr<int64_t>("max_block")
+            .Attr<int64_t>("next_n")
+            .Attr<int32_t>("warps")
+            .Attr<int32_t>("split")
+            .Attr<int32_t>("tactic")),
     {ffi::Traits::kCmdBufferCompatible});

@@ -27,18 +27,17 @@ from .indexer import (
 )
 from .kpool import kpool_update
 from .limits import LOGITS_HEADS
-from .logits import _slots_params, select_chunks, select_pools, select_slots
+from .logits import select_chunks, select_pools, select_slots
 from .plan import SelectPath, StagePlan, UpdatePath
 from .reference.numerics import DIM, POOL
-from .step import indexer_step
 from .update import (
-  _update_q_params,
   indexer_update,
   indexer_update_q,
   update_epilogue,
   update_epilogue_q,
   update_q_projection_tactic,
 )
+from .update_select import indexer_update_select
 
 # Queries pad to the logits kernel's smallest head count (docs/semantics.md: padded >= 32).
 MQA_MIN_HEADS = LOGITS_HEADS[0]
@@ -370,9 +369,7 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   batch = pad_past_capacity(cache, batch, config)
   ops = _ops(config, use_reference)
   plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
-  if (ops.kernels and plan.update is UpdatePath.UPDATE_Q
-      and plan.select is SelectPath.SELECT_SLOTS
-      and np.dtype(config.w_out_dtype) == np.float32):
+  if plan.one_call:
     return _step_in_one_call(config, weights, cache, x, qr, batch)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)
   slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n,
@@ -380,17 +377,21 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   return IndexerOutput(q_fp8, w_out, slots, counts), cache
 
 
+def _step_params(config):
+  """indexer_update_select's keywords as the stage calls it (indexer_update_q's and
+  select_slots')."""
+  return dict(scale=config.scale, eps=config.eps, padded=config.padded,
+              scale_format=config.scale_format, k=config.topk_tokens // POOL,
+              max_pools=config.max_pools, block_size=config.block_size, width=config.width)
+
+
 def _step_in_one_call(config, weights, cache, x, qr, batch):
-  """Both kernels' paths as one FFI call (glm5_jax.step.indexer_step): the same results as
+  """Both parts as one FFI call (glm5_jax.update_select): the same results as
   indexer_update_q then select_slots."""
-  update = _update_q_params(weights.wq_b, config.scale, config.eps, config.padded,
-                            np.dtype(config.w_out_dtype), config.scale_format, True, None,
-                            None)
-  select = _slots_params(config.topk_tokens // POOL, config.max_pools, config.block_size,
-                         config.width, None, config.scale_format, batch.positions.shape[1])
-  out = indexer_step((x, weights.w_cat, qr, weights.wq_b, *_cache_args(weights, cache, batch)),
-                     batch.page_table, batch.req_ids, batch.block_table,
-                     update_params=update, select_params=select, routing=config.routing)
+  out = indexer_update_select(x, weights.w_cat, qr, weights.wq_b,
+                              *_cache_args(weights, cache, batch), batch.page_table,
+                              batch.req_ids, batch.block_table, routing=config.routing,
+                              **_step_params(config))
   *_, q_fp8, w_out, _, kv_cache, tail, slots, counts, _ = out
   return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)
 
@@ -427,6 +428,9 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
                                       batch.req_ids, positions, batch.block_table),
                        dict(_select_params(config, batch), **_remap_params(config))),
+      "indexer_update_select": (indexer_update_select, (
+          x, weights.w_cat, qr, weights.wq_b, *cache_args, batch.page_table, batch.req_ids,
+          batch.block_table), _step_params(config)),
       # and those whose tactics the plan reports
       "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
       "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
@@ -458,7 +462,9 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   if kernels and select is SelectPath.SELECT_POOLS_EXPAND and not select_pools:
     chunks = select_chunks(calls["select_slots"][1][:-1], _select_params(config, batch),
                            config.routing)
-  return StagePlan(rows, path, select, projection, q_tactic, chunks)
+  one = _plan.one_call(path, select, np.dtype(config.w_out_dtype) == np.float32,
+                       chosen) if kernels and not select_pools else False
+  return StagePlan(rows, path, select, projection, q_tactic, chunks, one)
 
 
 def _cache_args(weights, cache, batch):

@@ -1,4 +1,4 @@
-// The parts of indexer_step (cc/update.cu): the select path's checks and launches, defined
+// The parts of indexer_update_select (cc/update.cu): the select path's checks and launches, defined
 // beside its kernels (cc/select.cu), so that one handler can launch the update part and the
 // select path back to back in one FFI call.
 #pragma once
