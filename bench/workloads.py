@@ -476,6 +476,8 @@ WORKLOADS = {
     "pool_topk": (topk, _select_shapes),
     "select_pools": (select, _select_shapes),
     "select_slots": (slots, _select_shapes),
+    # indexer_update_q and select_slots in one call: what the stage group times.
+    "indexer_update_select": (None, lambda s: []),
 }
 assert set(WORKLOADS) == set(glm5_jax.OPS), "every op in glm5_jax.OPS needs a bench workload"
 

@@ -24,6 +24,7 @@
 #include "select.cuh"
 #include "select_logits.cuh"
 #include "select_topk_cluster.cuh"
+#include "update_select.h"
 
 namespace glm5 {
 namespace {
@@ -179,16 +180,19 @@ ffi::Error SelectPoolsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
                        ids->typed_data(), SlotArgs{}, k, next_n, ue8m0, pdl);
 }
 
-ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
-                           ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
-                           ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
-                           ffi::BufferR2<ffi::S32> block_table,
-                           ffi::ResultBufferR2<ffi::S32> slots,
-                           ffi::ResultBufferR1<ffi::S32> counts,
-                           ffi::ResultBufferR2<ffi::F32> logits, int64_t k, int64_t block_size,
-                           int64_t stride_rows, int64_t max_block, int64_t next_n, bool ue8m0,
-                           bool pdl) {
-  const Check check{targets::glm5_select_slots};
+}  // namespace
+
+// select_slots' checks and launches under `check` (its own handler's, or indexer_update_select's,
+// cc/update_select.h).
+ffi::Error run_select_slots(const Check& check, cudaStream_t stream, ffi::AnyBuffer q,
+                            ffi::BufferR2<ffi::F32> w_out, ffi::BufferR3<ffi::U8> kv,
+                            ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> req_ids,
+                            ffi::BufferR1<ffi::S32> positions, ffi::BufferR2<ffi::S32> block_table,
+                            ffi::ResultBufferR2<ffi::S32> slots,
+                            ffi::ResultBufferR1<ffi::S32> counts,
+                            ffi::ResultBufferR2<ffi::F32> logits, int64_t k, int64_t block_size,
+                            int64_t stride_rows, int64_t max_block, int64_t next_n, bool ue8m0,
+                            bool pdl) {
   const int64_t rows = logits->dimensions()[0], width = slots->dimensions()[1];
   if (slots->dimensions()[0] != rows || counts->dimensions()[0] != rows)
     return check.fail("the slots and counts need `rows` rows");
@@ -210,6 +214,22 @@ ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<
   s.vector = width % kPool == 0 && aligned(s.out, 16);
   return launch_select(check, stream, q, w_out, kv, page_table, req_ids, positions, logits,
                        nullptr, s, k, next_n, ue8m0, pdl);
+}
+
+namespace {
+
+ffi::Error SelectSlotsImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::BufferR2<ffi::F32> w_out,
+                           ffi::BufferR3<ffi::U8> kv, ffi::BufferR2<ffi::S32> page_table,
+                           ffi::BufferR1<ffi::S32> req_ids, ffi::BufferR1<ffi::S32> positions,
+                           ffi::BufferR2<ffi::S32> block_table,
+                           ffi::ResultBufferR2<ffi::S32> slots,
+                           ffi::ResultBufferR1<ffi::S32> counts,
+                           ffi::ResultBufferR2<ffi::F32> logits, int64_t k, int64_t block_size,
+                           int64_t stride_rows, int64_t max_block, int64_t next_n, bool ue8m0,
+                           bool pdl) {
+  return run_select_slots(Check{targets::glm5_select_slots}, stream, q, w_out, kv, page_table,
+                          req_ids, positions, block_table, slots, counts, logits, k, block_size,
+                          stride_rows, max_block, next_n, ue8m0, pdl);
 }
 
 // The stream and the operands both select handlers take first, in launch_select's order.

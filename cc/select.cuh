@@ -45,15 +45,18 @@ constexpr int kTopkBins = 1 << kTopkDigitBits;
 
 // Pools of a row: pool_lens[r], or (positions[r] + 1) / 4 (0 for pads) without the int32
 // overflow of pos + 1; at most `width` (the logits width).
-__device__ __forceinline__ int32_t row_pools(const int32_t* lens, bool from_positions, int r,
-                                             int32_t width) {
-  const int32_t v = lens[r];
+__device__ __forceinline__ int32_t pools_of(int32_t v, bool from_positions, int32_t width) {
   int32_t n;
   if (from_positions)
     n = v < 0 ? 0 : v / kPool + (v % kPool == kPool - 1 ? 1 : 0);
   else
     n = v < 0 ? 0 : v;
   return min(n, width);
+}
+
+__device__ __forceinline__ int32_t row_pools(const int32_t* lens, bool from_positions, int r,
+                                             int32_t width) {
+  return pools_of(lens[r], from_positions, width);
 }
 
 }  // namespace

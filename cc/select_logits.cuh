@@ -152,8 +152,8 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTab
   int32_t* const first_item = t.first_item;
   if constexpr (kGroup > 1) {  // every row's request first: a unit reads its neighbours'
     for (int r = threadIdx.x; r < a.rows; r += kThreads) {
-      t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
-      t.pools[r] = row_pools(a.lens, a.from_positions, r, a.width);
+      t.req[r] = a.req_ids != nullptr ? load_before_wait(a.req_ids + r) : r;
+      t.pools[r] = pools_of(load_before_wait(a.lens + r), a.from_positions, a.width);
     }
     __syncthreads();
   }
@@ -165,8 +165,8 @@ __device__ __forceinline__ ItemRange cta_items(const LogitsArgs& a, const RowTab
       if constexpr (kGroup > 1) {
         own = unit_items<kGroup>(a, t, r);
       } else {
-        const int32_t n = row_pools(a.lens, a.from_positions, r, a.width);
-        t.req[r] = a.req_ids != nullptr ? a.req_ids[r] : r;
+        const int32_t n = pools_of(load_before_wait(a.lens + r), a.from_positions, a.width);
+        t.req[r] = a.req_ids != nullptr ? load_before_wait(a.req_ids + r) : r;
         t.pools[r] = n;
         own = row_items(a, n);
       }
@@ -316,7 +316,8 @@ __device__ __forceinline__ TileSource tile_source(const LogitsArgs& a, const Row
   const int32_t req = t.req[row];
   const int32_t slot = a.page.div(p0);  // PAGE % 16 == 0: the tile is in one page
   if (p0 < n && req >= 0 && req < a.tables && slot < a.table_width)
-    return {a.page_table[static_cast<int64_t>(req) * a.table_width + slot], a.page.mod(p0)};
+    return {load_before_wait(a.page_table + static_cast<int64_t>(req) * a.table_width + slot),
+            a.page.mod(p0)};
   return {-1, 0};
 }
 
@@ -500,7 +501,9 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     }
     bulk::fence_init();
   }
-  pdl_wait();
+  // The row tables and the first round's pages read only indices (row lengths, requests,
+  // the page table), which no kernel of the chain writes: before the PDL wait, so that they
+  // overlap the predecessor where one FFI call launches it (indexer_update_select's epilogue).
   const ItemRange range = cta_items<kLogitsThreads, kGroup>(a, tables);  // barriers inside
   const int32_t begin = range.begin, end = range.end;
 
@@ -521,6 +524,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
       return at;
     };
     TileSource next = look_up(begin);
+    pdl_wait();  // the K cache (the update's new entries)
     for (int32_t round = begin; round < end; round += kLookahead) {
       const TileSource at = next;
       if (round + kLookahead < end) next = look_up(round + kLookahead);
@@ -549,6 +553,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(
     // for each row of the item's unit (score_unit where kGroup > 1) from the same stage: a
     // row's scores are computed as they would be alone (its own wgmma chain and head_sum),
     // so they do not depend on the unit.
+    pdl_wait();  // the queries and weights
     const int g = lane >> 2, t = lane & 3;
     int r = range.row, row = -1, rows = 1;
     int32_t unit_n[kGroup];                // the unit's rows' written_pools

@@ -28,6 +28,7 @@
 #include "projection.cuh"
 #include "q_gemm.cuh"
 #include "query.cuh"
+#include "update_select.h"
 
 namespace glm5 {
 namespace {
@@ -132,8 +133,8 @@ ffi::Error IndexerUpdateImpl(
 // tactic) and indexer_update's: the same device code on the same arguments; only the order of
 // launches and of the projection's wait change, and no kernel reads another's results before
 // its wait.
-ffi::Error IndexerUpdateQImpl(
-    cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
+ffi::Error run_update_q(
+    const Check& check, cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
     ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
     ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
@@ -144,7 +145,6 @@ ffi::Error IndexerUpdateQImpl(
     ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
     ffi::ResultBufferR4<ffi::BF16> tail_out, int32_t warps, int32_t split, int32_t tactic,
     float scale, float eps, bool ue8m0, bool round_scale, bool pdl) {
-  const Check check{targets::glm5_indexer_update_q};
   const auto td = tslot.dimensions();
   if (x.dimensions()[0] != td[0] * td[1])
     return check.fail("x must have requests x next_n rows (tslot is s32[B, N])");
@@ -170,6 +170,67 @@ ffi::Error IndexerUpdateQImpl(
     return check.cuda(err);
   return check.cuda(
       launch_update_epilogue(stream, pdl, plans->query, plans->update, /*operands_ready=*/true));
+}
+
+ffi::Error IndexerUpdateQImpl(
+    cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
+    ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
+    ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+    ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::ResultBufferR2<ffi::BF16> key_raw, ffi::ResultBufferR2<ffi::F32> head_w,
+    ffi::ResultBufferR2<ffi::BF16> gate, ffi::ResultBufferR2<ffi::BF16> q,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, int32_t warps, int32_t split, int32_t tactic,
+    float scale, float eps, bool ue8m0, bool round_scale, bool pdl) {
+  return run_update_q(Check{targets::glm5_indexer_update_q}, stream, x, w_cat, qr, wq_b,
+                      norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc, pos, key_raw,
+                      head_w, gate, q, q_out, w_out, key, kv_out, tail_out, warps, split, tactic,
+                      scale, eps, ue8m0, round_scale, pdl);
+}
+
+// indexer_update_select: indexer_update_q's three launches, then select_slots' two, in one FFI call
+// with PDL between all five. Across two FFI calls the logits kernel could start only once the
+// epilogue's child graph had completed; in one, its row tables and first page lookups (only
+// indices, before its PDL wait) overlap the epilogue. The select path reads the update's
+// q_fp8, w_out (f32) and updated cache in place; bit for bit the two calls' results.
+ffi::Error IndexerUpdateSelectImpl(
+    cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
+    ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
+    ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
+    ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
+    ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,
+    ffi::BufferR2<ffi::S32> page_table, ffi::BufferR1<ffi::S32> req_ids,
+    ffi::BufferR2<ffi::S32> block_table,
+    ffi::ResultBufferR2<ffi::BF16> key_raw, ffi::ResultBufferR2<ffi::F32> head_w,
+    ffi::ResultBufferR2<ffi::BF16> gate, ffi::ResultBufferR2<ffi::BF16> q,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> w_out,
+    ffi::ResultBufferR2<ffi::BF16> key, ffi::ResultBufferR3<ffi::U8> kv_out,
+    ffi::ResultBufferR4<ffi::BF16> tail_out, ffi::ResultBufferR2<ffi::S32> slots,
+    ffi::ResultBufferR1<ffi::S32> counts, ffi::ResultBufferR2<ffi::F32> logits, int64_t k,
+    int64_t block_size, int64_t stride_rows, int64_t max_block, int64_t next_n, int32_t warps,
+    int32_t split, int32_t tactic, float scale, float eps, bool ue8m0, bool round_scale,
+    bool pdl) {
+  const Check check{targets::glm5_indexer_update_select};
+  const auto wd = w_out->dimensions();
+  if (w_out->element_type() != ffi::DataType::F32 || wd.size() != 2)
+    return check.fail("w_out must be f32 (the select path reads it)");
+  const int64_t rows = wd[0];
+  if (pos.dimensions()[0] * pos.dimensions()[1] != rows)
+    return check.fail("positions must have the rows' requests x next_n entries");
+  if (next_n != pos.dimensions()[1]) return check.fail("next_n must be positions' columns");
+  if (ffi::Error err = run_update_q(check, stream, x, w_cat, qr, wq_b, norm_weight, norm_bias,
+                                    kv_cache, tail, tslot, ape, loc, pos, key_raw, head_w, gate,
+                                    q, q_out, w_out, key, kv_out, tail_out, warps, split, tactic,
+                                    scale, eps, ue8m0, round_scale, pdl);
+      err.failure())
+    return err;
+  const Reshaped<ffi::DataType::F32, 2> w(w_out->untyped_data(), {wd[0], wd[1]});
+  const Reshaped<ffi::DataType::S32, 1> flat(pos.untyped_data(), {rows});
+  return run_select_slots(check, stream, *q_out, w.buffer(), *kv_out, page_table, req_ids,
+                          flat.buffer(), block_table, slots, counts, logits, k, block_size,
+                          stride_rows, max_block, next_n, ue8m0, pdl);
 }
 
 // The epilogue's two plans on the projection's f32 sums raw[M, 256 + H] and q bf16[M, H, 128]
@@ -311,6 +372,26 @@ auto bind_epilogue_attrs(Binding binding) {
       .template Attr<bool>("pdl");
 }
 
+// indexer_update_q's operands (x, w_cat, qr, wq_b, then the epilogue's) and results
+// (key_raw, head_w, gate, q, then the epilogue's): indexer_update_select's first ones too.
+template <typename Binding>
+auto bind_update_q_args(Binding binding) {
+  return bind_epilogue_args(std::move(binding)
+                                .template Arg<ffi::BufferR2<ffi::BF16>>()    // x
+                                .template Arg<ffi::BufferR2<ffi::BF16>>()    // w_cat
+                                .template Arg<ffi::BufferR2<ffi::BF16>>()    // qr
+                                .template Arg<ffi::BufferR2<ffi::BF16>>());  // wq_b
+}
+
+template <typename Binding>
+auto bind_update_q_results(Binding binding) {
+  return bind_epilogue_results(std::move(binding)
+                                   .template Ret<ffi::BufferR2<ffi::BF16>>()    // key_raw
+                                   .template Ret<ffi::BufferR2<ffi::F32>>()     // head_w
+                                   .template Ret<ffi::BufferR2<ffi::BF16>>()    // gate
+                                   .template Ret<ffi::BufferR2<ffi::BF16>>());  // q
+}
+
 }  // namespace
 }  // namespace glm5
 
@@ -339,17 +420,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     Glm5IndexerUpdateQ, glm5::IndexerUpdateQImpl,
     glm5::bind_epilogue_attrs(
-        glm5::bind_epilogue_results(
-            glm5::bind_epilogue_args(ffi::Ffi::Bind()
-                                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // x
-                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // w_cat
-                                         .Arg<ffi::BufferR2<ffi::BF16>>()   // qr
-                                         .Arg<ffi::BufferR2<ffi::BF16>>())  // wq_b
-                .Ret<ffi::BufferR2<ffi::BF16>>()                            // key_raw
-                .Ret<ffi::BufferR2<ffi::F32>>()                             // head_w
-                .Ret<ffi::BufferR2<ffi::BF16>>()                            // gate
-                .Ret<ffi::BufferR2<ffi::BF16>>())                           // q
+        glm5::bind_update_q_results(
+            glm5::bind_update_q_args(
+                ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()))
             .Attr<int32_t>("warps")
             .Attr<int32_t>("split")
             .Attr<int32_t>("tactic")),
@@ -369,4 +442,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                 .Ret<ffi::BufferR2<ffi::BF16>>())                           // gate
             .Attr<int32_t>("warps")
             .Attr<int32_t>("split")),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    Glm5IndexerUpdateSelect, glm5::IndexerUpdateSelectImpl,
+    glm5::bind_epilogue_attrs(
+        glm5::bind_update_q_results(
+            glm5::bind_update_q_args(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                .Arg<ffi::BufferR2<ffi::S32>>()   // page_table
+                .Arg<ffi::BufferR1<ffi::S32>>()   // req_ids
+                .Arg<ffi::BufferR2<ffi::S32>>())  // block_table
+            .Ret<ffi::BufferR2<ffi::S32>>()       // slots
+            .Ret<ffi::BufferR1<ffi::S32>>()       // counts
+            .Ret<ffi::BufferR2<ffi::F32>>()       // logits
+            .Attr<int64_t>("k")
+            .Attr<int64_t>("block_size")
+            .Attr<int64_t>("stride_rows")
+            .Attr<int64_t>("max_block")
+            .Attr<int64_t>("next_n")
+            .Attr<int32_t>("warps")
+            .Attr<int32_t>("split")
+            .Attr<int32_t>("tactic")),
     {ffi::Traits::kCmdBufferCompatible});

@@ -19,6 +19,7 @@ from .update import (indexer_update, update_epilogue, update_epilogue_q,  # noqa
                      indexer_update_q)
 from .expand import expand_pools, expand_and_remap  # noqa: F401
 from .logits import upcast_logits, mqa_logits, pool_topk, select_pools, select_slots  # noqa: F401
+from .update_select import indexer_update_select  # noqa: F401
 # isort: on
 from .stage import (DecodeBatch, IndexerCache, IndexerConfig, IndexerOutput,
                     IndexerWeights, indexer_stage, prepare_weights)

@@ -210,6 +210,7 @@ class StagePlan:
   projection_tactic: tuple | None = None
   q_tactic: str | None = None
   topk_chunks: TopkChunks | None = None
+  one_call: bool = False
 
   def lines(self) -> list[str]:
     """The plan in words, a line per choice."""
@@ -219,6 +220,8 @@ class StagePlan:
     return [f"rows: {self.rows}",
             f"update: {self.update.name} ({self.update.value})",
             f"select: {self.select.name} ({self.select.value})",
+            "one call: " + ("indexer_update_select (both parts in one FFI call)"
+                            if self.one_call else "no (each part its own calls)"),
             f"top-k: {topk}",
             f"projection tactic: {_words(self.projection_tactic)}",
             f"q tactic: {self.q_tactic or 'none (XLA GEMM or reference)'}"]
@@ -267,3 +270,13 @@ def update_path(update: str, fused: bool, kernels: bool, chosen) -> UpdatePath:
 def select_path(kernels: bool, chosen) -> SelectPath:
   """The select path; kernels and chosen as for update_path."""
   return first_chosen(SELECT, chosen) if kernels else SelectPath.SELECT_POOLS_EXPAND
+
+
+def one_call(update: UpdatePath, select: SelectPath, w_out_f32: bool, chosen) -> bool:
+  """Whether the stage runs both parts as indexer_update_select, one FFI call: where each
+  part is one call of its kernel (UPDATE_Q, SELECT_SLOTS), w_out is float32 (the select
+  path reads it as it is) and the routing runs indexer_update_select's kernel. In one call
+  PDL joins the update's epilogue and the logits, whose row tables and first page lookups
+  then overlap it (docs/performance.md, section 5)."""
+  return (update is UpdatePath.UPDATE_Q and select is SelectPath.SELECT_SLOTS and w_out_f32
+          and chosen("indexer_update_select"))

@@ -37,6 +37,7 @@ from .update import (
   update_epilogue_q,
   update_q_projection_tactic,
 )
+from .update_select import indexer_update_select
 
 # Queries pad to the logits kernel's smallest head count (docs/semantics.md: padded >= 32).
 MQA_MIN_HEADS = LOGITS_HEADS[0]
@@ -368,10 +369,31 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   batch = pad_past_capacity(cache, batch, config)
   ops = _ops(config, use_reference)
   plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
+  if plan.one_call:
+    return _step_in_one_call(config, weights, cache, x, qr, batch)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)
   slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n,
                               plan=plan)
   return IndexerOutput(q_fp8, w_out, slots, counts), cache
+
+
+def _step_params(config):
+  """indexer_update_select's keywords as the stage calls it (indexer_update_q's and
+  select_slots')."""
+  return dict(scale=config.scale, eps=config.eps, padded=config.padded,
+              scale_format=config.scale_format, k=config.topk_tokens // POOL,
+              max_pools=config.max_pools, block_size=config.block_size, width=config.width)
+
+
+def _step_in_one_call(config, weights, cache, x, qr, batch):
+  """Both parts as one FFI call (glm5_jax.update_select): the same results as
+  indexer_update_q then select_slots."""
+  out = indexer_update_select(x, weights.w_cat, qr, weights.wq_b,
+                              *_cache_args(weights, cache, batch), batch.page_table,
+                              batch.req_ids, batch.block_table, routing=config.routing,
+                              **_step_params(config))
+  *_, q_fp8, w_out, _, kv_cache, tail, slots, counts, _ = out
+  return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)
 
 
 def _shaped(a):
@@ -406,6 +428,9 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
       "select_slots": (select_slots, (q_fp8, w_out, cache.kv_cache, batch.page_table,
                                       batch.req_ids, positions, batch.block_table),
                        dict(_select_params(config, batch), **_remap_params(config))),
+      "indexer_update_select": (indexer_update_select, (
+          x, weights.w_cat, qr, weights.wq_b, *cache_args, batch.page_table, batch.req_ids,
+          batch.block_table), _step_params(config)),
       # and those whose tactics the plan reports
       "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
       "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
@@ -437,7 +462,9 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   if kernels and select is SelectPath.SELECT_POOLS_EXPAND and not select_pools:
     chunks = select_chunks(calls["select_slots"][1][:-1], _select_params(config, batch),
                            config.routing)
-  return StagePlan(rows, path, select, projection, q_tactic, chunks)
+  one = _plan.one_call(path, select, np.dtype(config.w_out_dtype) == np.float32,
+                       chosen) if kernels and not select_pools else False
+  return StagePlan(rows, path, select, projection, q_tactic, chunks, one)
 
 
 def _cache_args(weights, cache, batch):

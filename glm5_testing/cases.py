@@ -246,6 +246,23 @@ def _update_q_args(rng):
   return (x, w_cat, _exact_bf16(rng, rows, 256), _exact_bf16(rng, heads * 128, 256), *rest)
 
 
+def _update_select_args(rng):
+  """indexer_update_select's operands: indexer_update_q's with a cache of 16-entry pages (the
+  select kernel's page multiple; valid entries: finite logits), then the select path's page
+  table (3 pages a request), req_ids (each request's rows) and block table (8 blocks of 16
+  tokens: position 150's tokens past 128 are dropped)."""
+  *update, _, tail, tslot, ape, loc, pos = _update_q_args(rng)
+  b, n = tslot.shape
+  return (*update, _logits_cache(rng), tail, tslot, ape, loc, pos,
+          i32(rng.integers(0, PAGES, (b, 3))), i32(np.repeat(np.arange(b), n)),
+          i32(rng.integers(0, 50, (b, 8))))
+
+
+def _update_select_valid(args, outs):
+  """Every result but the select path's logits (workspace the stage drops)."""
+  return outs[:11]
+
+
 # Tolerance of the non-exact cases against the reference (the GEMM and einsum sum in
 # another order than XLA: SPEC D2).
 TOLERANCE = dict(rtol=2e-2, atol=1e-3)
@@ -295,6 +312,9 @@ CASES = {
                               _epilogue_q_args),
     "indexer_update_q": Case(P(glm5_jax.indexer_update_q, scale=2.0 ** -6, padded=32),
                              _update_q_args),
+    "indexer_update_select": Case(
+        P(glm5_jax.indexer_update_select, scale=2.0 ** -6, padded=32, k=5, max_pools=48,
+          block_size=16, width=24), _update_select_args, valid=_update_select_valid),
     "indexer_projection_fused": Case(
         P(glm5_jax.indexer_projection_fused, heads=PROJECTION_HEADS, scale=2.0 ** -6,
           padded=32), _fused_args,

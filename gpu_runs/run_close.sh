@@ -48,7 +48,9 @@ case $PART in
   # tests' prints (the D2 rates, the million-pool batches' phase times).
   gpu_tests gpu_all 540 -rP -m "(gpu or cuda_build) and not two_gpus" tests
   # An if, not &&: the call's last command, its status the script's (SAN unset is no error).
-  if [ "${SAN:-0}" = 1 ]; then sanitize sel 200 pool_topk mqa_logits select_pools; snap; fi ;;
+  if [ "${SAN:-0}" = 1 ]; then
+    sanitize sel 200 pool_topk mqa_logits select_pools indexer_update_select; snap
+  fi ;;
 2)
   wide; mil
   [ "${MTP:-1}" = 1 ] && mtp

@@ -269,6 +269,10 @@ IDS = {
                           9: lambda a: a[5].shape[0] * a[5].shape[1]},  # loc: cache slots
     "indexer_update_q": {8: lambda a: a[7].shape[0] * a[7].shape[2],   # tslot: tail slots
                          10: lambda a: a[6].shape[0] * a[6].shape[1]},  # loc: cache slots
+    # indexer_update_q's, then the page table's pages and req_ids' requests
+    "indexer_update_select": {8: lambda a: a[7].shape[0] * a[7].shape[2],
+                              10: lambda a: a[6].shape[0] * a[6].shape[1],
+                              12: lambda a: a[6].shape[0], 13: lambda a: a[12].shape[0]},
     "expand_and_remap": {2: lambda a: a[3].shape[0]},                 # req_ids: requests
     "mqa_logits": {3: lambda a: a[2].shape[0]},                       # page ids: pages
     "select_pools": {3: lambda a: a[2].shape[0], 4: lambda a: a[3].shape[0]},

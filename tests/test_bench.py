@@ -321,7 +321,8 @@ def test_skip_variants_are_checked_names_and_may_drop_the_reference(tmp_path, ca
 
 def test_stage_select_ops_variant_routes_the_two_ops():
   """--stage-select-ops adds "kernel, select as two ops": its stage step lowers (CUDA) to
-  select_pools + expand_and_remap where the default step calls select_slots once."""
+  select_pools + expand_and_remap where the default step calls select_slots' kernel once
+  (inside indexer_update_select's call, plan.one_call)."""
   import re
 
   import jax
@@ -335,7 +336,8 @@ def test_stage_select_ops_variant_routes_the_two_ops():
   assert SELECT_OPS in VARIANTS and SELECT_OPS in step_times.VARIANTS
   assert cli.parser().parse_args(["--stage-select-ops"]).stage_select_ops
   weights, caches, xs, qrs, batch = stage._state(2, 1024, 1, seed=0)
-  select = ("glm5_select_slots", "glm5_select_pools", "glm5_expand_and_remap")
+  select = ("glm5_indexer_update_select", "glm5_select_slots", "glm5_select_pools",
+            "glm5_expand_and_remap")
   calls = {}
   for variant in (KERNEL, SELECT_OPS):
     step = stage._step(stage._config(1024, stage.ROUTINGS[variant]))
@@ -343,7 +345,7 @@ def test_stage_select_ops_variant_routes_the_two_ops():
                          disabled_checks=glm5_jax.export_checks())(
         caches, weights, xs, qrs, batch).mlir_module()
     calls[variant] = [c for c in re.findall(r"custom_call @(glm5_\w+)", text) if c in select]
-  assert calls == {KERNEL: ["glm5_select_slots"],
+  assert calls == {KERNEL: ["glm5_indexer_update_select"],
                    SELECT_OPS: ["glm5_select_pools", "glm5_expand_and_remap"]}
 
 

@@ -29,7 +29,8 @@ OPS = sorted(CASES)
 # In-place ops: operand -> result aliasing their FFI calls must declare.
 ALIASES = {"kpool_update": {0: 0, 1: 1}, "kpool_compress": {0: 0}, "kpool_seed_tail": {0: 0},
            "indexer_update": {5: 6, 6: 7}, "update_epilogue": {4: 3, 5: 4},
-           "update_epilogue_q": {5: 4, 6: 5}, "indexer_update_q": {6: 7, 7: 8}}
+           "update_epilogue_q": {5: 4, 6: 5}, "indexer_update_q": {6: 7, 7: 8},
+           "indexer_update_select": {6: 7, 7: 8}}
 # Ops whose function composes other ops where its own kernel is off: those ops, whose kernels
 # run by default at the cases' shapes (indexer_update runs XLA's GEMM and update_epilogue
 # outside its glm5_jax.plan.KERNEL_ROWS; indexer_update_q indexer_q and indexer_update).

@@ -198,14 +198,15 @@ def test_info_plan_command(monkeypatch):
 
 
 @pytest.mark.parametrize("context,calls,xla", [
-    (8192, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
-    (202752, "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
+    # both parts in one call (plan.one_call)
+    (8192, "glm5_indexer_update_select", "none besides fusions"),
+    (202752, "glm5_indexer_update_select", "none besides fusions"),
     # past the top-k kernel's pools (limits.TOPK_MAX_POOLS): its kernel over chunks
     (4 * 300000, "glm5_indexer_update_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
      "glm5_expand_and_remap", "none besides fusions"),
     # up to a pair's rows (TOPK_PAIR_MAX_ROWS) one call; past them chunks of one CTA's
     # width
-    ((202752, 64), "glm5_indexer_update_q, glm5_select_slots", "none besides fusions"),
+    ((202752, 64), "glm5_indexer_update_select", "none besides fusions"),
     ((202752, 65), "glm5_update_epilogue_q, glm5_mqa_logits, glm5_pool_topk, glm5_pool_topk, "
      "glm5_expand_and_remap", "dot_general x1")])
 def test_info_plan_names_what_the_lowering_runs(context, calls, xla):

@@ -325,18 +325,18 @@ def test_select_kernel_under_vmap_folds_rows():
 
 def test_stage_is_one_command_buffer_without_branches(tmp_path):
   """indexer_stage compiles to straight-line work: no conditional or while in the
-  optimised HLO, and every thunk of a three-layer step inside one command buffer."""
-  # Three layers, as a model's step runs them: at M = 2 a layer is 2 thunks
-  # (indexer_update_q's call, select_slots'), and a two-layer program's 4 are under XLA's
-  # minimum command-buffer size (xla_gpu_graph_min_graph_size), so XLA launches them one by
-  # one (the H200, jaxlib 0.11.2).
+  optimised HLO, and every thunk of a six-layer step inside one command buffer."""
+  # Six layers: at M = 2 a layer is one thunk (indexer_update_select's call: the update part and the
+  # select path in one FFI call), and a program of fewer than five thunks is under XLA's
+  # minimum command-buffer size (xla_gpu_graph_min_graph_size), so XLA would launch them
+  # one by one (the H200, jaxlib 0.11.2); a model's step has many more.
   script = (
       "import numpy as np, jax, glm5_jax\n"
       "from glm5_jax import synthetic\n"
       # The default routing, whatever GLM5_JAX_KERNELS says (all_kernels sets it to 1).
       "cfg = glm5_jax.IndexerConfig(max_pools=2048, routing=glm5_jax.Routing())\n"
       "rng = np.random.default_rng(0)\n"
-      "w = [synthetic.layer(rng, cfg) for _ in range(3)]\n"
+      "w = [synthetic.layer(rng, cfg) for _ in range(6)]\n"
       "cache, pt, bt = synthetic.decode_cache(rng, 2, 8000)\n"
       "batch = synthetic.decode_batch(np.array([[7000], [300]]), cache, pt, bt)\n"
       "x, qr = synthetic.inputs(rng, 2)\n"
@@ -344,14 +344,12 @@ def test_stage_is_one_command_buffer_without_branches(tmp_path):
       "  outs = [glm5_jax.indexer_stage(wl, c, x, qr, batch, config=cfg)\n"
       "          for wl, c in zip(w, caches)]\n"
       "  return [o for o, _ in outs], [c for _, c in outs]\n"
-      "caches = [cache] + [jax.tree.map(jax.numpy.copy, cache) for _ in range(2)]\n"
+      "caches = [cache] + [jax.tree.map(jax.numpy.copy, cache) for _ in range(5)]\n"
       "outs, caches = jax.jit(layers, donate_argnums=1)(w, caches, x, qr, batch)\n"
       "print(int(outs[1].counts[0]), int(outs[1].counts[1]))\n")
-  # By default at M = 2 the update part is indexer_update_q's one call
-  # (its plan.KERNEL_ROWS), the select path select_slots' one call (its kernel chosen at
-  # these shapes).
-  out = run_and_check_graphed(script, [glm5_jax.KERNEL_TARGETS[op] for op in (
-      "select_slots", "indexer_update_q")], tmp_path)
+  # By default at M = 2 the stage is indexer_update_select's one call (plan.one_call: the update
+  # part's indexer_update_q and the select path's select_slots, both chosen here).
+  out = run_and_check_graphed(script, [glm5_jax.KERNEL_TARGETS["indexer_update_select"]], tmp_path)
   assert out.split() == ["2049", "301"]   # 512 pools + the 1-token tail; causal
   hlo = "".join(p.read_text() for p in tmp_path.glob("*after_optimizations.txt"))
   assert " conditional(" not in hlo and " while(" not in hlo

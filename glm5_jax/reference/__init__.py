@@ -24,12 +24,18 @@ from .logits import (
   select_slots,
   upcast_logits,
 )
-from .update import indexer_update, indexer_update_q, update_epilogue, update_epilogue_q
+from .update import (
+  indexer_update,
+  indexer_update_q,
+  indexer_update_select,
+  update_epilogue,
+  update_epilogue_q,
+)
 
 __all__ = [
     "expand_and_remap", "expand_pools", "indexer_projection",
     "indexer_projection_fused", "indexer_q", "indexer_query", "indexer_update",
-    "indexer_update_q", "key_layernorm",
+    "indexer_update_q", "indexer_update_select", "key_layernorm",
     "kpool_compress", "kpool_seed_tail", "kpool_update", "mqa_logits",
     "pool_counts", "pool_topk", "prefill_windows", "projection_sums", "row_pages", "select_pools",
     "select_slots", "split_projection", "update_epilogue", "update_epilogue_q", "upcast_logits",

@@ -2,11 +2,13 @@
 indexer_query and kpool_update composed, as indexer_stage composes them; update_epilogue
 the last two on the projection's GEMM sums (indexer_update = the GEMM, its split, then
 update_epilogue); update_epilogue_q the q GEMM (indexer_q) then update_epilogue;
-indexer_update_q the q GEMM then indexer_update."""
+indexer_update_q the q GEMM then indexer_update; indexer_update_select indexer_update_q then
+the select path (select_slots) on its results."""
 import jax.numpy as jnp
 
 from .indexer import indexer_q, indexer_query, projection_sums, split_projection
 from .kpool import kpool_update
+from .logits import select_slots
 from .numerics import DIM
 
 
@@ -86,3 +88,27 @@ def indexer_update_q(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail,
                        eps=eps, padded=padded, w_out_dtype=w_out_dtype, scale_format=scale_format,
                        round_scale=round_scale)
   return out[:3] + (q,) + out[3:]
+
+
+def indexer_update_select(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot,
+                          ape, loc, positions, page_table, req_ids, block_table, *, scale, k,
+                          max_pools, block_size, width, eps=1e-6, padded=None,
+                          scale_format="fp32", round_scale=True, stride_rows=None):
+  """indexer_update_q (w_out float32), then select_slots on its q_fp8, w_out and cache
+  (SPEC §1-§7): a decode step's update part and select path.
+
+  x .. positions as indexer_update_q (positions i32[B, N], M = B * N rows); page_table
+  i32[T, W], req_ids i32[M], block_table i32[R, MB] and k, max_pools, block_size, width,
+  stride_rows as select_slots, whose positions are positions.reshape(M). Returns
+  indexer_update_q's nine results, then select_slots' (slots i32[M, width], counts i32[M],
+  logits f32[M, max_pools]).
+  """
+  out = indexer_update_q(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot,
+                         ape, loc, positions, scale=scale, eps=eps, padded=padded,
+                         w_out_dtype=jnp.float32, scale_format=scale_format,
+                         round_scale=round_scale)
+  q_fp8, w_out, kv_cache = out[4], out[5], out[7]
+  select = select_slots(q_fp8, w_out, kv_cache, page_table, req_ids, positions.reshape(-1),
+                        block_table, k=k, max_pools=max_pools, block_size=block_size,
+                        width=width, stride_rows=stride_rows, scale_format=scale_format)
+  return tuple(out) + tuple(select)
