@@ -15,9 +15,10 @@
 #   5: one call for a short lease: the MTP row, 202,752 (M 1/16/64) and 1M with the
 #      reference, then the select path's GPU tests (GPU skips as failures) in the time left.
 # Expected (H200): all tests pass, 0 errors / 0 hazards; MTP 16x4 32K ~34-36 (47.6 before
-# the MTP logits changes; 37.5 on an H100), 202,752 ~26 / ~57 / ~150 (M=64 ~157 before the
-# pair of CTAs a row; 191 on an H100), 1M ~40; the 1K-131K rows within noise of BENCHMARKS
-# (32K M=1/16 ~1.3 lower after the one-CTA top-k).
+# the MTP logits changes; 37.2 on an H100), 202,752 ~25 / ~56 / ~149 (M=64 ~157 before the
+# pair of CTAs a row; 26.2 / 66.5 / 188.9 on an H100 with the stage's one FFI call), 1M ~39;
+# the 1K-131K rows ~1 below BENCHMARKS (the one call; 32K M=1/16 ~1.3 lower again after the
+# one-CTA top-k).
 # Then here: python gpu_runs/merge.py the JSONs; re-render BENCHMARKS.md; readme_ops --write.
 set -uo pipefail
 PART=${PART:-1}; start=$(date +%s); R=/tmp/close$PART; mkdir -p $R
