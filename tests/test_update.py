@@ -134,8 +134,8 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
   names it, the reference composition with both kernels off; the stage's update part
   follows IndexerConfig.update and plan.AUTO_UPDATE (the first of indexer_update_q,
   indexer_update, update_epilogue_q, update_epilogue whose kernel the routing chooses,
-  else the ops); q by indexer_q where the call does not hold q's GEMM; the reference
-  composition runs no kernel."""
+  else the ops; indexer_update_q's in one call with the select path); q by indexer_q where
+  the call does not hold q's GEMM; the reference composition runs no kernel."""
   monkeypatch.delenv("GLM5_JAX_KERNELS", raising=False)
   assert {op: tuple(rows) for op, (rows, _) in plan.KERNEL_ROWS.items()} == {
       "indexer_update": (2, 16), "update_epilogue_q": (17, 128), "indexer_q": (2, 128),
@@ -164,14 +164,16 @@ def test_default_routing_and_the_stage_switch(monkeypatch):
     assert cuda_calls(functools.partial(fn, routing=no_epilogue), args) == [], rows
   config = dict(heads=HEADS, max_pools=1024)
   kernels = ("glm5_indexer_q", "glm5_indexer_update", "glm5_update_epilogue",
-             "glm5_update_epilogue_q", "glm5_indexer_update_q", "glm5_indexer_query",
-             "glm5_kpool_update")
+             "glm5_update_epilogue_q", "glm5_indexer_update_q", "glm5_indexer_update_select",
+             "glm5_indexer_query", "glm5_kpool_update")
   q = ["glm5_indexer_q"]
   one, epilogue, ops, q_epilogue = q + ["glm5_indexer_update"], ["glm5_update_epilogue"], q + [
       "glm5_indexer_query", "glm5_kpool_update"], ["glm5_update_epilogue_q"]
   # (requests, routing, update) -> the update kernels the stage calls.
   outs = {}
-  whole = ["glm5_indexer_update_q"]
+  # indexer_update_q's kernels, inside indexer_update_select's one call with the select
+  # path (plan.one_call: select_slots' kernel runs at these shapes)
+  whole = ["glm5_indexer_update_select"]
   for b, routing, mode, want in ((1, Routing(), "auto", whole),
                                  (1, no_update_q, "auto", epilogue),
                                  (3, Routing(), "auto", whole),
