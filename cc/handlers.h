@@ -14,7 +14,7 @@
   X(glm5_kpool_compress, Glm5KpoolCompress)                              \
   X(glm5_indexer_update, Glm5IndexerUpdate)                              \
   X(glm5_indexer_update_q, Glm5IndexerUpdateQ)                           \
-  X(glm5_indexer_update_select, Glm5IndexerUpdateSelect)                                  \
+  X(glm5_indexer_update_select, Glm5IndexerUpdateSelect)                 \
   X(glm5_update_epilogue, Glm5UpdateEpilogue)                            \
   X(glm5_update_epilogue_q, Glm5UpdateEpilogueQ)                         \
   X(glm5_indexer_projection, Glm5IndexerProjection)                      \

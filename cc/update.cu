@@ -134,8 +134,8 @@ ffi::Error IndexerUpdateImpl(
 // launches and of the projection's wait change, and no kernel reads another's results before
 // its wait.
 ffi::Error run_update_q(
-    const Check& check, cudaStream_t stream, ffi::BufferR2<ffi::BF16> x, ffi::BufferR2<ffi::BF16> w_cat,
-    ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
+    const Check& check, cudaStream_t stream, ffi::BufferR2<ffi::BF16> x,
+    ffi::BufferR2<ffi::BF16> w_cat, ffi::BufferR2<ffi::BF16> qr, ffi::BufferR2<ffi::BF16> wq_b,
     ffi::BufferR1<ffi::F32> norm_weight, ffi::BufferR1<ffi::F32> norm_bias,
     ffi::BufferR3<ffi::U8> kv_cache, ffi::BufferR4<ffi::BF16> tail, ffi::BufferR2<ffi::S32> tslot,
     ffi::BufferR2<ffi::F32> ape, ffi::BufferR2<ffi::S32> loc, ffi::BufferR2<ffi::S32> pos,

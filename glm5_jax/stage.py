@@ -370,14 +370,14 @@ def indexer_stage(weights: IndexerWeights, cache: IndexerCache, x: jax.Array,
   ops = _ops(config, use_reference)
   plan = stage_plan(config, ops.kernels, weights, cache, x, qr, batch)
   if plan.one_call:
-    return _step_in_one_call(config, weights, cache, x, qr, batch)
+    return _in_one_call(config, weights, cache, x, qr, batch)
   q_fp8, w_out, cache = update_path(ops, config, weights, cache, x, qr, batch, b * n, plan)
   slots, counts = select_path(ops, config, q_fp8, w_out, cache.kv_cache, batch, b * n,
                               plan=plan)
   return IndexerOutput(q_fp8, w_out, slots, counts), cache
 
 
-def _step_params(config):
+def _update_select_params(config):
   """indexer_update_select's keywords as the stage calls it (indexer_update_q's and
   select_slots')."""
   return dict(scale=config.scale, eps=config.eps, padded=config.padded,
@@ -385,13 +385,13 @@ def _step_params(config):
               max_pools=config.max_pools, block_size=config.block_size, width=config.width)
 
 
-def _step_in_one_call(config, weights, cache, x, qr, batch):
+def _in_one_call(config, weights, cache, x, qr, batch):
   """Both parts as one FFI call (glm5_jax.update_select): the same results as
   indexer_update_q then select_slots."""
   out = indexer_update_select(x, weights.w_cat, qr, weights.wq_b,
                               *_cache_args(weights, cache, batch), batch.page_table,
                               batch.req_ids, batch.block_table, routing=config.routing,
-                              **_step_params(config))
+                              **_update_select_params(config))
   *_, q_fp8, w_out, _, kv_cache, tail, slots, counts, _ = out
   return IndexerOutput(q_fp8, w_out, slots, counts), IndexerCache(kv_cache, tail)
 
@@ -430,7 +430,7 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
                        dict(_select_params(config, batch), **_remap_params(config))),
       "indexer_update_select": (indexer_update_select, (
           x, weights.w_cat, qr, weights.wq_b, *cache_args, batch.page_table, batch.req_ids,
-          batch.block_table), _step_params(config)),
+          batch.block_table), _update_select_params(config)),
       # and those whose tactics the plan reports
       "indexer_q": (indexer_q, (qr, weights.wq_b), {}),
       "indexer_projection": (indexer_projection, (x, weights.w_cat), dict(heads=config.heads)),
@@ -462,8 +462,8 @@ def stage_plan(config, kernels, weights, cache, x, qr, batch, select_pools=False
   if kernels and select is SelectPath.SELECT_POOLS_EXPAND and not select_pools:
     chunks = select_chunks(calls["select_slots"][1][:-1], _select_params(config, batch),
                            config.routing)
-  one = _plan.one_call(path, select, np.dtype(config.w_out_dtype) == np.float32,
-                       chosen) if kernels and not select_pools else False
+  # (SELECT_SLOTS only where the stage runs the kernels and brings no select_pools.)
+  one = _plan.one_call(path, select, np.dtype(config.w_out_dtype) == np.float32, chosen)
   return StagePlan(rows, path, select, projection, q_tactic, chunks, one)
 
 

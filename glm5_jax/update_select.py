@@ -16,7 +16,7 @@ from . import reference as ref
 from ._checks import fail
 from ._primitive import Op, Routing, Split, local_ids
 from .logits import _slots_params
-from .update import _update_q_params
+from .update import _attribute_values, _supports, _update_q_params
 
 UPDATE_Q, SLOTS = (Op.registry[name] for name in ("indexer_update_q", "select_slots"))
 OP = "indexer_update_select"
@@ -25,7 +25,7 @@ SELECT_PARAMS = ("k", "max_pools", "block_size", "width", "stride_rows", "next_n
 
 
 def _split(params):
-  """(indexer_update_q's params, select_slots' params) of the step's."""
+  """(indexer_update_q's params, select_slots' params) of the op's."""
   select = {n: params[n] for n in SELECT_PARAMS}
   select["scale_format"] = params["scale_format"]
   return {n: v for n, v in params.items() if n not in SELECT_PARAMS}, select
@@ -62,13 +62,6 @@ def _reference(*args, tactic, q_tactic, w_out_dtype, next_n, **params):
   return ref.indexer_update_select(*args, **params)
 
 
-def _attribute_values(*avals, **params):
-  out = {}
-  for op, a, p in _parts(*avals, **params):
-    out.update(op.attribute_values(*a, **p))
-  return out
-
-
 def _localize(index, *args):
   """Each part's own ids made device-local by its rule: the update's cache slots
   (indexer_update_q's localize), the select path's pages and requests (select_slots')."""
@@ -78,13 +71,11 @@ def _localize(index, *args):
           local_ids(req_ids, index, page_table.shape[0]), block_table)
 
 
-_step = Op(
+_op = Op(
     OP, _reference, _shapes, aliases=dict(UPDATE_Q.aliases), kernel="glm5_indexer_update_select",
     attributes={n: t for op in (UPDATE_Q, SLOTS) for n, t in op.attributes.items()
                 if n != "pdl"},
-    attribute_values=_attribute_values,
-    kernel_supports=lambda *avals, **params: all(
-        op.kernel_supports(*a, **p) for op, a, p in _parts(*avals, **params)),
+    attribute_values=_attribute_values(_parts), kernel_supports=_supports(_parts),
     kernel_limits="those of indexer_update_q and select_slots, w_out in float32",
     otherwise="the reference (the stage calls it only where both kernels run)",
     split=Split(UPDATE_Q.split.operands + ("requests", "rows", "requests"),
@@ -92,15 +83,15 @@ _step = Op(
 
 
 def indexer_update_select(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: jax.Array,
-                 norm_weight: jax.Array, norm_bias: jax.Array, kv_cache: jax.Array,
-                 tail: jax.Array, tslot: jax.Array, ape: jax.Array, loc: jax.Array,
-                 positions: jax.Array, page_table: jax.Array, req_ids: jax.Array,
-                 block_table: jax.Array, *, scale: float, k: int, max_pools: int,
-                 block_size: int, width: int, eps: float = 1e-6, padded: int | None = None,
-                 scale_format: str = "fp32", round_scale: bool = True,
-                 stride_rows: int | None = None, tactic: tuple[int, int] | None = None,
-                 q_tactic: str | None = None,
-                 routing: Routing | None = None) -> tuple[jax.Array, ...]:
+                          norm_weight: jax.Array, norm_bias: jax.Array, kv_cache: jax.Array,
+                          tail: jax.Array, tslot: jax.Array, ape: jax.Array, loc: jax.Array,
+                          positions: jax.Array, page_table: jax.Array, req_ids: jax.Array,
+                          block_table: jax.Array, *, scale: float, k: int, max_pools: int,
+                          block_size: int, width: int, eps: float = 1e-6,
+                          padded: int | None = None, scale_format: str = "fp32",
+                          round_scale: bool = True, stride_rows: int | None = None,
+                          tactic: tuple[int, int] | None = None, q_tactic: str | None = None,
+                          routing: Routing | None = None) -> tuple[jax.Array, ...]:
   """indexer_update_q -> select_slots as one op, a decode step's update part and select
   path in one FFI call on CUDA.
 
@@ -116,6 +107,5 @@ def indexer_update_select(x: jax.Array, w_cat: jax.Array, qr: jax.Array, wq_b: j
   select = _slots_params(k, max_pools, block_size, width, stride_rows, scale_format,
                          jax.typeof(positions).shape[1])
   params = {**update, **{n: select[n] for n in SELECT_PARAMS}}
-  return tuple(_step(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape,
-                     loc, positions, page_table, req_ids, block_table, routing=routing,
-                     **params))
+  return tuple(_op(x, w_cat, qr, wq_b, norm_weight, norm_bias, kv_cache, tail, tslot, ape, loc,
+                   positions, page_table, req_ids, block_table, routing=routing, **params))
