@@ -1,9 +1,12 @@
 """Project tooling: one version source, the GPU capability guard of the kernels, the
 profiling script that maps ncu's stall samples to source lines, the order conftest gives
 pytest-xdist."""
+import glob
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import tomllib
 import types
 import warnings
@@ -165,3 +168,23 @@ def test_long_tests_past_the_first_wave_wait_behind_short_ones(workers):
   assert sorted(order) == sorted(longs + shorts)
   if workers == 3:
     assert order[:11] == ["l0", "l1", "l2", "s0", "s1", "s2", "l3", "l4", "l5", "l6", "l7"]
+
+
+VARIANTS = sorted(glob.glob(os.path.join(ROOT, "gpu_runs", "variants", "*.patch")))
+
+
+@pytest.mark.parametrize("patch", VARIANTS, ids=os.path.basename)
+def test_variant_patches_apply_and_say_how_to_run_them(patch):
+  """A change waiting for a GPU (gpu_runs/variants.sh) still applies to this tree, so that a
+  GPU session does not find it stale (variants.sh branch NAME refreshes one main has moved
+  under), and says before its diff what it is for, how to run it and what to expect."""
+  with open(patch) as f:
+    text = f.read()
+  note = text[:text.index("\ndiff --git ")]
+  name = os.path.basename(patch)[: -len(".patch")]
+  assert note.startswith(f"Variant {name}: ") and "\nRun" in note and "\nExpected: " in note
+  if shutil.which("git") is None:
+    pytest.skip("git is not installed")
+  run = subprocess.run(["git", "apply", "--check", patch], cwd=ROOT, capture_output=True,
+                       text=True)
+  assert run.returncode == 0, f"{name} no longer applies: {run.stderr}"
