@@ -20,6 +20,8 @@
 # the 1K-131K rows ~1 below BENCHMARKS (the one call; 32K M=1/16 ~1.3 lower again after the
 # one-CTA top-k).
 # Then here: python gpu_runs/merge.py the JSONs; re-render BENCHMARKS.md; readme_ops --write.
+# After it, the changes that wait for a GPU: gpu_runs/variants/*.patch, each by the Run line
+# of its note (run_ab.sh main NAME).
 set -uo pipefail
 PART=${PART:-1}; start=$(date +%s); R=/tmp/close$PART; mkdir -p $R
 snap() { tar -C /tmp -czf $OUT/close$PART.tgz close$PART; }
