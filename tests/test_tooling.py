@@ -1,6 +1,6 @@
 """Project tooling: one version source, the GPU capability guard of the kernels, the
 profiling script that maps ncu's stall samples to source lines, the order conftest gives
-pytest-xdist."""
+pytest-xdist, the changes that wait for a GPU (gpu_runs/variants)."""
 import glob
 import importlib.util
 import os
