@@ -16,7 +16,7 @@ set -uo pipefail
 start=$(date +%s); R=/tmp/ab; mkdir -p $R; trap 'tar -C /tmp -czf $OUT/ab.tgz ab' EXIT
 nvidia-smi -L | tee $R/gpu.txt
 source gpu_runs/lib.sh
-tar -czf /tmp/main_src.tgz cc glm5_jax tests bench
+tar -czf /tmp/main_src.tgz --exclude=bench/.jax_cache --exclude=__pycache__ cc glm5_jax tests bench
 for v in "$@"; do
   tar -mxzf /tmp/main_src.tgz
   if [ "$v" != main ]; then
