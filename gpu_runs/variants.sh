@@ -37,5 +37,5 @@ case "${1:-}" in
     git checkout -b "$2" && git apply -3 "$dir/$2.patch" && git add -A &&
       git commit -q -m "$2 (from $dir/$2.patch)" && echo "on $2" ;;
   *)
-    sed -n '2,15p' "$0"; exit 2 ;;
+    sed -n '2,16p' "$0"; exit 2 ;;
 esac
